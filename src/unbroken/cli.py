@@ -1,0 +1,103 @@
+"""The `unbroken` command: parses options and hands off to each component's `run`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="unbroken: serve LLMs with zero dropped token streams.")
+weights_app = typer.Typer(no_args_is_help=True, help="Weight files for the engine simulator.")
+app.add_typer(weights_app, name="weights")
+console = Console(stderr=True)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+@app.command()
+def engine(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    model: Annotated[str, typer.Option("--served-model-name", "--model",
+                                       help="Model name served.")] = "unbroken-sim",
+    profile: Annotated[str, typer.Option(help="Timing profile: fp16 or fp8.")] = "fp16",
+    weights: Annotated[Path | None, typer.Option(help="Directory of *.safetensors to load.")] = None,
+    seed: Annotated[int, typer.Option(help="Model seed (same seed, same text).")] = 0,
+    eos_rate: Annotated[float, typer.Option(help="Per-token end-of-sequence probability.")] = 0.0,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Override the profile.")] = None,
+    kv_capacity_tokens: Annotated[int | None, typer.Option(help="Override the profile.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Override the profile.")] = None,
+    prefill_per_token_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
+    decode_base_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
+    decode_per_seq_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
+    shutdown_timeout: Annotated[float, typer.Option(
+        help="On SIGTERM, seconds to let in-flight requests finish.")] = 30.0,
+    admin_token: Annotated[str | None, typer.Option(
+        envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for /admin (faults, config).")] = None,
+    no_cuda_stub: Annotated[bool, typer.Option(help="Time steps in pure Python.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Run the vLLM-compatible engine simulator."""
+    from unbroken.engine.profiles import get_profile
+    from unbroken.engine.server import EngineConfig, run_engine
+
+    _logging(verbose)
+    try:
+        prof = get_profile(profile, max_num_seqs=max_num_seqs,
+                           kv_capacity_tokens=kv_capacity_tokens, max_model_len=max_model_len,
+                           prefill_per_token_s=prefill_per_token_s, decode_base_s=decode_base_s,
+                           decode_per_seq_s=decode_per_seq_s)
+    except ValueError as e:
+        _fail(str(e))
+    if weights is not None and not weights.exists():
+        _fail(f"weights path {weights} does not exist")
+    run_engine(EngineConfig(host=host, port=port, model_name=model, profile=prof, seed=seed,
+                            eos_rate=eos_rate, weights=weights, admin_token=admin_token or None,
+                            shutdown_timeout=shutdown_timeout, use_cuda_stub=not no_cuda_stub))
+
+
+@weights_app.command("make")
+def weights_make(
+    directory: Annotated[Path, typer.Argument(help="Where to write the shards.")],
+    size: Annotated[str, typer.Option(help="Total size, e.g. 512MiB, 1GiB.")] = "1GiB",
+    shard_size: Annotated[str, typer.Option(help="Size of one shard file.")] = "256MiB",
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Write safetensors shards of random float16 data (a stand-in model)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from unbroken.engine.weights import make_weights, parse_size
+
+    try:
+        total, shard = parse_size(size), parse_size(shard_size)
+    except ValueError as e:
+        _fail(str(e))
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=console) as prog:
+        task = prog.add_task(f"writing {directory}", total=total)
+        paths = make_weights(directory, total, shard_bytes=shard, seed=seed,
+                             progress=lambda n: prog.advance(task, n))
+    console.print(f"wrote {len(paths)} shard(s), {total / 2**30:.2f} GiB, in {directory}")
+
+
+def main() -> None:
+    # Deep-copy protection: the engine's stdout may be a pipe nobody reads.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()

@@ -1,0 +1,163 @@
+"""OpenAI request models, shared by the engine (which serves them) and the gateway (which
+refuses malformed requests before they reach an engine).
+
+Strict types: `"5"` is not an integer and `"true"` is not a boolean, as with OpenAI's API.
+Unknown fields are kept (vLLM accepts many extensions) so the gateway forwards them intact.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from unbroken.wire.errors import ApiError
+
+__all__ = [
+    "MAX_TOKENS_LIMIT",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "StreamOptions",
+    "parse_request",
+    "validation_message",
+]
+
+# Beyond any context window served today; the engine applies its own max_model_len.
+MAX_TOKENS_LIMIT = 1_048_576
+
+T = TypeVar("T", bound=BaseModel)
+
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Model):
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: int | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    user: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: NonNegInt | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: NonNegInt | None = None
+    max_completion_tokens: NonNegInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _check_continuation(self) -> ChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a final assistant message")
+        return self
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """First error as (message, param) in OpenAI style."""
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-"))
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        return f"'{loc}' is a required property", loc or None
+    return (f"{loc}: {msg}" if loc else msg), (loc or None)
+
+
+def parse_request(model: type[T], body: bytes) -> tuple[T, dict[str, Any]]:
+    """Bytes → (validated model, raw dict). Raises ApiError(400) on any malformed input."""
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(raw), raw
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise ApiError(400, message, param=param, code="invalid_value") from None
+    except (ValueError, TypeError, RecursionError) as e:  # pathological inputs
+        raise ApiError(400, f"invalid request: {e}", code="invalid_value") from None
