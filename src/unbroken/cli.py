@@ -11,8 +11,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="unbroken: serve LLMs with zero dropped token streams.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="unbroken: serve LLMs with zero dropped token streams.",
+)
 weights_app = typer.Typer(no_args_is_help=True, help="Weight files for the engine simulator.")
 app.add_typer(weights_app, name="weights")
 console = Console(stderr=True)
@@ -35,10 +39,13 @@ def _fail(message: str, code: int = 2) -> None:
 def engine(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    model: Annotated[str, typer.Option("--served-model-name", "--model",
-                                       help="Model name served.")] = "unbroken-sim",
+    model: Annotated[
+        str, typer.Option("--served-model-name", "--model", help="Model name served.")
+    ] = "unbroken-sim",
     profile: Annotated[str, typer.Option(help="Timing profile: fp16 or fp8.")] = "fp16",
-    weights: Annotated[Path | None, typer.Option(help="Directory of *.safetensors to load.")] = None,
+    weights: Annotated[
+        Path | None, typer.Option(help="Directory of *.safetensors to load.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Model seed (same seed, same text).")] = 0,
     eos_rate: Annotated[float, typer.Option(help="Per-token end-of-sequence probability.")] = 0.0,
     max_num_seqs: Annotated[int | None, typer.Option(help="Override the profile.")] = None,
@@ -47,10 +54,15 @@ def engine(
     prefill_per_token_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
     decode_base_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
     decode_per_seq_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
-    shutdown_timeout: Annotated[float, typer.Option(
-        help="On SIGTERM, seconds to let in-flight requests finish.")] = 30.0,
-    admin_token: Annotated[str | None, typer.Option(
-        envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for /admin (faults, config).")] = None,
+    shutdown_timeout: Annotated[
+        float, typer.Option(help="On SIGTERM, seconds to let in-flight requests finish.")
+    ] = 30.0,
+    admin_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for /admin (faults, config)."
+        ),
+    ] = None,
     no_cuda_stub: Annotated[bool, typer.Option(help="Time steps in pure Python.")] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
@@ -60,17 +72,84 @@ def engine(
 
     _logging(verbose)
     try:
-        prof = get_profile(profile, max_num_seqs=max_num_seqs,
-                           kv_capacity_tokens=kv_capacity_tokens, max_model_len=max_model_len,
-                           prefill_per_token_s=prefill_per_token_s, decode_base_s=decode_base_s,
-                           decode_per_seq_s=decode_per_seq_s)
+        prof = get_profile(
+            profile,
+            max_num_seqs=max_num_seqs,
+            kv_capacity_tokens=kv_capacity_tokens,
+            max_model_len=max_model_len,
+            prefill_per_token_s=prefill_per_token_s,
+            decode_base_s=decode_base_s,
+            decode_per_seq_s=decode_per_seq_s,
+        )
     except ValueError as e:
         _fail(str(e))
     if weights is not None and not weights.exists():
         _fail(f"weights path {weights} does not exist")
-    run_engine(EngineConfig(host=host, port=port, model_name=model, profile=prof, seed=seed,
-                            eos_rate=eos_rate, weights=weights, admin_token=admin_token or None,
-                            shutdown_timeout=shutdown_timeout, use_cuda_stub=not no_cuda_stub))
+    run_engine(
+        EngineConfig(
+            host=host,
+            port=port,
+            model_name=model,
+            profile=prof,
+            seed=seed,
+            eos_rate=eos_rate,
+            weights=weights,
+            admin_token=admin_token or None,
+            shutdown_timeout=shutdown_timeout,
+            use_cuda_stub=not no_cuda_stub,
+        )
+    )
+
+
+@app.command()
+def gateway(
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option("--endpoint", "-e", help="Engine URL, optionally POOL=URL. Repeat for more."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address for the OpenAI routes.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port for the OpenAI routes.")] = 8080,
+    admin_host: Annotated[str, typer.Option(help="Address for the admin API.")] = "127.0.0.1",
+    admin_port: Annotated[int, typer.Option(help="Port for the admin API.")] = 8081,
+    admin_token: Annotated[
+        str | None,
+        typer.Option(envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for the admin API."),
+    ] = None,
+    priority_header: Annotated[
+        str, typer.Option(help="Header carrying the priority class.")
+    ] = "x-unbroken-priority",
+    cap: Annotated[int, typer.Option(help="Default in-flight cap per endpoint.")] = 256,
+    queue_timeout: Annotated[
+        float, typer.Option(help="Seconds a request may wait for a slot.")
+    ] = 30.0,
+    no_warmup: Annotated[bool, typer.Option(help="Skip the warm-up completion (stage 2).")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
+    from pydantic import ValidationError
+
+    from unbroken.gateway import GatewayConfig, StaticEndpoint, run_gateway
+
+    _logging(verbose)
+    static = []
+    for item in endpoint or []:
+        pool, _, url = item.rpartition("=") if "=" in item.split("://", 1)[0] else ("", "", item)
+        if not url.startswith(("http://", "https://")):
+            _fail(f"--endpoint {item!r}: expected [POOL=]http(s)://HOST:PORT")
+        static.append(StaticEndpoint(url=url.rstrip("/"), pool=pool or "default"))
+    try:
+        cfg = GatewayConfig(
+            host=host,
+            port=port,
+            admin_host=admin_host,
+            admin_port=admin_port,
+            priority_header=priority_header,
+            default_cap=cap,
+            queue_timeout_s=queue_timeout,
+        )
+    except ValidationError as e:
+        _fail(str(e))
+    run_gateway(cfg, admin_token, static, warmup=not no_warmup)
 
 
 @weights_app.command("make")
@@ -89,11 +168,17 @@ def weights_make(
         total, shard = parse_size(size), parse_size(shard_size)
     except ValueError as e:
         _fail(str(e))
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), console=console) as prog:
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+    ) as prog:
         task = prog.add_task(f"writing {directory}", total=total)
-        paths = make_weights(directory, total, shard_bytes=shard, seed=seed,
-                             progress=lambda n: prog.advance(task, n))
+        paths = make_weights(
+            directory, total, shard_bytes=shard, seed=seed, progress=lambda n: prog.advance(task, n)
+        )
     console.print(f"wrote {len(paths)} shard(s), {total / 2**30:.2f} GiB, in {directory}")
 
 

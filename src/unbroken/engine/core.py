@@ -240,5 +240,7 @@ class EngineCore:
             cuda.graph_launch()
             host_calls = 3
         cuda.copy_to_host(4 * len(self.running))
-        cuda.set_delay(Fn.CU_STREAM_SYNCHRONIZE, max(0.0, seconds - host_calls * p.launch_overhead_s))
+        cuda.set_delay(
+            Fn.CU_STREAM_SYNCHRONIZE, max(0.0, seconds - host_calls * p.launch_overhead_s)
+        )
         cuda.synchronize()

@@ -65,8 +65,21 @@ class EngineConfig:
 class RequestState:
     """Loop-side state of one HTTP request: outputs handed over by the core, per choice."""
 
-    __slots__ = ("arrival", "created", "event", "fail_after", "finish", "first", "last",
-                 "n", "pending", "remaining", "request_id", "texts", "tokens")
+    __slots__ = (
+        "arrival",
+        "created",
+        "event",
+        "fail_after",
+        "finish",
+        "first",
+        "last",
+        "n",
+        "pending",
+        "remaining",
+        "request_id",
+        "texts",
+        "tokens",
+    )
 
     def __init__(self, request_id: str, n: int) -> None:
         self.request_id = request_id
@@ -106,6 +119,12 @@ class RequestState:
                 continue
             batch, self.pending = self.pending, []
             yield batch
+
+
+def _request_id(request: web.Request) -> str:
+    """vLLM's convention: a caller's X-Request-Id becomes the request id."""
+    rid = request.headers.get("X-Request-Id", "")
+    return rid if 0 < len(rid) <= 128 and rid.isprintable() else uuid.uuid4().hex
 
 
 def _process_start_time() -> float:
@@ -151,8 +170,13 @@ class Engine:
             r = self.weights_report
             self.metrics.weights_load.set(r.seconds)
             self.metrics.weights_bytes.set(r.bytes)
-            log.info("weights: %d files, %.2f GB in %.3f s (%.2f GB/s)", r.files, r.bytes / 1e9,
-                     r.seconds, r.gbps)
+            log.info(
+                "weights: %d files, %.2f GB in %.3f s (%.2f GB/s)",
+                r.files,
+                r.bytes / 1e9,
+                r.seconds,
+                r.gbps,
+            )
 
     def _to_device(self, nbytes: int) -> None:
         if self.cuda is None:
@@ -200,8 +224,9 @@ class Engine:
 
     # -- app ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes,
-                              middlewares=[error_middleware])
+        app = web.Application(
+            client_max_size=self.cfg.max_body_bytes, middlewares=[error_middleware]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -209,8 +234,9 @@ class Engine:
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/version", self.version)
         if self.cfg.admin_token:
-            admin = web.Application(middlewares=[error_middleware,
-                                                 bearer_auth_middleware(self.cfg.admin_token)])
+            admin = web.Application(
+                middlewares=[error_middleware, bearer_auth_middleware(self.cfg.admin_token)]
+            )
             admin.router.add_get("/faults", self.get_faults)
             admin.router.add_post("/faults", self.post_fault)
             admin.router.add_delete("/faults", self.clear_faults)
@@ -237,40 +263,61 @@ class Engine:
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.cfg.model_name
-        card = {"id": name, "object": "model", "created": 0, "owned_by": "unbroken", "root": name,
-                "parent": None, "max_model_len": self.cfg.profile.max_model_len}
-        return web.json_response({"object": "list", "data": [card]},
-                                 dumps=lambda o: orjson.dumps(o).decode())
+        card = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "unbroken",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.cfg.profile.max_model_len,
+        }
+        return web.json_response(
+            {"object": "list", "data": [card]}, dumps=lambda o: orjson.dumps(o).decode()
+        )
 
     # -- admission ------------------------------------------------------------------------
     def _admit(self) -> None:
         if self.draining:
-            raise ApiError(503, "the engine is shutting down", code="shutting_down",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                "the engine is shutting down",
+                code="shutting_down",
+                headers={"Retry-After": "1"},
+            )
         if not self.ready:
-            raise ApiError(503, "the engine is starting", code="starting",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                503, "the engine is starting", code="starting", headers={"Retry-After": "1"}
+            )
 
     def _check_model(self, model: str) -> None:
         if model != self.cfg.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
 
     def _limit(self, prompt_tokens: int, requested: int | None, what: str) -> int:
         max_len = self.cfg.profile.max_model_len
         if requested is None:
             requested = max_len - prompt_tokens
             if requested <= 0:
-                raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
-                               f"However, your {what} has {prompt_tokens} tokens.",
-                               param="messages", code="context_length_exceeded")
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {max_len} tokens. "
+                    f"However, your {what} has {prompt_tokens} tokens.",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
         if prompt_tokens + requested > max_len:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the {what}, "
                 f"{requested} in the completion). Please reduce the length of the {what} or "
-                "completion.", param="max_tokens", code="context_length_exceeded")
+                "completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return requested
 
     def _maybe_fail(self, state: RequestState) -> None:
@@ -278,8 +325,9 @@ class Engine:
         if f is None or random.random() >= f.fraction:
             return
         if f.after_tokens is None:
-            raise ApiError(500, "injected failure", type="internal_server_error",
-                           code="injected_fault")
+            raise ApiError(
+                500, "injected failure", type="internal_server_error", code="injected_fault"
+            )
         state.fail_after = f.after_tokens
 
     def _salt(self, req: CompletionRequest | ChatRequest, index: int) -> bytes:
@@ -289,19 +337,31 @@ class Engine:
             return req.seed.to_bytes(8, "little", signed=True) + index.to_bytes(4, "little")
         return os.urandom(12)
 
-    def _seqs(self, req: CompletionRequest | ChatRequest, state: RequestState,
-              contexts: list[tuple[str, int]], max_tokens: list[int]) -> list[Seq]:
+    def _seqs(
+        self,
+        req: CompletionRequest | ChatRequest,
+        state: RequestState,
+        contexts: list[tuple[str, int]],
+        max_tokens: list[int],
+    ) -> list[Seq]:
         seqs = []
         for p, (ctx, ptoks) in enumerate(contexts):
             for j in range(req.n):
                 idx = p * req.n + j
-                seqs.append(Seq(
-                    request_id=state.request_id, index=idx, prompt_tokens=ptoks,
-                    max_tokens=max_tokens[p], cursor=self.model.cursor(ctx, salt=self._salt(req, idx)),
-                    stop=StopChecker(req.stop_list), sink=state, min_tokens=req.min_tokens,
-                    ignore_eos=req.ignore_eos,
-                    want_logprobs=bool(req.logprobs is not None and req.logprobs is not False),
-                ))
+                seqs.append(
+                    Seq(
+                        request_id=state.request_id,
+                        index=idx,
+                        prompt_tokens=ptoks,
+                        max_tokens=max_tokens[p],
+                        cursor=self.model.cursor(ctx, salt=self._salt(req, idx)),
+                        stop=StopChecker(req.stop_list),
+                        sink=state,
+                        min_tokens=req.min_tokens,
+                        ignore_eos=req.ignore_eos,
+                        want_logprobs=bool(req.logprobs is not None and req.logprobs is not False),
+                    )
+                )
         return seqs
 
     def _submit(self, state: RequestState, seqs: list[Seq]) -> None:
@@ -329,13 +389,14 @@ class Engine:
         self._check_model(req.model)
         prompts = self._prompts(req.prompt)
         if req.max_tokens == 0 and not req.echo:
-            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens",
-                           code="invalid_value")
+            raise ApiError(
+                400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value"
+            )
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported")
         contexts = [(p, count_tokens(p)) for p in prompts]
         limits = [self._limit(t, req.max_tokens, "prompt") for _, t in contexts]
-        rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{_request_id(request)}"
         state = RequestState(rid, len(prompts) * req.n)
         self._maybe_fail(state)
         seqs = self._seqs(req, state, contexts, limits)
@@ -369,22 +430,32 @@ class Engine:
         req, _ = parse_request(ChatRequest, await request.read())
         self._check_model(req.model)
         if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise ApiError(400, "structured output (response_format) is not supported by the "
-                           "simulator", param="response_format", code="unsupported")
+            raise ApiError(
+                400,
+                "structured output (response_format) is not supported by the simulator",
+                param="response_format",
+                code="unsupported",
+            )
         if req.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "forced tool calls are not supported by the simulator",
-                           param="tool_choice", code="unsupported")
+            raise ApiError(
+                400,
+                "forced tool calls are not supported by the simulator",
+                param="tool_choice",
+                code="unsupported",
+            )
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         limit = req.token_limit
         if limit == 0:
             raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
-        ctx = render_chat([(m.role, m.text()) for m in req.messages],
-                          add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=req.continue_final_message)
+        ctx = render_chat(
+            [(m.role, m.text()) for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )
         ptoks = count_tokens(ctx)
         max_tokens = self._limit(ptoks, limit, "messages")
-        rid = request.headers.get("X-Request-Id") or f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{_request_id(request)}"
         state = RequestState(rid, req.n)
         self._maybe_fail(state)
         self._submit(state, self._seqs(req, state, [(ctx, ptoks)], [max_tokens]))
@@ -397,8 +468,9 @@ class Engine:
             self._release(state)
 
     # -- responses --------------------------------------------------------------------------
-    async def _stream(self, request: web.Request, state: RequestState,
-                      fmt: _CompletionFormat | _ChatFormat) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, state: RequestState, fmt: _CompletionFormat | _ChatFormat
+    ) -> web.StreamResponse:
         resp = await prepare_sse(request)
         try:
             head = fmt.head()
@@ -411,9 +483,18 @@ class Engine:
                     parts.append(fmt.chunk(o))
                     sent += o.tokens
                 if state.fail_after is not None and sent >= state.fail_after:
-                    parts.append(encode_json({"error": {
-                        "message": "injected failure mid-stream", "type": "internal_server_error",
-                        "param": None, "code": 500}}))
+                    parts.append(
+                        encode_json(
+                            {
+                                "error": {
+                                    "message": "injected failure mid-stream",
+                                    "type": "internal_server_error",
+                                    "param": None,
+                                    "code": 500,
+                                }
+                            }
+                        )
+                    )
                     parts.append(encode_data(b"[DONE]"))
                     await resp.write(b"".join(parts))
                     return resp
@@ -425,8 +506,9 @@ class Engine:
             log.debug("client went away: %s", state.request_id)
         return resp
 
-    async def _collect(self, state: RequestState, fmt: _CompletionFormat | _ChatFormat
-                       ) -> web.Response:
+    async def _collect(
+        self, state: RequestState, fmt: _CompletionFormat | _ChatFormat
+    ) -> web.Response:
         async for batch in state.batches():
             for o in batch:
                 fmt.collect(o)
@@ -436,8 +518,12 @@ class Engine:
 
     # -- admin ----------------------------------------------------------------------------------
     async def admin_disabled(self, request: web.Request) -> web.Response:
-        raise ApiError(403, "the admin API is disabled (start the engine with --admin-token or "
-                       "UNBROKEN_ADMIN_TOKEN)", code="admin_disabled")
+        raise ApiError(
+            403,
+            "the admin API is disabled (start the engine with --admin-token or "
+            "UNBROKEN_ADMIN_TOKEN)",
+            code="admin_disabled",
+        )
 
     def _faults(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -470,8 +556,11 @@ class Engine:
             return web.json_response({"accepted": "crash"})
         if isinstance(fault, SlowCuda):
             self.core.set_contention(fault.extra_ms / 1e3)
-            self._expire("slow_cuda", fault.duration_s, lambda: self.core.set_contention(0.0)
-                         if self.core else None)
+            self._expire(
+                "slow_cuda",
+                fault.duration_s,
+                lambda: self.core.set_contention(0.0) if self.core else None,
+            )
         elif isinstance(fault, Hang):
             self.core.hang_until = time.monotonic() + fault.duration_s
         elif isinstance(fault, Fail):
@@ -522,17 +611,27 @@ class Engine:
         core = self.core
         assert core is not None
         w = self.weights_report
-        return web.json_response({
-            "pid": os.getpid(), "model": self.cfg.model_name, "profile": self.cfg.profile.as_dict(),
-            "running": len(core.running), "waiting": len(core.waiting),
-            "kv_usage": core.kv_usage, "steps": core.steps, "preemptions": core.preemptions,
-            "max_num_seqs": core.max_num_seqs, "requests": len(self.states),
-            "cuda_stub": str(self.cuda.directory) if self.cuda else None,
-            "startup_s": self.startup_s,
-            "weights": None if w is None else {"files": w.files, "bytes": w.bytes,
-                                               "seconds": w.seconds},
-            "faults": self._faults(), "draining": self.draining,
-        })
+        return web.json_response(
+            {
+                "pid": os.getpid(),
+                "model": self.cfg.model_name,
+                "profile": self.cfg.profile.as_dict(),
+                "running": len(core.running),
+                "waiting": len(core.waiting),
+                "kv_usage": core.kv_usage,
+                "steps": core.steps,
+                "preemptions": core.preemptions,
+                "max_num_seqs": core.max_num_seqs,
+                "requests": len(self.states),
+                "cuda_stub": str(self.cuda.directory) if self.cuda else None,
+                "startup_s": self.startup_s,
+                "weights": None
+                if w is None
+                else {"files": w.files, "bytes": w.bytes, "seconds": w.seconds},
+                "faults": self._faults(),
+                "draining": self.draining,
+            }
+        )
 
     # -- shutdown -----------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
@@ -548,8 +647,9 @@ class Engine:
 
 
 class _CompletionFormat:
-    def __init__(self, req: CompletionRequest, state: RequestState, model: str,
-                 prompts: list[str]) -> None:
+    def __init__(
+        self, req: CompletionRequest, state: RequestState, model: str, prompts: list[str]
+    ) -> None:
         self.req, self.state, self.model, self.prompts = req, state, model, prompts
         self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
         self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -557,7 +657,8 @@ class _CompletionFormat:
         self.echoed = [False] * state.n
         self.lp: list[dict[str, list[Any]]] = [
             {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            for _ in range(state.n)]
+            for _ in range(state.n)
+        ]
 
     def _prefix(self, i: int) -> str:
         if self.req.echo and not self.echoed[i]:
@@ -569,9 +670,12 @@ class _CompletionFormat:
         if self.req.logprobs is None or o.logprob is None:
             return None
         i = o.seq.index
-        d = {"tokens": [o.text], "token_logprobs": [o.logprob],
-             "top_logprobs": [{o.text: o.logprob}] if self.req.logprobs else None,
-             "text_offset": [self.offsets[i]]}
+        d = {
+            "tokens": [o.text],
+            "token_logprobs": [o.logprob],
+            "top_logprobs": [{o.text: o.logprob}] if self.req.logprobs else None,
+            "text_offset": [self.offsets[i]],
+        }
         self.offsets[i] += len(o.text)
         return d
 
@@ -588,10 +692,20 @@ class _CompletionFormat:
         if not text and o.finish_reason is None:
             return b""
         obj: dict[str, Any] = {
-            "id": self.state.request_id, "object": "text_completion",
-            "created": self.state.created, "model": self.model,
-            "choices": [{"index": o.seq.index, "text": text, "logprobs": self._logprobs(o),
-                         "finish_reason": o.finish_reason, "stop_reason": None}]}
+            "id": self.state.request_id,
+            "object": "text_completion",
+            "created": self.state.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": o.seq.index,
+                    "text": text,
+                    "logprobs": self._logprobs(o),
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": None,
+                }
+            ],
+        }
         if self.continuous:
             obj["usage"] = self._usage()
         return encode_json(obj)
@@ -599,9 +713,16 @@ class _CompletionFormat:
     def usage_chunk(self) -> bytes | None:
         if not self.usage_on:
             return None
-        return encode_json({"id": self.state.request_id, "object": "text_completion",
-                            "created": self.state.created, "model": self.model, "choices": [],
-                            "usage": self._usage()})
+        return encode_json(
+            {
+                "id": self.state.request_id,
+                "object": "text_completion",
+                "created": self.state.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self._usage(),
+            }
+        )
 
     def collect(self, o: Output) -> None:
         i = o.seq.index
@@ -612,11 +733,24 @@ class _CompletionFormat:
 
     def full(self) -> dict[str, Any]:
         st = self.state
-        choices = [{"index": i, "text": "".join(st.texts[i]),
-                    "logprobs": self.lp[i] if self.req.logprobs is not None else None,
-                    "finish_reason": st.finish[i], "stop_reason": None} for i in range(st.n)]
-        return {"id": st.request_id, "object": "text_completion", "created": st.created,
-                "model": self.model, "choices": choices, "usage": self._usage()}
+        choices = [
+            {
+                "index": i,
+                "text": "".join(st.texts[i]),
+                "logprobs": self.lp[i] if self.req.logprobs is not None else None,
+                "finish_reason": st.finish[i],
+                "stop_reason": None,
+            }
+            for i in range(st.n)
+        ]
+        return {
+            "id": st.request_id,
+            "object": "text_completion",
+            "created": st.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+        }
 
 
 class _ChatFormat:
@@ -629,13 +763,20 @@ class _ChatFormat:
 
     def _usage(self) -> dict[str, int]:
         c = sum(self.state.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c,
-                "total_tokens": self.prompt_tokens + c}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": c,
+            "total_tokens": self.prompt_tokens + c,
+        }
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {"id": self.state.request_id, "object": "chat.completion.chunk",
-                               "created": self.state.created, "model": self.model,
-                               "choices": choices}
+        obj: dict[str, Any] = {
+            "id": self.state.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.state.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.continuous:
             obj["usage"] = self._usage()
         return obj
@@ -650,30 +791,57 @@ class _ChatFormat:
     def head(self) -> bytes:
         self.prompt_tokens = self._count_prompt()
         return b"".join(
-            encode_json(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]))
-            for i in range(self.state.n))
+            encode_json(
+                self._envelope(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+            for i in range(self.state.n)
+        )
 
     def _count_prompt(self) -> int:
-        ctx = render_chat([(m.role, m.text()) for m in self.req.messages],
-                          add_generation_prompt=self.req.add_generation_prompt,
-                          continue_final_message=self.req.continue_final_message)
+        ctx = render_chat(
+            [(m.role, m.text()) for m in self.req.messages],
+            add_generation_prompt=self.req.add_generation_prompt,
+            continue_final_message=self.req.continue_final_message,
+        )
         return count_tokens(ctx)
 
     def chunk(self, o: Output) -> bytes:
         if not o.text and o.finish_reason is None:
             return b""
         delta = {"content": o.text} if o.text or o.finish_reason is None else {}
-        return encode_json(self._envelope([{"index": o.seq.index, "delta": delta,
-                                            "logprobs": self._logprobs(o),
-                                            "finish_reason": o.finish_reason}]))
+        return encode_json(
+            self._envelope(
+                [
+                    {
+                        "index": o.seq.index,
+                        "delta": delta,
+                        "logprobs": self._logprobs(o),
+                        "finish_reason": o.finish_reason,
+                    }
+                ]
+            )
+        )
 
     def usage_chunk(self) -> bytes | None:
         if not self.usage_on:
             return None
-        obj = {"id": self.state.request_id, "object": "chat.completion.chunk",
-               "created": self.state.created, "model": self.model, "choices": [],
-               "usage": self._usage()}
+        obj = {
+            "id": self.state.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.state.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self._usage(),
+        }
         return encode_json(obj)
 
     def collect(self, o: Output) -> None:
@@ -684,11 +852,24 @@ class _ChatFormat:
     def full(self) -> dict[str, Any]:
         st = self.state
         self.prompt_tokens = self._count_prompt()
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(st.texts[i])},
-                    "logprobs": {"content": self.lp[i]} if self.req.logprobs else None,
-                    "finish_reason": st.finish[i], "stop_reason": None} for i in range(st.n)]
-        return {"id": st.request_id, "object": "chat.completion", "created": st.created,
-                "model": self.model, "choices": choices, "usage": self._usage()}
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(st.texts[i])},
+                "logprobs": {"content": self.lp[i]} if self.req.logprobs else None,
+                "finish_reason": st.finish[i],
+                "stop_reason": None,
+            }
+            for i in range(st.n)
+        ]
+        return {
+            "id": st.request_id,
+            "object": "chat.completion",
+            "created": st.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+        }
 
 
 async def serve(cfg: EngineConfig) -> None:
@@ -697,8 +878,13 @@ async def serve(cfg: EngineConfig) -> None:
     loop = asyncio.get_running_loop()
     # Weights load off the loop thread: the process answers 503 "starting" meanwhile.
     runner = await start_site(engine.app(), cfg.host, cfg.port)
-    log.info("engine listening on http://%s:%d (model %s, profile %s)", cfg.host, cfg.port,
-             cfg.model_name, cfg.profile.name)
+    log.info(
+        "engine listening on http://%s:%d (model %s, profile %s)",
+        cfg.host,
+        cfg.port,
+        cfg.model_name,
+        cfg.profile.name,
+    )
     await loop.run_in_executor(None, engine.load)
     engine.start_core(loop)
     engine.ready = True

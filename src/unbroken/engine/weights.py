@@ -19,15 +19,29 @@ __all__ = ["LoadReport", "load_weights", "make_weights", "parse_size", "weight_f
 
 Progress = Callable[[int], None]  # called with bytes just done
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
     """'1GiB', '512MiB', '2G', '1000000' → bytes."""
     s = text.strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in _UNITS or not num:
         raise ValueError(f"cannot parse size {text!r} (examples: 512MiB, 1GiB, 2G)")
     value = float(num) * _UNITS[unit]
@@ -115,7 +129,7 @@ def load_weights(
     checksum = 0
     for f in files:
         with safe_open(str(f), framework="numpy") as st:
-            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for key in st.keys():
                 arr = st.get_tensor(key)
                 raw = arr.reshape(-1).view(np.uint8)
                 # Sum one byte per 64: the copy above already read every byte.

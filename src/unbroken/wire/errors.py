@@ -50,7 +50,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        self.type = type or _TYPES.get(
+            status, "invalid_request_error" if status < 500 else "api_error"
+        )
         self.param = param
         self.code = code
         self.headers = headers or {}
@@ -60,7 +62,11 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return error_response(
-            self.status, self.message, type=self.type, param=self.param, code=self.code,
+            self.status,
+            self.message,
+            type=self.type,
+            param=self.param,
+            code=self.code,
             headers=self.headers,
         )
 

@@ -63,7 +63,9 @@ def bearer_auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResp
         got = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(got, expected):
             raise ApiError(
-                401, "missing or invalid admin bearer token", code="invalid_token",
+                401,
+                "missing or invalid admin bearer token",
+                code="invalid_token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return await handler(request)

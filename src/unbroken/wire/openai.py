@@ -123,14 +123,16 @@ class ChatRequest(_Sampling):
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     @model_validator(mode="after")
     def _check_continuation(self) -> ChatRequest:
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true"
-            )
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")
         return self

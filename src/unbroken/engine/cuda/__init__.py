@@ -26,8 +26,16 @@ RUNTIME_SONAME = "libunbroken_cudart.so.12"
 # Frame pointers and no CET: entry points begin with `push %rbp` as in libcudart/libcuda;
 # no sibling calls, so a runtime call really nests its driver call.
 CFLAGS = [
-    "-O2", "-fPIC", "-shared", "-g", "-fno-omit-frame-pointer", "-fcf-protection=none",
-    "-fno-optimize-sibling-calls", "-fvisibility=hidden", "-Wall", "-Werror",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-g",
+    "-fno-omit-frame-pointer",
+    "-fcf-protection=none",
+    "-fno-optimize-sibling-calls",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Werror",
 ]
 
 
@@ -71,10 +79,24 @@ def build(dest: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=dest.parent))
     try:
         cmds = [
-            [cc, *CFLAGS, f"-Wl,-soname,{DRIVER_SONAME}", "-o", str(tmp / DRIVER_SONAME),
-             str(_SRC / "ubcuda_driver.c")],
-            [cc, *CFLAGS, f"-Wl,-soname,{RUNTIME_SONAME}", "-o", str(tmp / RUNTIME_SONAME),
-             str(_SRC / "ubcuda_runtime.c"), str(tmp / DRIVER_SONAME), "-Wl,-rpath,$ORIGIN"],
+            [
+                cc,
+                *CFLAGS,
+                f"-Wl,-soname,{DRIVER_SONAME}",
+                "-o",
+                str(tmp / DRIVER_SONAME),
+                str(_SRC / "ubcuda_driver.c"),
+            ],
+            [
+                cc,
+                *CFLAGS,
+                f"-Wl,-soname,{RUNTIME_SONAME}",
+                "-o",
+                str(tmp / RUNTIME_SONAME),
+                str(_SRC / "ubcuda_runtime.c"),
+                str(tmp / DRIVER_SONAME),
+                "-Wl,-rpath,$ORIGIN",
+            ],
         ]
         for cmd in cmds:
             r = subprocess.run(cmd, capture_output=True, text=True, check=False)

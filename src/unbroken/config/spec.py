@@ -1,0 +1,170 @@
+"""The pipeline spec: one YAML file describing pools of engines and the gateway in front of
+them. Validation errors name the offending field (`pools.0.replicas: ...`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "EngineSpec",
+    "GatewaySettings",
+    "PipelineSpec",
+    "PoolSpec",
+    "SpecError",
+    "default_spec",
+    "load_spec",
+]
+
+Name = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+]
+Priority = Literal["critical", "standard", "sheddable"]
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message names the field."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GatewaySettings(_Spec):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: Annotated[int, Field(ge=0, le=65535)] = 8081
+    priority_header: str = "x-unbroken-priority"
+    default_priority: Priority = "standard"
+    priority_keys: dict[str, Priority] = Field(
+        default_factory=dict, description="API key → priority class"
+    )
+    routes: dict[Priority, list[str]] = Field(
+        default_factory=dict, description="priority → pools in order of preference"
+    )
+    default_cap: Annotated[int, Field(ge=1)] = 256
+    queue_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20
+    stream_buffer_bytes: Annotated[int, Field(ge=4096)] = 4 * 2**20
+    probe_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    health_fail_threshold: Annotated[int, Field(ge=1)] = 2
+    warmup_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    drain_deadline_s: Annotated[float, Field(ge=0)] = 30.0
+
+
+class ProfileOverrides(_Spec):
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    kv_capacity_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    prefill_per_token_s: Annotated[float, Field(ge=0)] | None = None
+    decode_base_s: Annotated[float, Field(ge=0)] | None = None
+    decode_per_seq_s: Annotated[float, Field(ge=0)] | None = None
+
+    def args(self) -> list[str]:
+        out: list[str] = []
+        for k, v in self.model_dump(exclude_none=True).items():
+            out += [f"--{k.replace('_', '-')}", str(v)]
+        return out
+
+
+class EngineSpec(_Spec):
+    """Either the built-in simulator with a profile, or any command (real `vllm serve`).
+    In a command, `{port}`, `{host}` and `{model}` are substituted."""
+
+    kind: Literal["simulator", "command"] = "simulator"
+    profile: Literal["fp16", "fp8"] = "fp16"
+    overrides: ProfileOverrides = Field(default_factory=ProfileOverrides)
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    seed: int = 0
+    eos_rate: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineSpec:
+        if self.kind == "command" and not self.command:
+            raise ValueError("an engine of kind 'command' needs a command")
+        if self.kind == "simulator" and self.command:
+            raise ValueError("command is only for kind 'command'")
+        return self
+
+
+class PoolSpec(_Spec):
+    name: Name
+    precision: Literal["fp16", "bf16", "fp8", "int8", "int4", "awq"] = "fp16"
+    replicas: Annotated[int, Field(ge=0, le=64)] = 1
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    weights: Path | None = Field(
+        default=None, description="weights directory; generated if absent for simulator pools"
+    )
+    weights_size: str = "64MiB"
+    cap: Annotated[int, Field(ge=1)] | None = None
+
+
+class PipelineSpec(_Spec):
+    model: str = "unbroken-sim"
+    pools: Annotated[list[PoolSpec], Field(min_length=1)]
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+    @model_validator(mode="after")
+    def _unique(self) -> PipelineSpec:
+        names = [p.name for p in self.pools]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"pool names must be unique: {', '.join(sorted(dup))}")
+        for prio, pools in self.gateway.routes.items():
+            unknown = [p for p in pools if p not in names]
+            if unknown:
+                raise ValueError(
+                    f"gateway.routes.{prio} names unknown pool(s): {', '.join(unknown)}"
+                )
+        return self
+
+
+def default_spec() -> PipelineSpec:
+    """Primary fp16 pool of 2 simulated replicas, fallback fp8 pool of 1, one gateway."""
+    return PipelineSpec(
+        pools=[
+            PoolSpec(
+                name="primary", precision="fp16", replicas=2, engine=EngineSpec(profile="fp16")
+            ),
+            PoolSpec(
+                name="fallback", precision="fp8", replicas=1, engine=EngineSpec(profile="fp8")
+            ),
+        ]
+    )
+
+
+def _format(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(lines)
+
+
+def parse_spec(data: Any, source: str = "spec") -> PipelineSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the top level must be a mapping")
+    try:
+        return PipelineSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{source}: {_format(e)}") from None
+
+
+def load_spec(path: Path | None) -> PipelineSpec:
+    if path is None:
+        return default_spec()
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SpecError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: invalid YAML: {e}") from None
+    return parse_spec(data, str(path))

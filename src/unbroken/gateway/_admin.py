@@ -1,0 +1,162 @@
+"""The gateway's admin API (own port, bearer token): endpoints, drains, caps, routes."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from unbroken.gateway._admission import PRIORITIES
+from unbroken.gateway._pool import Endpoint, State
+from unbroken.wire.errors import ApiError
+from unbroken.wire.http import bearer_auth_middleware, error_middleware
+from unbroken.wire.openai import parse_request
+
+if TYPE_CHECKING:
+    from unbroken.gateway._server import Gateway
+
+__all__ = ["admin_app"]
+
+M = TypeVar("M", bound=BaseModel)
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AddEndpoint(_In):
+    url: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$", max_length=2048)]
+    name: Name | None = None
+    pool: Name = "default"
+    cap: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    warmup: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _strip(cls, v: str) -> str:
+        return v.rstrip("/")
+
+
+class PatchEndpoint(_In):
+    cap: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    pool: Name | None = None
+
+
+class Drain(_In):
+    deadline_s: Annotated[float, Field(ge=0, le=86_400)] | None = None
+
+
+def _parse(model: type[M], body: bytes) -> M:
+    return parse_request(model, body or b"{}")[0]
+
+
+def admin_app(gw: Gateway, token: str) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, bearer_auth_middleware(token)], client_max_size=1 << 20
+    )
+    pool = gw.pool
+
+    def get(request: web.Request) -> Endpoint:
+        name = request.match_info["name"]
+        ep = pool.get(name)
+        if ep is None:
+            raise ApiError(404, f"no endpoint named {name!r}", param="name", code="not_found")
+        return ep
+
+    def dump(ep: Endpoint) -> dict[str, Any]:
+        return ep.as_dict(pool.default_cap)
+
+    def json(obj: Any, status: int = 200) -> web.Response:
+        return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+    async def list_endpoints(request: web.Request) -> web.Response:
+        return json({"endpoints": [dump(e) for e in pool.endpoints.values()]})
+
+    async def add_endpoint(request: web.Request) -> web.Response:
+        spec = _parse(AddEndpoint, await request.read())
+        name = spec.name or spec.url.split("://", 1)[1]
+        if (old := pool.get(name)) is not None and old.state != State.GONE:
+            raise ApiError(409, f"an endpoint named {name!r} exists", param="name", code="conflict")
+        ep = gw.add_endpoint(
+            spec.url, name=name, pool_name=spec.pool, cap=spec.cap, warmup=spec.warmup
+        )
+        return json(dump(ep), status=201)
+
+    async def show(request: web.Request) -> web.Response:
+        return json(dump(get(request)))
+
+    async def patch(request: web.Request) -> web.Response:
+        ep = get(request)
+        body = await request.read()
+        spec = _parse(PatchEndpoint, body)
+        fields = orjson.loads(body or b"{}")
+        if "cap" in fields:
+            ep.cap = spec.cap
+        if spec.pool is not None:
+            ep.pool = spec.pool
+            if spec.pool not in pool.pool_order:
+                pool.pool_order.append(spec.pool)
+        gw.admission.wake()
+        return json(dump(ep))
+
+    async def delete(request: web.Request) -> web.Response:
+        ep = get(request)
+        gw.remove_endpoint(ep)
+        return json({"removed": ep.name, "inflight": ep.inflight})
+
+    async def drain(request: web.Request) -> web.Response:
+        ep = get(request)
+        spec = _parse(Drain, await request.read())
+        gw.drain_endpoint(ep, spec.deadline_s)
+        return json(dump(ep))
+
+    async def get_routes(request: web.Request) -> web.Response:
+        return json(
+            {"routes": {p: pool.pools_for(p) for p in PRIORITIES}, "pool_order": pool.pool_order}
+        )
+
+    async def put_routes(request: web.Request) -> web.Response:
+        try:
+            raw = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+        routes = raw.get("routes") if isinstance(raw, dict) else None
+        if not isinstance(routes, dict) or not all(
+            k in PRIORITIES and isinstance(v, list) and all(isinstance(x, str) for x in v)
+            for k, v in routes.items()
+        ):
+            raise ApiError(
+                400,
+                'body must be {"routes": {priority: [pool, ...]}} with '
+                f"priorities among {', '.join(PRIORITIES)}",
+                param="routes",
+            )
+        pool.routes = {k: list(v) for k, v in routes.items() if v}
+        gw.admission.wake()
+        return await get_routes(request)
+
+    async def status(request: web.Request) -> web.Response:
+        return json(
+            {
+                "uptime_s": round(time.time() - gw.started, 3),
+                "listen": f"http://{gw.cfg.host}:{gw.port}",
+                "endpoints": [dump(e) for e in pool.endpoints.values()],
+                "queue": dict(gw.admission.depth),
+                "routes": {p: pool.pools_for(p) for p in PRIORITIES},
+            }
+        )
+
+    app.router.add_get("/admin/endpoints", list_endpoints)
+    app.router.add_post("/admin/endpoints", add_endpoint)
+    app.router.add_get("/admin/endpoints/{name}", show)
+    app.router.add_patch("/admin/endpoints/{name}", patch)
+    app.router.add_delete("/admin/endpoints/{name}", delete)
+    app.router.add_post("/admin/endpoints/{name}/drain", drain)
+    app.router.add_get("/admin/routes", get_routes)
+    app.router.add_put("/admin/routes", put_routes)
+    app.router.add_get("/admin/status", status)
+    return app

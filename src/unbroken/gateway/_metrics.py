@@ -1,0 +1,172 @@
+"""Gateway metrics (`unbroken_gateway_*`). Per-endpoint gauges are read from the pool at
+scrape time by a collector, so the request path never touches them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from unbroken.gateway._admission import PRIORITIES, Admission
+from unbroken.gateway._pool import Pool, State
+
+__all__ = ["GatewayMetrics"]
+
+disable_created_metrics()
+
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    20.0,
+    60.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: Pool, admission: Admission) -> None:
+        self.pool = pool
+        self.admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["endpoint", "pool"]
+        inflight = GaugeMetricFamily(
+            "unbroken_gateway_inflight", "Requests in flight per endpoint.", labels=labels
+        )
+        cap = GaugeMetricFamily(
+            "unbroken_gateway_endpoint_cap", "In-flight cap per endpoint.", labels=labels
+        )
+        load = GaugeMetricFamily(
+            "unbroken_gateway_endpoint_load",
+            "Load score used for picking (in-flight + waiting + KV).",
+            labels=labels,
+        )
+        state = GaugeMetricFamily(
+            "unbroken_gateway_endpoint_state",
+            "1 for the endpoint's current state.",
+            labels=[*labels, "state"],
+        )
+        healthy = GaugeMetricFamily(
+            "unbroken_gateway_endpoint_healthy",
+            "1 when the endpoint passes its health checks.",
+            labels=labels,
+        )
+        for e in list(self.pool.endpoints.values()):
+            lv = [e.name, e.pool]
+            inflight.add_metric(lv, e.inflight)
+            cap.add_metric(lv, e.cap if e.cap is not None else self.pool.default_cap)
+            load.add_metric(lv, e.load)
+            healthy.add_metric(lv, 1 if e.healthy else 0)
+            for s in State:
+                state.add_metric([*lv, str(s)], 1 if e.state == s else 0)
+        depth = GaugeMetricFamily(
+            "unbroken_gateway_queue_depth",
+            "Requests waiting for a slot, by priority.",
+            labels=["priority"],
+        )
+        for p in PRIORITIES:
+            depth.add_metric([p], self.admission.depth[p])
+        yield from (inflight, cap, load, state, healthy, depth)
+
+
+class GatewayMetrics:
+    def __init__(self, pool: Pool, admission: Admission) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "unbroken_gateway_requests",
+            "Requests answered.",
+            ["status", "priority", "pool"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "unbroken_gateway_ttft_seconds",
+            "Time from request arrival to the first token event sent.",
+            ["pool"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "unbroken_gateway_inter_token_seconds",
+            "Gap between consecutive token events relayed.",
+            ["pool"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "unbroken_gateway_queue_wait_seconds",
+            "Time spent waiting for a slot.",
+            ["priority"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "unbroken_gateway_upstream_errors",
+            "Errors talking to engines.",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "unbroken_gateway_retries",
+            "Requests retried on another endpoint before their first byte.",
+            ["reason"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "unbroken_gateway_streams_dropped",
+            "Streams that ended without their finish.",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "unbroken_gateway_shed",
+            "Requests refused for lack of capacity.",
+            ["priority", "reason"],
+            registry=r,
+        )
+        self.slow_clients = Counter(
+            "unbroken_gateway_slow_client_aborts",
+            "Streams cut because the client fell further behind than the per-stream buffer allows.",
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "unbroken_gateway_client_disconnects",
+            "Clients that left before their stream ended.",
+            registry=r,
+        )
+        r.register(_PoolCollector(pool, admission))

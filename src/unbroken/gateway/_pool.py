@@ -1,0 +1,162 @@
+"""Endpoints and their states, and the load-aware pick.
+
+States: starting → warming → ready → draining → gone. Only ready, healthy endpoints with room
+under their cap receive new requests. Picking walks the priority's pool preference list and
+takes the least-loaded candidate of the first pool that has one.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["KV_WEIGHT", "Endpoint", "Pool", "State"]
+
+# One full KV cache weighs like 4 queued requests in the load score.
+KV_WEIGHT = 4.0
+
+
+class State(enum.StrEnum):
+    STARTING = "starting"
+    WARMING = "warming"
+    READY = "ready"
+    DRAINING = "draining"
+    GONE = "gone"
+
+
+@dataclass(eq=False)
+class Endpoint:
+    name: str
+    url: str
+    pool: str = "default"
+    cap: int | None = None
+    state: State = State.STARTING
+    warmup: bool = True
+    inflight: int = 0
+    models: set[str] = field(default_factory=set)
+    waiting: float = 0.0  # scraped vllm:num_requests_waiting
+    running: float = 0.0  # scraped vllm:num_requests_running
+    kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
+    healthy: bool = True
+    failures: int = 0
+    last_error: str | None = None
+    drain_deadline: float | None = None  # monotonic
+    served: int = 0
+    added_at: float = field(default_factory=time.time)
+    state_since: float = field(default_factory=time.time)
+    _rr: int = 0
+
+    @property
+    def load(self) -> float:
+        return self.inflight + self.waiting + KV_WEIGHT * self.kv_usage
+
+    def has_room(self, default_cap: int) -> bool:
+        cap = default_cap if self.cap is None else self.cap
+        return self.inflight < cap
+
+    def set_state(self, state: State) -> None:
+        if state != self.state:
+            self.state = state
+            self.state_since = time.time()
+
+    def as_dict(self, default_cap: int) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "pool": self.pool,
+            "state": str(self.state),
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "cap": self.cap if self.cap is not None else default_cap,
+            "models": sorted(self.models),
+            "waiting": self.waiting,
+            "running": self.running,
+            "kv_usage": self.kv_usage,
+            "load": round(self.load, 3),
+            "served": self.served,
+            "last_error": self.last_error,
+            "state_since": self.state_since,
+            "drain_deadline_s": None
+            if self.drain_deadline is None
+            else round(max(0.0, self.drain_deadline - time.monotonic()), 3),
+        }
+
+
+class Pool:
+    """All endpoints the gateway knows, by name."""
+
+    def __init__(self, default_cap: int) -> None:
+        self.default_cap = default_cap
+        self.endpoints: dict[str, Endpoint] = {}
+        self.pool_order: list[str] = []
+        self.routes: dict[str, list[str]] = {}
+        self._tick = itertools.count()
+
+    def add(self, ep: Endpoint) -> None:
+        if ep.name in self.endpoints and self.endpoints[ep.name].state != State.GONE:
+            raise KeyError(ep.name)
+        self.endpoints[ep.name] = ep
+        if ep.pool not in self.pool_order:
+            self.pool_order.append(ep.pool)
+
+    def remove(self, name: str) -> Endpoint:
+        ep = self.endpoints.pop(name)
+        ep.set_state(State.GONE)
+        return ep
+
+    def get(self, name: str) -> Endpoint | None:
+        return self.endpoints.get(name)
+
+    def pools_for(self, priority: str) -> list[str]:
+        return self.routes.get(priority) or self.pool_order
+
+    def known_models(self) -> set[str]:
+        return (
+            set().union(*(e.models for e in self.endpoints.values())) if self.endpoints else set()
+        )
+
+    def serves(self, model: str) -> bool:
+        return any(model in e.models for e in self.endpoints.values() if e.state != State.GONE)
+
+    def pick(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+        excluded = set(map(id, exclude))
+        cap = self.default_cap
+        for pool in self.pools_for(priority):
+            best: Endpoint | None = None
+            for e in self.endpoints.values():
+                if (
+                    e.pool != pool
+                    or e.state != State.READY
+                    or not e.healthy
+                    or model not in e.models
+                    or id(e) in excluded
+                    or not e.has_room(cap)
+                ):
+                    continue
+                # Ties go to the endpoint picked longest ago, so equal loads round-robin.
+                if best is None or (e.load, e._rr) < (best.load, best._rr):
+                    best = e
+            if best is not None:
+                best._rr = next(self._tick)
+                return best
+        return None
+
+    def could_serve(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> bool:
+        """Is there a ready, healthy endpoint for this request, full or not?"""
+        excluded = set(map(id, exclude))
+        pools = set(self.pools_for(priority))
+        return any(
+            e.pool in pools
+            and e.state == State.READY
+            and e.healthy
+            and model in e.models
+            and id(e) not in excluded
+            for e in self.endpoints.values()
+        )
+
+    def ready_count(self) -> int:
+        return sum(1 for e in self.endpoints.values() if e.state == State.READY and e.healthy)

@@ -1,0 +1,178 @@
+"""Per-endpoint background loop: health, two-stage readiness, load scraping.
+
+starting --/health 200--> warming --warm-up completion within budget--> ready.
+Ready endpoints keep being checked: consecutive failures take one out of rotation (it stays
+ready, marked unhealthy) until it answers again; `vllm:num_requests_waiting`,
+`vllm:num_requests_running` and `vllm:kv_cache_usage_perc` feed the load score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+
+from unbroken.gateway._pool import Endpoint, State
+
+__all__ = ["Prober", "parse_load"]
+
+log = logging.getLogger("unbroken.gateway.prober")
+
+
+def parse_load(text: str) -> tuple[float, float, float]:
+    """(waiting, running, kv_usage) from a vLLM /metrics page; sums over label sets."""
+    waiting = running = 0.0
+    kv = 0.0
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = line.find("{")
+        if name_end < 0:
+            name_end = line.find(" ")
+        name = line[:name_end]
+        try:
+            value = float(line[line.rfind("}") + 1 if "}" in line else name_end :].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name == "vllm:num_requests_running":
+            running += value
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            kv = max(kv, value)
+    return waiting, running, kv
+
+
+class Prober:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        interval: float,
+        fail_threshold: int,
+        warmup_timeout: float,
+        on_change: Callable[[Endpoint], None],
+    ) -> None:
+        self.session = session
+        self.interval = interval
+        self.fail_threshold = fail_threshold
+        self.warmup_timeout = warmup_timeout
+        self.on_change = on_change
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def watch(self, ep: Endpoint) -> None:
+        self.tasks[ep.name] = asyncio.create_task(self._loop(ep), name=f"probe-{ep.name}")
+
+    def forget(self, name: str) -> None:
+        if (t := self.tasks.pop(name, None)) is not None:
+            t.cancel()
+
+    async def close(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.tasks.clear()
+
+    async def _get(self, ep: Endpoint, path: str, timeout: float) -> tuple[int, bytes]:
+        async with self.session.get(
+            ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as r:
+            return r.status, await r.read()
+
+    async def _loop(self, ep: Endpoint) -> None:
+        while ep.state != State.GONE:
+            try:
+                await self.check(ep)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("probe of %s failed unexpectedly", ep.name)
+            await asyncio.sleep(self.interval)
+
+    async def check(self, ep: Endpoint) -> None:
+        try:
+            status, _ = await self._get(ep, "/health", 2.0)
+            ok = status == 200
+            err = None if ok else f"/health answered {status}"
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            ok, err = False, f"/health: {type(e).__name__}: {e}"
+        if not ok:
+            ep.failures += 1
+            ep.last_error = err
+            if ep.healthy and ep.failures >= self.fail_threshold and ep.state == State.READY:
+                ep.healthy = False
+                log.warning("%s out of rotation: %s", ep.name, err)
+                self.on_change(ep)
+            return
+        ep.failures = 0
+        if ep.state == State.STARTING:
+            ep.set_state(State.WARMING)
+            log.info("%s: stage 1 passed (/health)", ep.name)
+        if ep.state == State.WARMING:
+            await self._warm(ep)
+            return
+        if not ep.healthy:
+            ep.healthy = True
+            log.info("%s back in rotation", ep.name)
+            self.on_change(ep)
+        if ep.state in (State.READY, State.DRAINING):
+            await self._scrape(ep)
+
+    async def _models(self, ep: Endpoint) -> None:
+        status, body = await self._get(ep, "/v1/models", 5.0)
+        if status != 200:
+            raise RuntimeError(f"/v1/models answered {status}")
+        ep.models = {m["id"] for m in orjson.loads(body).get("data", [])}
+        if not ep.models:
+            raise RuntimeError("/v1/models lists no model")
+
+    async def _warm(self, ep: Endpoint) -> None:
+        """Stage 2: a real completion must succeed within the warm-up budget."""
+        try:
+            await self._models(ep)
+            if ep.warmup:
+                model = sorted(ep.models)[0]
+                t0 = time.monotonic()
+                async with self.session.post(
+                    ep.url + "/v1/completions",
+                    json={"model": model, "prompt": "warm up", "max_tokens": 1, "temperature": 0},
+                    timeout=aiohttp.ClientTimeout(total=self.warmup_timeout),
+                ) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"warm-up completion answered {r.status}")
+                log.info(
+                    "%s: stage 2 passed (warm-up in %.0f ms)",
+                    ep.name,
+                    (time.monotonic() - t0) * 1e3,
+                )
+        except (
+            aiohttp.ClientError,
+            TimeoutError,
+            ConnectionError,
+            RuntimeError,
+            ValueError,
+            KeyError,
+            orjson.JSONDecodeError,
+        ) as e:
+            ep.last_error = f"warm-up: {type(e).__name__}: {e}"
+            log.warning("%s not ready: %s", ep.name, ep.last_error)
+            return
+        if ep.state == State.WARMING:
+            ep.healthy = True
+            ep.last_error = None
+            ep.set_state(State.READY)
+            log.info("%s ready (pool %s)", ep.name, ep.pool)
+            self.on_change(ep)
+
+    async def _scrape(self, ep: Endpoint) -> None:
+        try:
+            status, body = await self._get(ep, "/metrics", 2.0)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            return
+        if status == 200:
+            ep.waiting, ep.running, ep.kv_usage = parse_load(body.decode(errors="replace"))

@@ -1,0 +1,188 @@
+"""Relaying one SSE stream: what the client has been sent, and a bounded per-stream buffer
+that keeps a slow client from ever slowing the upstream read.
+
+`StreamTracker` follows every event (id, text per choice, finish, usage): it decides whether a
+stream ended with its finish, and it is what mid-stream continuation builds on.
+`ClientSink` writes straight to the client while its socket keeps up; once the socket backs
+up, events queue in memory (up to a bound) and a writer task feeds the client at its pace
+while the upstream keeps being read at engine speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from unbroken.wire.sse import SSEEvent
+
+__all__ = ["ClientGone", "ClientSink", "SlowClient", "StreamTracker"]
+
+# Direct writes only while the socket's own buffer is below this: aiohttp's write() then
+# never waits on the transport, so the upstream read loop never blocks on the client.
+_DIRECT_LIMIT = 32 * 1024
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+class SlowClient(Exception):
+    """The client fell behind by more than the per-stream buffer."""
+
+
+class ClientSink:
+    __slots__ = ("_error", "_pending", "_pending_bytes", "_writer", "limit", "resp", "transport")
+
+    def __init__(
+        self, resp: web.StreamResponse, transport: asyncio.Transport | None, limit: int
+    ) -> None:
+        self.resp = resp
+        self.transport = transport
+        self.limit = limit
+        self._pending: deque[bytes] = deque()
+        self._pending_bytes = 0
+        self._writer: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def buffered(self) -> int:
+        return self._pending_bytes
+
+    async def send(self, data: bytes) -> None:
+        if self._error is not None:
+            raise ClientGone() from self._error
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ClientGone()
+        if not self._pending and t.get_write_buffer_size() + len(data) < _DIRECT_LIMIT:
+            try:
+                await self.resp.write(data)
+            except (ConnectionError, RuntimeError) as e:
+                self._error = e
+                raise ClientGone() from e
+            return
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._pending_bytes > self.limit:
+            raise SlowClient()
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                data = b"".join(self._pending)
+                self._pending.clear()
+                self._pending_bytes = 0
+                await self.resp.write(data)
+        except (ConnectionError, RuntimeError) as e:
+            self._error = e
+
+    async def finish(self, tail: bytes = b"") -> None:
+        """Send what is queued (at the client's pace) and end the response."""
+        if tail:
+            await self.send(tail)
+        if self._writer is not None:
+            await self._writer
+        if self._error is not None:
+            raise ClientGone() from self._error
+        try:
+            await self.resp.write_eof()
+        except (ConnectionError, RuntimeError) as e:
+            raise ClientGone() from e
+
+    def abort(self) -> None:
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()
+        if self.transport is not None:
+            with contextlib.suppress(Exception):
+                self.transport.close()
+
+
+class StreamTracker:
+    """What has gone through a completions or chat stream so far."""
+
+    __slots__ = (
+        "chat",
+        "created",
+        "done",
+        "error",
+        "finish",
+        "id",
+        "model",
+        "role_sent",
+        "texts",
+        "token_events",
+        "usage",
+    )
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        self.texts: dict[int, list[str]] = {}
+        self.finish: dict[int, str] = {}
+        self.role_sent: set[int] = set()
+        self.usage: dict[str, Any] | None = None
+        self.token_events = 0
+        self.done = False
+        self.error: dict[str, Any] | None = None
+
+    def observe(self, events: list[SSEEvent]) -> int:
+        """Take in events; return how many carried tokens."""
+        tokens = 0
+        for ev in events:
+            if ev.data is None:
+                continue
+            if ev.is_done:
+                self.done = True
+                continue
+            try:
+                obj = orjson.loads(ev.data)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if "error" in obj:
+                self.error = (
+                    obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj)}
+                )
+                continue
+            if self.id is None:
+                self.id, self.created, self.model = (
+                    obj.get("id"),
+                    obj.get("created"),
+                    obj.get("model"),
+                )
+            if obj.get("usage"):
+                self.usage = obj["usage"]
+            for ch in obj.get("choices") or ():
+                idx = ch.get("index", 0)
+                if self.chat:
+                    delta = ch.get("delta") or {}
+                    if "role" in delta:
+                        self.role_sent.add(idx)
+                    text = delta.get("content")
+                else:
+                    text = ch.get("text")
+                if text:
+                    self.texts.setdefault(idx, []).append(text)
+                    tokens += 1
+                if ch.get("finish_reason"):
+                    self.finish[idx] = ch["finish_reason"]
+        self.token_events += tokens
+        return tokens
+
+    @property
+    def complete(self) -> bool:
+        """Ended as a stream should: its finish, then [DONE], and no error event."""
+        return self.done and self.error is None and bool(self.finish)
+
+    def text(self, index: int = 0) -> str:
+        return "".join(self.texts.get(index, ()))
