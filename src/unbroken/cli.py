@@ -107,25 +107,31 @@ def gateway(
         list[str] | None,
         typer.Option("--endpoint", "-e", help="Engine URL, optionally POOL=URL. Repeat for more."),
     ] = None,
-    host: Annotated[str, typer.Option(help="Address for the OpenAI routes.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port for the OpenAI routes.")] = 8080,
-    admin_host: Annotated[str, typer.Option(help="Address for the admin API.")] = "127.0.0.1",
-    admin_port: Annotated[int, typer.Option(help="Port for the admin API.")] = 8081,
+    config: Annotated[
+        Path | None, typer.Option(help="Gateway settings (JSON or YAML); flags override it.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address for the OpenAI routes.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port for the OpenAI routes [8080].")] = None,
+    admin_host: Annotated[str | None, typer.Option(help="Address for the admin API.")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="Port for the admin API [8081].")] = None,
     admin_token: Annotated[
         str | None,
         typer.Option(envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for the admin API."),
     ] = None,
     priority_header: Annotated[
-        str, typer.Option(help="Header carrying the priority class.")
-    ] = "x-unbroken-priority",
-    cap: Annotated[int, typer.Option(help="Default in-flight cap per endpoint.")] = 256,
+        str | None, typer.Option(help="Header carrying the priority [x-unbroken-priority].")
+    ] = None,
+    cap: Annotated[
+        int | None, typer.Option(help="Default in-flight cap per endpoint [256].")
+    ] = None,
     queue_timeout: Annotated[
-        float, typer.Option(help="Seconds a request may wait for a slot.")
-    ] = 30.0,
+        float | None, typer.Option(help="Seconds a request may wait for a slot [30].")
+    ] = None,
     no_warmup: Annotated[bool, typer.Option(help="Skip the warm-up completion (stage 2).")] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
+    import yaml
     from pydantic import ValidationError
 
     from unbroken.gateway import GatewayConfig, StaticEndpoint, run_gateway
@@ -137,19 +143,52 @@ def gateway(
         if not url.startswith(("http://", "https://")):
             _fail(f"--endpoint {item!r}: expected [POOL=]http(s)://HOST:PORT")
         static.append(StaticEndpoint(url=url.rstrip("/"), pool=pool or "default"))
+    flags = {
+        "host": host,
+        "port": port,
+        "admin_host": admin_host,
+        "admin_port": admin_port,
+        "priority_header": priority_header,
+        "default_cap": cap,
+        "queue_timeout_s": queue_timeout,
+    }
     try:
-        cfg = GatewayConfig(
-            host=host,
-            port=port,
-            admin_host=admin_host,
-            admin_port=admin_port,
-            priority_header=priority_header,
-            default_cap=cap,
-            queue_timeout_s=queue_timeout,
+        base = (yaml.safe_load(config.read_text()) or {}) if config else {}
+        cfg = GatewayConfig.model_validate(
+            {**base, **{k: v for k, v in flags.items() if v is not None}}
         )
+    except (OSError, yaml.YAMLError) as e:
+        _fail(f"cannot read {config}: {e}")
     except ValidationError as e:
         _fail(str(e))
     run_gateway(cfg, admin_token, static, warmup=not no_warmup)
+
+
+@app.command()
+def up(
+    spec: Annotated[
+        Path | None,
+        typer.Argument(help="Pipeline spec (YAML). Default: 2 fp16 + 1 fp8 simulated replicas."),
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Gateway port [8080].")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="Gateway admin port [8081].")] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Run a pipeline on this machine until Ctrl-C: engines, gateway, supervision."""
+    from unbroken.pipeline.up import run_up
+
+    _logging(verbose)
+    raise typer.Exit(run_up(spec, port=port, admin_port=admin_port, console=console))
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Show the running pipeline: pools, endpoints, states, in-flight counts."""
+    from unbroken.pipeline.up import show_status
+
+    raise typer.Exit(show_status(as_json=as_json))
 
 
 @weights_app.command("make")

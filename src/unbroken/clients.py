@@ -1,0 +1,107 @@
+"""Boundary clients for unbroken's own admin APIs. Each call is keyword-only and maps HTTP
+failures to one exception tree:
+
+    AdminError
+    ├── AdminUnreachable   connection refused, timeout
+    └── AdminRejected      the API answered 4xx/5xx (status and OpenAI-style message kept)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+
+__all__ = ["AdminError", "AdminRejected", "AdminUnreachable", "GatewayAdmin"]
+
+
+class AdminError(Exception):
+    pass
+
+
+class AdminUnreachable(AdminError):
+    pass
+
+
+class AdminRejected(AdminError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class GatewayAdmin:
+    """Client of a gateway's admin API."""
+
+    def __init__(self, base_url: str, token: str, *, timeout: float = 10.0) -> None:
+        self.base = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> GatewayAdmin:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        data = orjson.dumps(body) if body is not None else None
+        try:
+            async with self._session.request(
+                method, self.base + path, data=data, headers=self._headers
+            ) as r:
+                raw = await r.read()
+                if r.status >= 400:
+                    try:
+                        msg = orjson.loads(raw)["error"]["message"]
+                    except (orjson.JSONDecodeError, KeyError, TypeError):
+                        msg = raw.decode(errors="replace")[:200]
+                    raise AdminRejected(r.status, msg)
+                return orjson.loads(raw) if raw else None
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            raise AdminUnreachable(f"{self.base}: {type(e).__name__}: {e}") from None
+
+    async def endpoints(self) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/admin/endpoints"))["endpoints"]
+
+    async def status(self) -> dict[str, Any]:
+        return await self._call("GET", "/admin/status")
+
+    async def add(
+        self,
+        *,
+        url: str,
+        name: str,
+        pool: str = "default",
+        cap: int | None = None,
+        warmup: bool = True,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"url": url, "name": name, "pool": pool, "warmup": warmup}
+        if cap is not None:
+            body["cap"] = cap
+        return await self._call("POST", "/admin/endpoints", body)
+
+    async def remove(self, *, name: str) -> dict[str, Any]:
+        return await self._call("DELETE", f"/admin/endpoints/{name}")
+
+    async def drain(self, *, name: str, deadline_s: float | None = None) -> dict[str, Any]:
+        body = {} if deadline_s is None else {"deadline_s": deadline_s}
+        return await self._call("POST", f"/admin/endpoints/{name}/drain", body)
+
+    async def set_cap(self, *, name: str, cap: int | None) -> dict[str, Any]:
+        return await self._call("PATCH", f"/admin/endpoints/{name}", {"cap": cap})
+
+    async def routes(self) -> dict[str, Any]:
+        return await self._call("GET", "/admin/routes")
+
+    async def set_routes(self, *, routes: dict[str, list[str]]) -> dict[str, Any]:
+        return await self._call("PUT", "/admin/routes", {"routes": routes})
