@@ -199,7 +199,7 @@ class EngineCore:
                 still.append(s)
         self.running = still
         if self._on_step is not None:
-            self._on_step(self, prefill, len(outputs))
+            self._on_step(self, prefill, sum(o.tokens for o in outputs))
         if outputs:
             self._deliver(outputs)
 

@@ -152,6 +152,7 @@ class Engine:
         self.weights_report: LoadReport | None = None
         self.startup_s: float | None = None
         self._fault_timers: dict[str, asyncio.TimerHandle] = {}
+        self._preemptions_seen = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -196,6 +197,9 @@ class Engine:
             m.kv_usage.set(core.kv_usage)
             if produced:
                 m.generation_tokens.inc(produced)
+            if core.preemptions > self._preemptions_seen:
+                m.preemptions.inc(core.preemptions - self._preemptions_seen)
+                self._preemptions_seen = core.preemptions
 
         self.core = EngineCore(self.cfg.profile, deliver, cuda=self.cuda, on_step=on_step)
         self.core.start()

@@ -1,0 +1,189 @@
+"""Test helpers: real processes on real sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from unbroken.wire.http import free_port
+from unbroken.wire.sse import SSEDecoder
+
+TOKEN = "test-admin-token"
+MODEL = "unbroken-sim"
+# Fast steps keep the suite quick; tests about timing pass their own.
+FAST = ["--decode-base-s", "0.004", "--decode-per-seq-s", "0.00005",
+        "--prefill-per-token-s", "0.00001"]
+
+
+@dataclass
+class Proc:
+    argv: list[str]
+    port: int
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+    admin_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def start(self, health: str = "/health", timeout: float = 30.0) -> Proc:
+        out = open(self.log, "ab")  # noqa: SIM115
+        self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **self.env}, start_new_session=True)
+        out.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.argv} exited {self.popen.returncode}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + health, timeout=1).status_code == 200:
+                    return self
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.argv} not healthy:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def engine(tmp: Path, *args: str, name: str = "engine", fast: bool = True,
+           token: str | None = TOKEN) -> Proc:
+    port = free_port()
+    argv = [sys.executable, "-m", "unbroken", "engine", "--port", str(port),
+            *(FAST if fast else []), *args]
+    env = {"UNBROKEN_ADMIN_TOKEN": token} if token else {"UNBROKEN_ADMIN_TOKEN": ""}
+    return Proc(argv, port, tmp / f"{name}-{port}.log", env=env).start()
+
+
+def gateway(tmp: Path, *endpoints: str, args: tuple[str, ...] = (), wait_ready: int | None = None,
+            name: str = "gateway") -> Proc:
+    port, admin = free_port(), free_port()
+    argv = [sys.executable, "-m", "unbroken", "gateway", "--port", str(port), "--admin-port",
+            str(admin)]
+    for e in endpoints:
+        argv += ["--endpoint", e]
+    argv += list(args)
+    p = Proc(argv, port, tmp / f"{name}-{port}.log", env={"UNBROKEN_ADMIN_TOKEN": TOKEN},
+             admin_port=admin).start()
+    want = len(endpoints) if wait_ready is None else wait_ready
+    wait_endpoints(p, lambda eps: sum(e["state"] == "ready" for e in eps) >= want)
+    return p
+
+
+def admin(p: Proc, method: str, path: str, body: Any = None, token: str | None = TOKEN
+          ) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, p.admin_url + path, json=body, headers=headers, timeout=10)
+
+
+def wait_endpoints(p: Proc, cond: Any, timeout: float = 20.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        eps = admin(p, "GET", "/admin/endpoints").json()["endpoints"]
+        if cond(eps):
+            return eps
+        if time.monotonic() > deadline:
+            raise AssertionError(f"endpoints never reached the condition: {eps}")
+        time.sleep(0.05)
+
+
+def wait_for(cond: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        time.sleep(interval)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include `labels`."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        base = head.split("{", 1)[0]
+        if base != name:
+            continue
+        if labels:
+            lab = head[len(base):]
+            if not all(f'{k}="{v}"' in lab for k, v in labels.items()):
+                continue
+        total += float(value)
+        found = True
+    if not found:
+        raise KeyError(f"{name}{labels} not in /metrics")
+    return total
+
+
+def stream(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+           timeout: float = 60.0) -> tuple[list[Any], httpx.Response]:
+    """POST a streaming request; return the decoded events ('[DONE]' kept as a string)."""
+    events: list[Any] = []
+    dec = SSEDecoder()
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=headers,
+                      timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            return [], r
+        for chunk in r.iter_raw():
+            for ev in dec.feed(chunk):
+                if ev.data is None:
+                    continue
+                events.append("[DONE]" if ev.is_done else orjson.loads(ev.data))
+    return events, r
+
+
+def stream_text(events: list[Any], chat: bool) -> str:
+    out = []
+    for ev in events:
+        if not isinstance(ev, dict):
+            continue
+        for ch in ev.get("choices", []):
+            out.append((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text", ""))
+    return "".join(out)
