@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import Proc, engine, gateway  # noqa: E402
+from helpers import Proc, engine, gateway
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,8 +21,14 @@ from unbroken.wire.sse import SSEDecoder
 TOKEN = "test-admin-token"
 MODEL = "unbroken-sim"
 # Fast steps keep the suite quick; tests about timing pass their own.
-FAST = ["--decode-base-s", "0.004", "--decode-per-seq-s", "0.00005",
-        "--prefill-per-token-s", "0.00001"]
+FAST = [
+    "--decode-base-s",
+    "0.004",
+    "--decode-per-seq-s",
+    "0.00005",
+    "--prefill-per-token-s",
+    "0.00001",
+]
 
 
 @dataclass
@@ -48,9 +54,14 @@ class Proc:
         return self.popen.pid
 
     def start(self, health: str = "/health", timeout: float = 30.0) -> Proc:
-        out = open(self.log, "ab")  # noqa: SIM115
-        self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **self.env}, start_new_session=True)
+        out = open(self.log, "ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         out.close()
         deadline = time.monotonic() + timeout
         while True:
@@ -86,32 +97,60 @@ class Proc:
         return self.popen.returncode
 
 
-def engine(tmp: Path, *args: str, name: str = "engine", fast: bool = True,
-           token: str | None = TOKEN) -> Proc:
+def engine(
+    tmp: Path, *args: str, name: str = "engine", fast: bool = True, token: str | None = TOKEN
+) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "unbroken", "engine", "--port", str(port),
-            *(FAST if fast else []), *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "unbroken",
+        "engine",
+        "--port",
+        str(port),
+        *(FAST if fast else []),
+        *args,
+    ]
     env = {"UNBROKEN_ADMIN_TOKEN": token} if token else {"UNBROKEN_ADMIN_TOKEN": ""}
     return Proc(argv, port, tmp / f"{name}-{port}.log", env=env).start()
 
 
-def gateway(tmp: Path, *endpoints: str, args: tuple[str, ...] = (), wait_ready: int | None = None,
-            name: str = "gateway") -> Proc:
+def gateway(
+    tmp: Path,
+    *endpoints: str,
+    args: tuple[str, ...] = (),
+    wait_ready: int | None = None,
+    name: str = "gateway",
+) -> Proc:
     port, admin = free_port(), free_port()
-    argv = [sys.executable, "-m", "unbroken", "gateway", "--port", str(port), "--admin-port",
-            str(admin)]
+    argv = [
+        sys.executable,
+        "-m",
+        "unbroken",
+        "gateway",
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin),
+    ]
     for e in endpoints:
         argv += ["--endpoint", e]
     argv += list(args)
-    p = Proc(argv, port, tmp / f"{name}-{port}.log", env={"UNBROKEN_ADMIN_TOKEN": TOKEN},
-             admin_port=admin).start()
+    p = Proc(
+        argv,
+        port,
+        tmp / f"{name}-{port}.log",
+        env={"UNBROKEN_ADMIN_TOKEN": TOKEN},
+        admin_port=admin,
+    ).start()
     want = len(endpoints) if wait_ready is None else wait_ready
     wait_endpoints(p, lambda eps: sum(e["state"] == "ready" for e in eps) >= want)
     return p
 
 
-def admin(p: Proc, method: str, path: str, body: Any = None, token: str | None = TOKEN
-          ) -> httpx.Response:
+def admin(
+    p: Proc, method: str, path: str, body: Any = None, token: str | None = TOKEN
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.request(method, p.admin_url + path, json=body, headers=headers, timeout=10)
 
@@ -151,7 +190,7 @@ def metric(url: str, name: str, **labels: str) -> float:
         if base != name:
             continue
         if labels:
-            lab = head[len(base):]
+            lab = head[len(base) :]
             if not all(f'{k}="{v}"' in lab for k, v in labels.items()):
                 continue
         total += float(value)
@@ -161,13 +200,19 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def stream(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-           timeout: float = 60.0) -> tuple[list[Any], httpx.Response]:
+def stream(
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> tuple[list[Any], httpx.Response]:
     """POST a streaming request; return the decoded events ('[DONE]' kept as a string)."""
     events: list[Any] = []
     dec = SSEDecoder()
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=headers,
-                      timeout=timeout) as r:
+    with httpx.stream(
+        "POST", url + path, json={**body, "stream": True}, headers=headers, timeout=timeout
+    ) as r:
         if r.status_code != 200:
             r.read()
             return [], r

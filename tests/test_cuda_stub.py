@@ -10,10 +10,22 @@ import pytest
 
 from unbroken.engine.cuda import DRIVER_SONAME, RUNTIME_SONAME, Fn, load
 
-RUNTIME_FNS = ["cudaLaunchKernel", "cudaGraphLaunch", "cudaMalloc", "cudaMemcpyAsync",
-               "cudaStreamSynchronize"]
-DRIVER_FNS = ["cuLaunchKernel", "cuLaunchKernelEx", "cuGraphLaunch", "cuMemAlloc_v2",
-              "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize"]
+RUNTIME_FNS = [
+    "cudaLaunchKernel",
+    "cudaGraphLaunch",
+    "cudaMalloc",
+    "cudaMemcpyAsync",
+    "cudaStreamSynchronize",
+]
+DRIVER_FNS = [
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cuGraphLaunch",
+    "cuMemAlloc_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuStreamSynchronize",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +37,12 @@ def test_entry_points_begin_with_push_rbp(stub) -> None:  # type: ignore[no-unty
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed; needed to read prologues")
     for lib, fns in ((RUNTIME_SONAME, RUNTIME_FNS), (DRIVER_SONAME, DRIVER_FNS)):
-        out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(stub.directory / lib)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["objdump", "-d", "--no-show-raw-insn", str(stub.directory / lib)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         for fn in fns:
             block = out.split(f"<{fn}>:\n", 1)[1]
             first = block.splitlines()[0].split(":", 1)[1].strip()

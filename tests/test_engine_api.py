@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from helpers import MODEL, TOKEN, Proc, metric, stream, stream_text
 
+from helpers import MODEL, TOKEN, Proc, metric, stream, stream_text
 from unbroken.engine.textmodel import expected_chat, expected_completion
 
 
@@ -14,8 +14,13 @@ def _post(p: Proc, path: str, body: object, **kw: object) -> httpx.Response:
 
 
 def test_completion_stream_is_exact_with_usage(shared_engine: Proc) -> None:
-    body = {"model": MODEL, "prompt": "The quick brown", "max_tokens": 25, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown",
+        "max_tokens": 25,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     events, r = stream(shared_engine.url, "/v1/completions", body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert events[-1] == "[DONE]"
@@ -29,8 +34,11 @@ def test_completion_stream_is_exact_with_usage(shared_engine: Proc) -> None:
 
 
 def test_completion_non_stream(shared_engine: Proc) -> None:
-    r = _post(shared_engine, "/v1/completions",
-              {"model": MODEL, "prompt": "Once upon", "max_tokens": 12, "temperature": 0})
+    r = _post(
+        shared_engine,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Once upon", "max_tokens": 12, "temperature": 0},
+    )
     assert r.status_code == 200
     j = r.json()
     assert j["object"] == "text_completion"
@@ -39,54 +47,89 @@ def test_completion_non_stream(shared_engine: Proc) -> None:
 
 
 def test_prompt_ending_mid_sentence_continues(shared_engine: Proc) -> None:
-    first = _post(shared_engine, "/v1/completions",
-                  {"model": MODEL, "prompt": "Tell me", "max_tokens": 20, "temperature": 0}).json()
+    first = _post(
+        shared_engine,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Tell me", "max_tokens": 20, "temperature": 0},
+    ).json()
     text = first["choices"][0]["text"]
     head = text[: len(text) // 2]
     head = head[: head.rfind(" ")]  # cut on a token boundary
-    rest = _post(shared_engine, "/v1/completions",
-                 {"model": MODEL, "prompt": "Tell me" + head, "max_tokens": 20, "temperature": 0})
+    rest = _post(
+        shared_engine,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Tell me" + head, "max_tokens": 20, "temperature": 0},
+    )
     assert (head + rest.json()["choices"][0]["text"]).startswith(text)
 
 
 def test_chat_stream_and_continue_final_message(shared_engine: Proc) -> None:
     msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
-    events, r = stream(shared_engine.url, "/v1/chat/completions",
-                       {"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 0})
+    events, r = stream(
+        shared_engine.url,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 0},
+    )
     assert r.status_code == 200
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert events[0]["object"] == "chat.completion.chunk"
     full = expected_chat(msgs, 16).text
     assert stream_text(events, chat=True) == full
     head = " ".join(full.split(" ")[:6])
-    cont = _post(shared_engine, "/v1/chat/completions", {
-        "model": MODEL, "messages": [*msgs, {"role": "assistant", "content": head}],
-        "max_tokens": 10, "temperature": 0, "continue_final_message": True,
-        "add_generation_prompt": False})
+    cont = _post(
+        shared_engine,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [*msgs, {"role": "assistant", "content": head}],
+            "max_tokens": 10,
+            "temperature": 0,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    )
     assert cont.status_code == 200
     assert head + cont.json()["choices"][0]["message"]["content"] == full
 
 
 def test_n_choices_and_stop_strings(shared_engine: Proc) -> None:
-    r = _post(shared_engine, "/v1/completions",
-              {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "n": 3})
+    r = _post(
+        shared_engine,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "n": 3},
+    )
     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
     full = expected_completion("abc", 30).text
     stop = full.split(" ")[5]
-    r = _post(shared_engine, "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 30,
-                                                 "temperature": 0, "stop": [" " + stop]})
+    r = _post(
+        shared_engine,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "abc", "max_tokens": 30, "temperature": 0, "stop": [" " + stop]},
+    )
     c = r.json()["choices"][0]
     assert c["finish_reason"] == "stop" and c["text"] == full[: full.index(" " + stop)]
 
 
 def test_logprobs_shapes(shared_engine: Proc) -> None:
-    r = _post(shared_engine, "/v1/chat/completions",
-              {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-               "temperature": 0, "logprobs": True, "top_logprobs": 1}).json()
+    r = _post(
+        shared_engine,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and all(c["logprob"] <= 0 for c in content)
-    r = _post(shared_engine, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3,
-                                                 "temperature": 0, "logprobs": 1}).json()
+    r = _post(
+        shared_engine,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0, "logprobs": 1},
+    ).json()
     assert len(r["choices"][0]["logprobs"]["token_logprobs"]) == 3
 
 
@@ -97,10 +140,15 @@ def test_models_health_metrics(shared_engine: Proc) -> None:
     before = metric(shared_engine.url, "vllm:generation_tokens_total")
     _post(shared_engine, "/v1/completions", {"model": MODEL, "prompt": "m", "max_tokens": 7})
     assert metric(shared_engine.url, "vllm:generation_tokens_total") == before + 7
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
-                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:prompt_tokens_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:prompt_tokens_total",
+    ):
         metric(shared_engine.url, name)
     assert metric(shared_engine.url, "vllm:request_success_total", finished_reason="length") >= 1
     assert metric(shared_engine.url, "unbroken_engine_cuda_stub_loaded") == 1
@@ -122,20 +170,28 @@ BAD = [
     ("/v1/chat/completions", b'{"model": "unbroken-sim", "messages": []}', 400),
     ("/v1/chat/completions", b'{"model": "unbroken-sim", "messages": [{"role": "x"}]}', 400),
     ("/v1/chat/completions", b'{"model": "unbroken-sim", "messages": "hi"}', 400),
-    ("/v1/chat/completions",
-     b'{"model": "unbroken-sim", "messages": [{"role": "user", "content": "x"}], '
-     b'"continue_final_message": true}', 400),
-    ("/v1/chat/completions",
-     b'{"model": "unbroken-sim", "messages": [{"role": "user", "content": "x"}], '
-     b'"response_format": {"type": "json_object"}}', 400),
+    (
+        "/v1/chat/completions",
+        b'{"model": "unbroken-sim", "messages": [{"role": "user", "content": "x"}], '
+        b'"continue_final_message": true}',
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "unbroken-sim", "messages": [{"role": "user", "content": "x"}], '
+        b'"response_format": {"type": "json_object"}}',
+        400,
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "status"), BAD)
-def test_bad_input_gets_openai_4xx(shared_engine: Proc, path: str, body: bytes, status: int
-                                   ) -> None:
-    r = httpx.post(shared_engine.url + path, content=body,
-                   headers={"Content-Type": "application/json"})
+def test_bad_input_gets_openai_4xx(
+    shared_engine: Proc, path: str, body: bytes, status: int
+) -> None:
+    r = httpx.post(
+        shared_engine.url + path, content=body, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
@@ -158,6 +214,9 @@ def test_admin_requires_token(shared_engine: Proc) -> None:
     assert r.status_code == 401
     r = httpx.get(shared_engine.url + "/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200 and r.json()["model"] == MODEL
-    r = httpx.post(shared_engine.url + "/admin/faults", json={"kind": "melt"},
-                   headers={"Authorization": f"Bearer {TOKEN}"})
+    r = httpx.post(
+        shared_engine.url + "/admin/faults",
+        json={"kind": "melt"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert r.status_code == 400

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+
 from helpers import MODEL, TOKEN, Proc, engine, metric, stream, wait_for
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -24,8 +25,10 @@ def _raw_stream(p: Proc, body: dict) -> socket.socket:
     """Start a streaming request on a raw socket and wait for its first bytes."""
     payload = orjson.dumps({**body, "stream": True})
     s = socket.create_connection(("127.0.0.1", p.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
     s.recv(1024)
     return s
 
@@ -33,12 +36,17 @@ def _raw_stream(p: Proc, body: dict) -> socket.socket:
 def test_continuous_batching_queues_over_max_num_seqs(tmp_path: Path) -> None:
     p = engine(tmp_path, "--max-num-seqs", "2")
     try:
-        socks = [_raw_stream(p, {"model": MODEL, "prompt": "x", "max_tokens": 400})
-                 for _ in range(2)]
-        threads = [threading.Thread(target=httpx.post, args=(p.url + "/v1/completions",),
-                                    kwargs={"json": {"model": MODEL, "prompt": "y",
-                                                     "max_tokens": 3}, "timeout": 30})
-                   for _ in range(2)]
+        socks = [
+            _raw_stream(p, {"model": MODEL, "prompt": "x", "max_tokens": 400}) for _ in range(2)
+        ]
+        threads = [
+            threading.Thread(
+                target=httpx.post,
+                args=(p.url + "/v1/completions",),
+                kwargs={"json": {"model": MODEL, "prompt": "y", "max_tokens": 3}, "timeout": 30},
+            )
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         wait_for(lambda: metric(p.url, "vllm:num_requests_waiting") == 2, what="2 waiting")
@@ -57,8 +65,14 @@ def test_kv_capacity_preempts_and_recomputes(tmp_path: Path) -> None:
     try:
         results: list[httpx.Response] = []
         body = {"model": MODEL, "prompt": "a b c d e", "max_tokens": 60, "temperature": 0}
-        ts = [threading.Thread(target=lambda: results.append(
-            httpx.post(p.url + "/v1/completions", json=body, timeout=60))) for _ in range(3)]
+        ts = [
+            threading.Thread(
+                target=lambda: results.append(
+                    httpx.post(p.url + "/v1/completions", json=body, timeout=60)
+                )
+            )
+            for _ in range(3)
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -81,8 +95,11 @@ def test_client_disconnect_frees_the_slot_at_once(tmp_path: Path) -> None:
         wait_for(lambda: _state(p)["running"] == 0, timeout=1.0, what="slot freed")
         freed = time.monotonic() - t0
         # The single slot is free: a new request runs now.
-        r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": "y",
-                                                         "max_tokens": 2}, timeout=5)
+        r = httpx.post(
+            p.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "y", "max_tokens": 2},
+            timeout=5,
+        )
         assert r.status_code == 200 and freed < 1.0
         assert metric(p.url, "vllm:request_success_total", finished_reason="abort") == 1
     finally:
@@ -94,8 +111,7 @@ def test_sigterm_refuses_new_finishes_inflight_then_exits(tmp_path: Path) -> Non
     try:
         out: dict = {}
         body = {"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 0}
-        t = threading.Thread(target=lambda: out.update(
-            r=stream(p.url, "/v1/completions", body)))
+        t = threading.Thread(target=lambda: out.update(r=stream(p.url, "/v1/completions", body)))
         t.start()
         wait_for(lambda: metric(p.url, "vllm:num_requests_running") == 1)
         p.signal(signal.SIGTERM)
@@ -103,7 +119,7 @@ def test_sigterm_refuses_new_finishes_inflight_then_exits(tmp_path: Path) -> Non
         r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": "y"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         t.join(30)
-        events, resp = out["r"]
+        events, _resp = out["r"]
         assert events[-1] == "[DONE]" and len([e for e in events if e != "[DONE]"]) == 150
         assert p.popen is not None and p.popen.wait(10) == 0
     finally:
@@ -113,8 +129,12 @@ def test_sigterm_refuses_new_finishes_inflight_then_exits(tmp_path: Path) -> Non
 def _itl(p: Proc, n: int = 40) -> float:
     gaps = []
     last = None
-    with httpx.stream("POST", p.url + "/v1/completions", json={
-            "model": MODEL, "prompt": "x", "max_tokens": n, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        p.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": n, "stream": True},
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 now = time.monotonic()
@@ -128,8 +148,11 @@ def test_faults_slow_cuda_hang_fail_crash(tmp_path: Path) -> None:
     p = engine(tmp_path, fast=False)
     try:
         base = _itl(p)
-        r = httpx.post(p.url + "/admin/faults", headers=AUTH,
-                       json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 30})
+        r = httpx.post(
+            p.url + "/admin/faults",
+            headers=AUTH,
+            json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 30},
+        )
         assert r.status_code == 200
         slow = _itl(p)
         assert slow > base + 0.025, (base, slow)  # graph launch + copy each +15 ms
@@ -139,18 +162,25 @@ def test_faults_slow_cuda_hang_fail_crash(tmp_path: Path) -> None:
 
         httpx.post(p.url + "/admin/faults", headers=AUTH, json={"kind": "hang", "duration_s": 1.5})
         t0 = time.monotonic()
-        httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": "h",
-                                                     "max_tokens": 1}, timeout=10)
+        httpx.post(
+            p.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "h", "max_tokens": 1},
+            timeout=10,
+        )
         assert time.monotonic() - t0 > 1.0
         assert httpx.get(p.url + "/health").status_code == 200
 
         httpx.post(p.url + "/admin/faults", headers=AUTH, json={"kind": "fail", "fraction": 1.0})
         r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": "f"})
         assert r.status_code == 500 and r.json()["error"]["code"] == "injected_fault"
-        httpx.post(p.url + "/admin/faults", headers=AUTH,
-                   json={"kind": "fail", "fraction": 1.0, "after_tokens": 3})
-        events, _ = stream(p.url, "/v1/completions", {"model": MODEL, "prompt": "f",
-                                                      "max_tokens": 10})
+        httpx.post(
+            p.url + "/admin/faults",
+            headers=AUTH,
+            json={"kind": "fail", "fraction": 1.0, "after_tokens": 3},
+        )
+        events, _ = stream(
+            p.url, "/v1/completions", {"model": MODEL, "prompt": "f", "max_tokens": 10}
+        )
         assert "error" in events[-2] and events[-1] == "[DONE]"
         assert len([e for e in events if isinstance(e, dict) and "choices" in e]) == 3
         httpx.delete(p.url + "/admin/faults", headers=AUTH)

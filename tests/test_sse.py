@@ -5,8 +5,13 @@ from hypothesis import strategies as st
 
 from unbroken.wire.sse import SSEDecoder, encode_comment, encode_data, encode_json
 
-STREAM = (encode_json({"a": 1}) + encode_comment("ping") + encode_data(b"x\ny".replace(b"\n", b""))
-          + b"data: line1\ndata: line2\n\n" + encode_data(b"[DONE]"))
+STREAM = (
+    encode_json({"a": 1})
+    + encode_comment("ping")
+    + encode_data(b"x\ny".replace(b"\n", b""))
+    + b"data: line1\ndata: line2\n\n"
+    + encode_data(b"[DONE]")
+)
 
 
 def _decode(chunks: list[bytes]) -> list[bytes | None]:

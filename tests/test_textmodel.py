@@ -36,8 +36,12 @@ def test_chat_continuation_matches(user: str, total: int, cut: int) -> None:
     msgs = [("system", "be brief"), ("user", user)]
     whole = expected_chat(msgs, total)
     head = expected_chat(msgs, cut)
-    rest = expected_chat([*msgs, ("assistant", head.text)], total - cut,
-                         add_generation_prompt=False, continue_final_message=True)
+    rest = expected_chat(
+        [*msgs, ("assistant", head.text)],
+        total - cut,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     assert head.text + rest.text == whole.text
 
 
@@ -83,6 +87,9 @@ def test_stop_strings_are_held_back_and_excluded() -> None:
 def test_chat_template_shape() -> None:
     ctx = render_chat([("user", "hi")])
     assert ctx == "<|user|>\nhi<|end|>\n<|assistant|>\n"
-    ctx2 = render_chat([("user", "hi"), ("assistant", "so")], add_generation_prompt=False,
-                       continue_final_message=True)
+    ctx2 = render_chat(
+        [("user", "hi"), ("assistant", "so")],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     assert ctx2 == "<|user|>\nhi<|end|>\n<|assistant|>\nso"

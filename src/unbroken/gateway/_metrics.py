@@ -3,7 +3,8 @@ scrape time by a collector, so the request path never touches them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
@@ -60,9 +61,10 @@ WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: Pool, admission: Admission) -> None:
+    def __init__(self, pool: Pool, admission: Admission, sinks: Sized | None = None) -> None:
         self.pool = pool
         self.admission = admission
+        self.sinks = sinks
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["endpoint", "pool"]
@@ -102,11 +104,18 @@ class _PoolCollector(Collector):
         )
         for p in PRIORITIES:
             depth.add_metric([p], self.admission.depth[p])
-        yield from (inflight, cap, load, state, healthy, depth)
+        buffered = GaugeMetricFamily(
+            "unbroken_gateway_stream_buffered_bytes",
+            "Bytes held for clients reading slower than their engine writes.",
+        )
+        buffered.add_metric([], sum(s.buffered for s in list(self.sinks or ())))
+        streams = GaugeMetricFamily("unbroken_gateway_active_streams", "Streams being relayed.")
+        streams.add_metric([], len(self.sinks or ()))
+        yield from (inflight, cap, load, state, healthy, depth, buffered, streams)
 
 
 class GatewayMetrics:
-    def __init__(self, pool: Pool, admission: Admission) -> None:
+    def __init__(self, pool: Pool, admission: Admission, sinks: Any = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "unbroken_gateway_requests",
@@ -169,4 +178,4 @@ class GatewayMetrics:
             "Clients that left before their stream ended.",
             registry=r,
         )
-        r.register(_PoolCollector(pool, admission))
+        r.register(_PoolCollector(pool, admission, sinks))

@@ -62,9 +62,10 @@ class Proxy:
         self.cfg = cfg
         self.pool = pool
         self.admission = admission
-        self.metrics = metrics
+        self.metrics: GatewayMetrics = metrics  # type: ignore[assignment]
         self._on_release = on_release
         self.session: aiohttp.ClientSession | None = None
+        self.sinks: set[ClientSink] = set()  # live streams, for the buffered-bytes gauge
         self._skip = _HOP | {cfg.priority_header.lower()}
 
     # -- routes -------------------------------------------------------------------------
@@ -246,6 +247,7 @@ class Proxy:
                         )
                         await resp.prepare(request)
                         sink = ClientSink(resp, request.transport, self.cfg.stream_buffer_bytes)
+                        self.sinks.add(sink)
                     if tokens:
                         now = time.monotonic()
                         if last_token == 0.0:
@@ -308,6 +310,8 @@ class Proxy:
                 sink.abort()
             raise
         finally:
+            if sink is not None:
+                self.sinks.discard(sink)
             if finished_read:
                 up.release()
             else:

@@ -42,8 +42,9 @@ class Gateway:
         self.pool = Pool(cfg.default_cap)
         self.pool.routes = {k: list(v) for k, v in cfg.routes.items()}
         self.admission = Admission(self.pool, queue_timeout=cfg.queue_timeout_s)
-        self.metrics = GatewayMetrics(self.pool, self.admission)
-        self.proxy = Proxy(cfg, self.pool, self.admission, self.metrics, self._after_release)
+        self.proxy = Proxy(cfg, self.pool, self.admission, None, self._after_release)
+        self.metrics = GatewayMetrics(self.pool, self.admission, self.proxy.sinks)
+        self.proxy.metrics = self.metrics
         self.prober: Prober | None = None
         self.started = time.time()
         self.port = cfg.port
