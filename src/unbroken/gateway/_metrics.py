@@ -179,3 +179,11 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pool, admission, sinks))
+        self._pool_children: dict[str, tuple[Any, Any]] = {}
+
+    def for_pool(self, pool: str) -> tuple[Any, Any]:
+        """(ttft, itl) histogram children for a pool; cached, since `labels()` is not free."""
+        c = self._pool_children.get(pool)
+        if c is None:
+            c = self._pool_children[pool] = (self.ttft.labels(pool), self.itl.labels(pool))
+        return c

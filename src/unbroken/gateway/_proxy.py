@@ -251,11 +251,12 @@ class Proxy:
                     if tokens:
                         now = time.monotonic()
                         if last_token == 0.0:
-                            m.ttft.labels(pool).observe(now - t0)
+                            ttft, itl = m.for_pool(pool)
+                            ttft.observe(now - t0)
                         else:
-                            m.itl.labels(pool).observe(now - last_token)
+                            itl.observe(now - last_token)
                         for _ in range(tokens - 1):
-                            m.itl.labels(pool).observe(0.0)
+                            itl.observe(0.0)
                         last_token = now
                     await sink.send(b"".join(e.raw for e in events))
                 finished_read = True

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for unbroken: system packages (when root), a virtualenv with the
+# project and its dev tools, and the stand-in CUDA libraries. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+APT_PKGS=(gcc libc6-dev binutils util-linux)
+
+need=()
+if command -v dpkg-query >/dev/null 2>&1; then
+  for p in "${APT_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || need+=("$p")
+  done
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "bootstrap: missing system packages: ${need[*]} (install them as root)" >&2
+  fi
+fi
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.11 python3.12 python3.13 python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      PY=$c; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "bootstrap: Python >= 3.11 is required" >&2; exit 1; }
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e '.[dev]'
+"$VENV/bin/python" -m unbroken.engine.cuda >/dev/null
+echo "bootstrap: ready ($("$VENV/bin/python" --version), $VENV)"

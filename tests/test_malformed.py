@@ -1,0 +1,112 @@
+"""Hypothesis throws malformed requests at the engine and the gateway: only 4xx comes back,
+never a 5xx, and both keep serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import MODEL, Proc, engine, gateway
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=30),
+)
+values = st.recursive(
+    scalars,
+    lambda c: st.one_of(
+        st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "min_tokens",
+    "continue_final_message",
+    "add_generation_prompt",
+    "max_completion_tokens",
+    "response_format",
+    "tool_choice",
+    "ignore_eos",
+]
+bodies = st.one_of(
+    st.binary(max_size=200),
+    st.builds(
+        lambda d: json.dumps(d).encode(),
+        st.dictionaries(st.sampled_from(FIELDS), values, max_size=8),
+    ),
+    # Mostly-valid requests with one field broken.
+    st.builds(
+        lambda k, v: json.dumps(
+            {
+                "model": MODEL,
+                "prompt": "x",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x"}],
+                k: v,
+            }
+        ).encode(),
+        st.sampled_from(FIELDS),
+        values,
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    tmp: Path = tmp_path_factory.mktemp("malformed")
+    e = engine(tmp, "--max-model-len", "48")  # a valid request can never run long
+    g = gateway(tmp, e.url)
+    yield e, g
+    g.stop()
+    e.stop()
+
+
+def _send(client: httpx.Client, url: str, body: bytes) -> int:
+    with client.stream(
+        "POST", url, content=body, headers={"Content-Type": "application/json"}
+    ) as r:
+        return r.status_code
+
+
+@given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_only_4xx_never_5xx(targets: tuple[Proc, Proc], body: bytes, path: str) -> None:
+    e, g = targets
+    with httpx.Client(timeout=20) as c:
+        for p in (e, g):
+            status = _send(c, p.url + path, body)
+            assert status < 500, (p.url, body, status)
+
+
+def test_still_serving_afterwards(targets: tuple[Proc, Proc]) -> None:
+    for p in targets:
+        r = httpx.post(
+            p.url + "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 3}
+        )
+        assert r.status_code == 200
+        assert httpx.get(p.url + "/health").status_code == 200

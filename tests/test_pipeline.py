@@ -1,0 +1,206 @@
+"""`unbroken up` end to end: real supervisor, gateway and engine processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import MODEL, wait_for
+from unbroken.engine.textmodel import expected_chat, expected_completion
+from unbroken.wire.http import free_port
+
+
+class Up:
+    def __init__(
+        self, tmp: Path, spec: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        self.state = tmp / "state"
+        self.port, self.admin_port = free_port(), free_port()
+        self.env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state), **(env or {})}
+        self.env.pop("UNBROKEN_ADMIN_TOKEN", None) if env is None else None
+        argv = [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "up",
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+        ]
+        if spec is not None:
+            argv.append(str(spec))
+        self.log = tmp / "up.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        wait_for(
+            lambda: (self.state / "run.json").exists() or self.proc.poll() is not None,
+            timeout=90,
+            what="pipeline up",
+        )
+        assert self.proc.poll() is None, self.log.read_text()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-m", "unbroken", "status", "--json"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return json.loads(out)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    u = Up(tmp_path_factory.mktemp("up"))
+    yield u
+    u.stop()
+
+
+def test_openai_client_streams_and_non_streams(up: Up) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=up.url + "/v1", api_key="sk-unused")
+    msgs = [{"role": "user", "content": "Write a haiku"}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_chat(msgs, 20).text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+    assert chat.choices[0].message.content == text and chat.usage.completion_tokens == 20
+    comp = client.completions.create(
+        model=MODEL, prompt="The pipeline", max_tokens=15, temperature=0
+    )
+    assert comp.choices[0].text == expected_completion("The pipeline", 15).text
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The pipeline", max_tokens=15, temperature=0, stream=True
+        )
+    )
+    assert streamed == comp.choices[0].text
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_default_pipeline_and_status(up: Up) -> None:
+    st = up.status()
+    pools = sorted((e["pool"], e["state"]) for e in st["gateway"]["endpoints"])
+    assert pools == [("fallback", "ready"), ("primary", "ready"), ("primary", "ready")]
+    assert all(r["alive"] and r["start_to_health_s"] is not None for r in st["replicas"])
+    human = subprocess.run(
+        [sys.executable, "-m", "unbroken", "status"],
+        env=up.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert human.returncode == 0 and "primary" in human.stdout and "ready" in human.stdout
+    token_file = up.state / "admin-token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert "admin token" in up.log.read_text()
+
+
+def test_second_up_refuses_while_one_runs(up: Up) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "up", "--port", str(free_port())],
+        env=up.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 1 and "already running" in r.stderr
+
+
+def test_supervisor_replaces_killed_replica_and_shuts_down_clean(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"""
+model: {MODEL}
+pools:
+  - name: main
+    replicas: 1
+    weights_size: 8MiB
+    engine: {{profile: fp16, overrides: {{decode_base_s: 0.004}}}}
+  - name: custom
+    replicas: 1
+    engine:
+      kind: command
+      command: ["{sys.executable}", "-m", "unbroken", "engine", "--port", "{{port}}",
+                "--served-model-name", "{{model}}", "--profile", "fp8"]
+""")
+    u = Up(tmp_path, spec, env={"UNBROKEN_ADMIN_TOKEN": "from-env"})
+    try:
+        assert (u.state / "admin-token").read_text().strip() == "from-env"
+        st = u.status()
+        names = {r["name"]: r for r in st["replicas"]}
+        assert set(names) == {"main-1", "custom-1"}
+        os.kill(names["main-1"]["pid"], signal.SIGKILL)
+
+        def replaced() -> bool:
+            s = u.status()
+            eps = {e["name"]: e["state"] for e in s["gateway"]["endpoints"]}
+            return eps.get("main-2") == "ready" and "main-1" not in eps
+
+        wait_for(replaced, timeout=30, interval=0.2, what="replacement ready")
+        events = [e["event"] for e in u.status()["events"]]
+        assert "replica_died" in events and "replica_replaced" in events
+        pids = [r["pid"] for r in u.status()["replicas"]] + [u.status()["gateway_pid"]]
+    finally:
+        code = u.stop()
+    assert code == 0
+    time.sleep(0.2)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("pools:\n  - name: a\n    replicas: -1\n", "pools.0.replicas"),
+        ("pools: []\n", "pools"),
+        ("pools:\n  - name: Bad_Name\n", "pools.0.name"),
+        ("pools:\n  - name: a\n    engine: {kind: command}\n", "pools.0.engine"),
+        ("pools:\n  - name: a\ngateway: {port: 99999}\n", "gateway.port"),
+        ("pools:\n  - name: a\ngateway: {routes: {critical: [zzz]}}\n", "zzz"),
+        ("pools: [\n", "invalid YAML"),
+        ("- 1\n", "mapping"),
+    ],
+)
+def test_spec_errors_name_the_field(tmp_path: Path, text: str, expect: str) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "up", str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "UNBROKEN_STATE_DIR": str(tmp_path / "s")},
+    )
+    assert r.returncode == 2 and expect in r.stderr, r.stderr
