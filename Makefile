@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/unbroken demo
+	$(BIN)/unbroken up
 
 up: setup
 	$(BIN)/unbroken up
