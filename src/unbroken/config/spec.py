@@ -56,6 +56,8 @@ class GatewaySettings(_Spec):
     warmup_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     connect_timeout_s: Annotated[float, Field(gt=0)] = 2.0
     drain_deadline_s: Annotated[float, Field(ge=0)] = 30.0
+    stall_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    max_migrations: Annotated[int, Field(ge=0, le=20)] = 3
 
 
 class ProfileOverrides(_Spec):

@@ -162,6 +162,18 @@ class GatewayMetrics:
             ["pool", "reason"],
             registry=r,
         )
+        self.migrated = Counter(
+            "unbroken_gateway_streams_migrated",
+            "Streams continued on another endpoint after their upstream broke.",
+            ["reason"],
+            registry=r,
+        )
+        self.unmigratable = Counter(
+            "unbroken_gateway_streams_unmigratable",
+            "Broken streams that could not be continued, by why.",
+            ["reason"],
+            registry=r,
+        )
         self.shed = Counter(
             "unbroken_gateway_shed",
             "Requests refused for lack of capacity.",

@@ -48,6 +48,7 @@ class Endpoint:
     served: int = 0
     added_at: float = field(default_factory=time.time)
     state_since: float = field(default_factory=time.time)
+    relays: set[Any] = field(default_factory=set)  # streams being relayed from here
     _rr: int = 0
 
     @property

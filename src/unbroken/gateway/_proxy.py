@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -14,11 +14,10 @@ from aiohttp import web
 
 from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._pool import Endpoint, Pool, State
-from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
+from unbroken.gateway._relay import ClientSink
+from unbroken.gateway._stream import UPSTREAM_ERRORS, Retry, StreamRelay
 from unbroken.wire.errors import ApiError
-from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.openai import ChatRequest, CompletionRequest, parse_request
-from unbroken.wire.sse import SSEDecoder, encode_data, encode_json
 
 if TYPE_CHECKING:
     from unbroken.gateway._metrics import GatewayMetrics
@@ -41,13 +40,6 @@ _HOP = {
     "accept-encoding",
     "trailer",
 }
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
-
-
-class _Retry(Exception):
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(detail)
-        self.kind = kind
 
 
 class Proxy:
@@ -112,7 +104,7 @@ class Proxy:
         try:
             priority = self._priority(request)
             body = await request.read()
-            req, _ = parse_request(ChatRequest if chat else CompletionRequest, body)
+            req, raw = parse_request(ChatRequest if chat else CompletionRequest, body)
             if not self.pool.serves(req.model):
                 if (
                     any(
@@ -133,7 +125,9 @@ class Proxy:
                     param="model",
                     code="model_not_found",
                 )
-            resp, pool_label = await self._forward(request, path, req, body, priority, t0, chat)
+            resp, pool_label = await self._forward(
+                request, path, req, raw, body, priority, t0, chat
+            )
             status = resp.status
             return resp
         except ApiError as e:
@@ -157,6 +151,7 @@ class Proxy:
         request: web.Request,
         path: str,
         req: CompletionRequest | ChatRequest,
+        raw: dict[str, Any],
         body: bytes,
         priority: str,
         t0: float,
@@ -172,19 +167,20 @@ class Proxy:
             ep, waited = await self.admission.acquire(req.model, priority, tried)
             if waited:
                 self.metrics.queue_wait.labels(priority).observe(waited)
+            handed = False  # the stream relay releases its own slots
             try:
                 try:
                     up = await self.session.post(ep.url + path, data=body, headers=headers)
-                except _UPSTREAM_ERRORS as e:
-                    raise _Retry("connect", f"{type(e).__name__}: {e}") from None
+                except UPSTREAM_ERRORS as e:
+                    raise Retry("connect", f"{type(e).__name__}: {e}") from None
                 if up.status >= 500:
                     last = (up.status, await _read_quietly(up))
-                    raise _Retry(f"status_{up.status}", f"HTTP {up.status}")
+                    raise Retry(f"status_{up.status}", f"HTTP {up.status}")
                 if up.status >= 400 or not req.stream:
                     try:
                         data = await up.read()
-                    except _UPSTREAM_ERRORS as e:
-                        raise _Retry("reset", f"{type(e).__name__}: {e}") from None
+                    except UPSTREAM_ERRORS as e:
+                        raise Retry("reset", f"{type(e).__name__}: {e}") from None
                     finally:
                         up.release()
                     out = web.Response(
@@ -194,14 +190,27 @@ class Proxy:
                         headers={"X-Unbroken-Endpoint": ep.name},
                     )
                     return out, ep.pool
-                return await self._relay(request, up, ep, t0, chat), ep.pool
-            except _Retry as r:
-                self._upstream_failed(ep, r.kind, str(r))
+                handed = True
+                relay = StreamRelay(
+                    self,
+                    request,
+                    path=path,
+                    raw=raw,
+                    chat=chat,
+                    model=req.model,
+                    priority=priority,
+                    headers=headers,
+                    t0=t0,
+                )
+                return await relay.run(up, ep), ep.pool
+            except Retry as r:
+                if r.kind not in ("reset", "truncated", "stall", "error_event") or not handed:
+                    self.upstream_failed(ep, r.kind, str(r))
                 tried.append(ep)
                 self.metrics.retries.labels(r.kind).inc()
             finally:
-                self.admission.release(ep)
-                self._on_release(ep)  # type: ignore[operator]
+                if not handed:
+                    self.release(ep)
         if last is not None and _is_openai_error(last[1]):
             return web.Response(
                 status=last[0], body=last[1], content_type="application/json"
@@ -212,7 +221,11 @@ class Proxy:
             code="upstream_unavailable",
         )
 
-    def _upstream_failed(self, ep: Endpoint, kind: str, detail: str) -> None:
+    def release(self, ep: Endpoint) -> None:
+        self.admission.release(ep)
+        self._on_release(ep)  # type: ignore[operator]
+
+    def upstream_failed(self, ep: Endpoint, kind: str, detail: str) -> None:
         self.metrics.upstream_errors.labels(ep.name, kind).inc()
         ep.last_error = f"{kind}: {detail}"
         if kind in ("connect", "reset"):
@@ -220,110 +233,11 @@ class Proxy:
             ep.healthy = False
         log.warning("upstream %s failed (%s): %s", ep.name, kind, detail)
 
-    async def _relay(
-        self, request: web.Request, up: aiohttp.ClientResponse, ep: Endpoint, t0: float, chat: bool
-    ) -> web.StreamResponse:
-        """Relay an upstream SSE stream. Headers go to the client only with the first event,
-        so an upstream that fails before it is retried elsewhere, invisibly."""
-        dec = SSEDecoder()
-        tracker = StreamTracker(chat)
-        resp: web.StreamResponse | None = None
-        sink: ClientSink | None = None
-        m = self.metrics
-        pool = ep.pool
-        last_token = 0.0
-        broken: str | None = None
-        finished_read = False
-        try:
-            try:
-                async for chunk in up.content.iter_any():
-                    events = dec.feed(chunk)
-                    if not events:
-                        continue
-                    tokens = tracker.observe(events)
-                    if sink is None:
-                        resp = web.StreamResponse(
-                            headers={**SSE_HEADERS, "X-Unbroken-Endpoint": ep.name}
-                        )
-                        await resp.prepare(request)
-                        sink = ClientSink(resp, request.transport, self.cfg.stream_buffer_bytes)
-                        self.sinks.add(sink)
-                    if tokens:
-                        now = time.monotonic()
-                        if last_token == 0.0:
-                            ttft, itl = m.for_pool(pool)
-                            ttft.observe(now - t0)
-                        else:
-                            itl.observe(now - last_token)
-                        for _ in range(tokens - 1):
-                            itl.observe(0.0)
-                        last_token = now
-                    await sink.send(b"".join(e.raw for e in events))
-                finished_read = True
-            except _UPSTREAM_ERRORS as e:
-                broken = f"{type(e).__name__}: {e}"
-            tail = dec.flush()
-            if tail:
-                tracker.observe(tail)
-                if sink is not None:
-                    await sink.send(b"".join(e.raw for e in tail))
-            if sink is None:
-                raise _Retry(
-                    "reset" if broken else "empty", broken or "stream ended before any event"
-                )
-            assert resp is not None
-            if not tracker.complete:
-                reason = "error_event" if tracker.error else ("reset" if broken else "truncated")
-                if broken:
-                    self._upstream_failed(ep, "reset", broken)
-                m.dropped.labels(pool, reason).inc()
-                log.warning("stream from %s ended without its finish (%s)", ep.name, reason)
-                if tracker.error is None:
-                    await sink.send(
-                        encode_json(
-                            {
-                                "error": {
-                                    "message": f"{ep.name} ended the stream early ({reason})",
-                                    "type": "upstream_error",
-                                    "param": None,
-                                    "code": "stream_broken",
-                                }
-                            }
-                        )
-                    )
-                if not tracker.done:
-                    await sink.send(encode_data(b"[DONE]"))
-            await sink.finish()
-        except ClientGone:
-            m.client_disconnects.inc()
-        except SlowClient:
-            m.slow_clients.inc()
-            log.warning(
-                "client of a stream on %s fell %d bytes behind; cutting it",
-                ep.name,
-                sink.buffered if sink else 0,
-            )
-            if sink is not None:
-                sink.abort()
-        except asyncio.CancelledError:
-            m.client_disconnects.inc()
-            if sink is not None:
-                sink.abort()
-            raise
-        finally:
-            if sink is not None:
-                self.sinks.discard(sink)
-            if finished_read:
-                up.release()
-            else:
-                up.close()  # the engine sees the disconnect and frees the slot
-        return resp
-
 
 async def _read_quietly(up: aiohttp.ClientResponse) -> bytes:
     try:
         return await up.read()
-    except _UPSTREAM_ERRORS:
+    except UPSTREAM_ERRORS:
         return b""
     finally:
         up.release()

@@ -172,35 +172,37 @@ class StreamTracker:
                 obj = orjson.loads(ev.data)
             except orjson.JSONDecodeError:
                 continue
-            if not isinstance(obj, dict):
-                continue
-            if "error" in obj:
-                self.error = (
-                    obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj)}
-                )
-                continue
-            if self.id is None:
-                self.id, self.created, self.model = (
-                    obj.get("id"),
-                    obj.get("created"),
-                    obj.get("model"),
-                )
-            if obj.get("usage"):
-                self.usage = obj["usage"]
-            for ch in obj.get("choices") or ():
-                idx = ch.get("index", 0)
-                if self.chat:
-                    delta = ch.get("delta") or {}
-                    if "role" in delta:
-                        self.role_sent.add(idx)
-                    text = delta.get("content")
-                else:
-                    text = ch.get("text")
-                if text:
-                    self.texts.setdefault(idx, []).append(text)
-                    tokens += 1
-                if ch.get("finish_reason"):
-                    self.finish[idx] = ch["finish_reason"]
+            if isinstance(obj, dict):
+                tokens += self.observe_obj(obj)
+        return tokens
+
+    def observe_obj(self, obj: dict[str, Any]) -> int:
+        """Take in one decoded event; return 1 if it carried a token, else 0."""
+        if "error" in obj:
+            err = obj["error"]
+            self.error = err if isinstance(err, dict) else {"message": str(err)}
+            return 0
+        if self.id is None:
+            self.id = obj.get("id")
+            self.created = obj.get("created")
+            self.model = obj.get("model")
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        tokens = 0
+        for ch in obj.get("choices") or ():
+            idx = ch.get("index", 0)
+            if self.chat:
+                delta = ch.get("delta") or {}
+                if "role" in delta:
+                    self.role_sent.add(idx)
+                text = delta.get("content")
+            else:
+                text = ch.get("text")
+            if text:
+                self.texts.setdefault(idx, []).append(text)
+                tokens += 1
+            if ch.get("finish_reason"):
+                self.finish[idx] = ch["finish_reason"]
         self.token_events += tokens
         return tokens
 
@@ -208,6 +210,10 @@ class StreamTracker:
     def complete(self) -> bool:
         """Ended as a stream should: its finish, then [DONE], and no error event."""
         return self.done and self.error is None and bool(self.finish)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and bool(self.finish)
 
     def text(self, index: int = 0) -> str:
         return "".join(self.texts.get(index, ()))

@@ -85,7 +85,20 @@ class Gateway:
         ep.set_state(State.DRAINING)
         ep.drain_deadline = time.monotonic() + deadline
         log.info("draining %s: %d in flight, deadline %.1f s", ep.name, ep.inflight, deadline)
+        if (h := self._drain_timers.pop(ep.name, None)) is not None:
+            h.cancel()
+        self._drain_timers[ep.name] = asyncio.get_running_loop().call_later(
+            deadline, self._drain_deadline, ep
+        )
         self._after_release(ep)
+
+    def _drain_deadline(self, ep: Endpoint) -> None:
+        """The deadline passed: the streams still on `ep` continue elsewhere."""
+        self._drain_timers.pop(ep.name, None)
+        if ep.relays:
+            log.info("drain deadline of %s: migrating %d stream(s)", ep.name, len(ep.relays))
+        for relay in list(ep.relays):
+            relay.interrupt("drain_deadline")
 
     def _after_release(self, ep: Endpoint) -> None:
         if ep.state == State.DRAINING and ep.inflight == 0 and self.pool.get(ep.name) is ep:
