@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -232,3 +233,65 @@ def stream_text(events: list[Any], chat: bool) -> str:
         for ch in ev.get("choices", []):
             out.append((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text", ""))
     return "".join(out)
+
+
+class Up:
+    def __init__(
+        self, tmp: Path, spec: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        self.state = tmp / "state"
+        self.port, self.admin_port = free_port(), free_port()
+        self.env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state), **(env or {})}
+        self.env.pop("UNBROKEN_ADMIN_TOKEN", None) if env is None else None
+        argv = [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "up",
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+        ]
+        if spec is not None:
+            argv.append(str(spec))
+        self.log = tmp / "up.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        wait_for(
+            lambda: (self.state / "run.json").exists() or self.proc.poll() is not None,
+            timeout=90,
+            what="pipeline up",
+        )
+        assert self.proc.poll() is None, self.log.read_text()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-m", "unbroken", "status", "--json"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return json.loads(out)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "unbroken", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )

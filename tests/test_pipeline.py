@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import stat
@@ -11,66 +10,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from helpers import MODEL, wait_for
+from helpers import MODEL, Up, wait_for
 from unbroken.engine.textmodel import expected_chat, expected_completion
 from unbroken.wire.http import free_port
-
-
-class Up:
-    def __init__(
-        self, tmp: Path, spec: Path | None = None, env: dict[str, str] | None = None
-    ) -> None:
-        self.state = tmp / "state"
-        self.port, self.admin_port = free_port(), free_port()
-        self.env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state), **(env or {})}
-        self.env.pop("UNBROKEN_ADMIN_TOKEN", None) if env is None else None
-        argv = [
-            sys.executable,
-            "-m",
-            "unbroken",
-            "up",
-            "--port",
-            str(self.port),
-            "--admin-port",
-            str(self.admin_port),
-        ]
-        if spec is not None:
-            argv.append(str(spec))
-        self.log = tmp / "up.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
-        wait_for(
-            lambda: (self.state / "run.json").exists() or self.proc.poll() is not None,
-            timeout=90,
-            what="pipeline up",
-        )
-        assert self.proc.poll() is None, self.log.read_text()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def status(self) -> dict[str, Any]:
-        out = subprocess.run(
-            [sys.executable, "-m", "unbroken", "status", "--json"],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-        return json.loads(out)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,94 @@ def status(
     raise typer.Exit(show_status(as_json=as_json))
 
 
+@app.command()
+def rollout(
+    pool: Annotated[str, typer.Argument(help="Pool to upgrade, e.g. primary.")],
+    profile: Annotated[str | None, typer.Option(help="New simulator profile.")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Profile override KEY=VALUE (e.g. decode_base_s=0.015); repeatable."
+        ),
+    ] = None,
+    command: Annotated[
+        str | None, typer.Option(help="New engine command (kind: command), shell-style words.")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="New model seed.")] = None,
+    deadline: Annotated[
+        float, typer.Option(help="Drain deadline per old replica (s); then streams are migrated.")
+    ] = 30.0,
+    warmup_budget: Annotated[
+        float, typer.Option(help="Stage 2: the warm-up completion must succeed within this (s).")
+    ] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="NDJSON progress on stdout.")] = False,
+) -> None:
+    """Zero-downtime rolling upgrade of a pool of the running `unbroken up`."""
+    import shlex
+
+    from unbroken.pipeline.up import rollout_cli
+
+    engine: dict[str, object] = {}
+    if profile:
+        engine["profile"] = profile
+    if seed is not None:
+        engine["seed"] = seed
+    if command:
+        engine["kind"] = "command"
+        engine["command"] = shlex.split(command)
+    overrides: dict[str, float] = {}
+    for item in set_ or []:
+        key, sep, value = item.partition("=")
+        try:
+            overrides[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            _fail(f"--set {item!r}: expected KEY=NUMBER")
+    if overrides:
+        engine["overrides"] = {
+            k: int(v)
+            if v.is_integer() and k in ("max_num_seqs", "kv_capacity_tokens", "max_model_len")
+            else v
+            for k, v in overrides.items()
+        }
+    raise typer.Exit(
+        rollout_cli(
+            pool,
+            engine,
+            drain_deadline_s=deadline,
+            warmup_budget_s=warmup_budget,
+            as_json=as_json,
+            console=console,
+        )
+    )
+
+
+@app.command()
+def drain(
+    endpoint: Annotated[str, typer.Argument(help="Endpoint name as the gateway lists it.")],
+    admin_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Gateway admin URL [from the running pipeline, else http://127.0.0.1:8081]."
+        ),
+    ] = None,
+    deadline: Annotated[
+        float | None,
+        typer.Option(help="Seconds before remaining streams are migrated [gateway default]."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Give up waiting after this (s).")] = 600.0,
+) -> None:
+    """Drain an endpoint and wait until it is empty (for preStop hooks)."""
+    from unbroken.pipeline.up import drain_cli
+
+    raise typer.Exit(
+        drain_cli(
+            endpoint, admin_url=admin_url, deadline_s=deadline, timeout=timeout, console=console
+        )
+    )
+
+
 @weights_app.command("make")
 def weights_make(
     directory: Annotated[Path, typer.Argument(help="Where to write the shards.")],

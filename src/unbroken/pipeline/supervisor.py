@@ -112,6 +112,7 @@ class Supervisor:
         self._stopping = False
         self._control: web.AppRunner | None = None
         self.events: list[dict[str, Any]] = []
+        self._rollout_lock = asyncio.Lock()
 
     # -- processes ----------------------------------------------------------------------------
     async def _spawn(
@@ -203,7 +204,7 @@ class Supervisor:
         r.started_at = time.time()
         self.replicas[name] = r
         log.info("started %s (pid %d, port %d)", name, r.pid, port)
-        self._event("replica_started", replica=name, pid=r.pid)
+        self.record("replica_started", replica=name, pid=r.pid)
         return r
 
     async def wait_health(self, r: Replica) -> None:
@@ -236,10 +237,10 @@ class Supervisor:
         r = await self.start_replica(pool)
         await self.wait_health(r)
         await self.register(r)
-        self._watch(r)
+        self.watch(r)
         return r
 
-    def _watch(self, r: Replica) -> None:
+    def watch(self, r: Replica) -> None:
         t = asyncio.create_task(self._on_exit(r), name=f"watch-{r.name}")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -250,7 +251,7 @@ class Supervisor:
         if self._stopping or r.stopping:
             return
         log.warning("%s (pid %s) exited unexpectedly with %s", r.name, r.pid, code)
-        self._event("replica_died", replica=r.name, pid=r.pid, code=code)
+        self.record("replica_died", replica=r.name, pid=r.pid, code=code)
         self.replicas.pop(r.name, None)
         with contextlib.suppress(AdminError):
             await self.admin.remove(name=r.name)
@@ -259,7 +260,7 @@ class Supervisor:
         self.restarts += 1
         try:
             new = await self.bring_up(r.pool)
-            self._event("replica_replaced", replica=r.name, by=new.name, pid=new.pid)
+            self.record("replica_replaced", replica=r.name, by=new.name, pid=new.pid)
             log.info("%s replaced by %s", r.name, new.name)
         except (StartupError, AdminError) as e:
             log.error("could not replace %s: %s", r.name, e)
@@ -280,7 +281,7 @@ class Supervisor:
         finally:
             self.replicas.pop(r.name, None)
 
-    def _event(self, kind: str, **data: Any) -> None:
+    def record(self, kind: str, **data: Any) -> None:
         self.events.append({"t": time.time(), "event": kind, **data})
 
     # -- whole pipeline ------------------------------------------------------------------------
@@ -367,8 +368,40 @@ class Supervisor:
                 text=json.dumps(await self.status()), content_type="application/json"
             )
 
+        async def rollout(request: web.Request) -> web.StreamResponse:
+            from pydantic import ValidationError
+
+            from unbroken.pipeline.rollout import RolloutError, RolloutRequest, run_rollout
+
+            try:
+                req = RolloutRequest.model_validate_json(await request.read())
+            except ValidationError as e:
+                return web.json_response({"error": str(e)}, status=400)
+            if self._rollout_lock.locked():
+                return web.json_response({"error": "a rollout is already running"}, status=409)
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+
+            async def progress(ev: dict[str, Any]) -> None:
+                with contextlib.suppress(ConnectionError):
+                    await resp.write(json.dumps(ev).encode() + b"\n")
+
+            async with self._rollout_lock:
+                try:
+                    summary = await run_rollout(self, req, progress)
+                except RolloutError as e:
+                    summary = {"ok": False, "error": str(e), "steps": []}
+            await progress({"event": "summary", **summary})
+            await resp.write_eof()
+            return resp
+
+        async def events(request: web.Request) -> web.Response:
+            return web.json_response({"events": self.events})
+
         app = web.Application()
         app.router.add_get("/status", status)
+        app.router.add_get("/events", events)
+        app.router.add_post("/rollout", rollout)
         self._control = web.AppRunner(app, access_log=None)
         await self._control.setup()
         await web.UnixSite(self._control, str(sock)).start()

@@ -136,3 +136,140 @@ def show_status(*, as_json: bool) -> int:
         f"restarts {status.get('restarts', 0)}"
     )
     return 0
+
+
+def rollout_cli(
+    pool: str,
+    engine: dict[str, Any],
+    *,
+    drain_deadline_s: float,
+    warmup_budget_s: float,
+    as_json: bool,
+    console: Console,
+) -> int:
+    """Ask the running supervisor for a rolling upgrade and show its progress."""
+    info = RunInfo.read(state_dir())
+    if info is None:
+        console.print("[red]error:[/red] no pipeline is running (start one with `unbroken up`)")
+        return 1
+    body = {
+        "pool": pool,
+        "engine": engine,
+        "drain_deadline_s": drain_deadline_s,
+        "warmup_budget_s": warmup_budget_s,
+    }
+
+    async def go() -> dict[str, Any]:
+        conn = aiohttp.UnixConnector(path=info.control_socket)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        summary: dict[str, Any] = {"ok": False, "error": "no summary received"}
+        async with (
+            aiohttp.ClientSession(connector=conn, timeout=timeout) as s,
+            s.post("http://supervisor/rollout", json=body) as r,
+        ):
+            if r.status != 200:
+                return {"ok": False, "error": (await r.json()).get("error", r.status)}
+            with console.status(f"rolling out pool {pool}") as st:
+                async for line in r.content:
+                    ev = json.loads(line)
+                    if as_json:
+                        sys.stdout.write(line.decode())
+                    if ev["event"] == "summary":
+                        summary = ev
+                        continue
+                    text = _describe(ev)
+                    st.update(text)
+                    console.print(f"  {text}")
+        return summary
+
+    try:
+        summary = asyncio.run(go())
+    except (aiohttp.ClientError, OSError) as e:
+        console.print(f"[red]error:[/red] cannot reach the supervisor: {e}")
+        return 1
+    if not as_json:
+        t = Table(title=f"rollout of {pool}: {'done' if summary.get('ok') else 'rolled back'}")
+        for col in ("old", "new", "stage 1", "stage 2", "drain", "result"):
+            t.add_column(col)
+        for s in summary.get("steps", []):
+            t.add_row(
+                s["old"],
+                s["new"] or "-",
+                _secs(s["stage1_s"]),
+                _secs(s["stage2_s"]),
+                _secs(s["drain_s"]),
+                "ok" if s["ok"] else (s["error"] or "-"),
+            )
+        console.print(t)
+        if not summary.get("ok"):
+            console.print(f"[red]rolled back:[/red] {summary.get('error')}")
+    return 0 if summary.get("ok") else 1
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def _describe(ev: dict[str, Any]) -> str:
+    kind = ev["event"]
+    if kind == "started":
+        return f"replacing {ev['replicas']} replica(s) with {ev.get('engine') or 'the same engine'}"
+    if kind == "surge":
+        return f"[{ev['index']}] started {ev['new']} (pid {ev['pid']}) beside {ev['old']}"
+    if kind in ("stage1", "stage2"):
+        what = "/health" if kind == "stage1" else "warm-up completion"
+        return (
+            f"{ev['new']}: {kind.replace('stage', 'stage ')} passed ({what}, {ev['seconds']:.2f} s)"
+        )
+    if kind == "ready":
+        return f"{ev['new']} ready in the gateway"
+    if kind == "draining":
+        return f"draining {ev['old']} (deadline {ev['deadline_s']:g} s)"
+    if kind == "replaced":
+        return f"{ev['old']} stopped after {ev['drain_s']:.2f} s of drain (exit {ev['exit_code']})"
+    if kind == "rollback":
+        return f"rolling back {ev.get('new')}: {ev['reason']}"
+    if kind == "finished":
+        return f"finished in {ev['seconds']:.1f} s"
+    return json.dumps(ev)
+
+
+def drain_cli(
+    name: str, *, admin_url: str | None, deadline_s: float | None, timeout: float, console: Console
+) -> int:
+    """Mark an endpoint draining and wait until the gateway has let it go (preStop hook)."""
+    import os
+    import time
+
+    from unbroken.clients import GatewayAdmin
+
+    info = RunInfo.read(state_dir())
+    url = admin_url or (info.admin_url if info else "http://127.0.0.1:8081")
+    token = os.environ.get("UNBROKEN_ADMIN_TOKEN")
+    if not token:
+        path = Path(info.token_file) if info else state_dir() / "admin-token"
+        try:
+            token = path.read_text().strip()
+        except OSError:
+            console.print("[red]error:[/red] no admin token: set UNBROKEN_ADMIN_TOKEN")
+            return 2
+
+    async def go() -> int:
+        async with GatewayAdmin(url, token) as adm:
+            try:
+                ep = await adm.drain(name=name, deadline_s=deadline_s)
+            except AdminError as e:
+                console.print(f"[red]error:[/red] {e}")
+                return 1
+            console.print(f"draining {name}: {ep['inflight']} stream(s) in flight")
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < timeout:
+                eps = {e["name"]: e for e in await adm.endpoints()}
+                if name not in eps:
+                    console.print(f"{name} drained in {time.monotonic() - t0:.1f} s")
+                    return 0
+                await asyncio.sleep(0.2)
+            console.print(f"[red]error:[/red] {name} still has streams after {timeout:g} s")
+            return 1
+
+    return asyncio.run(go())

@@ -1,0 +1,205 @@
+"""Zero-downtime rolling upgrade of one pool, driven by the supervisor.
+
+For each replica of the pool, one at a time: start the new version beside it (surge one),
+stage 1 (`/health`), stage 2 (a real warm-up completion within its latency budget), register
+it with the gateway, wait until it is ready there, drain the old replica with a deadline (the
+gateway migrates what is still running at the deadline), SIGTERM it, wait for its exit. A new
+replica that fails either stage is torn down and the rollout stops: the old replica never
+stopped serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from unbroken.clients import AdminError
+from unbroken.config.spec import EngineSpec
+
+if TYPE_CHECKING:
+    from unbroken.pipeline.supervisor import Replica, Supervisor
+
+__all__ = ["RolloutError", "RolloutRequest", "run_rollout"]
+
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+class RolloutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineSpec fields to change")
+    drain_deadline_s: float = Field(default=30.0, ge=0)
+    warmup_budget_s: float = Field(default=10.0, gt=0)
+    health_timeout_s: float = Field(default=120.0, gt=0)
+    ready_timeout_s: float = Field(default=30.0, gt=0)
+
+
+@dataclass
+class Step:
+    old: str
+    new: str | None = None
+    stage1_s: float | None = None
+    stage2_s: float | None = None
+    drain_s: float | None = None
+    ok: bool = False
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def new_engine(old: EngineSpec, update: dict[str, Any]) -> EngineSpec:
+    data = old.model_dump()
+    for k, v in update.items():
+        if k == "overrides" and isinstance(v, dict):
+            data["overrides"] = {**data.get("overrides", {}), **v}
+        else:
+            data[k] = v
+    try:
+        return EngineSpec.model_validate(data)
+    except ValidationError as e:
+        raise RolloutError(f"invalid engine update: {e}") from None
+
+
+async def _warmup(sup: Supervisor, r: Replica, budget: float) -> float:
+    body = {"model": sup.spec.model, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
+    t0 = time.monotonic()
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                r.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=budget)
+            ) as resp,
+        ):
+            await resp.read()
+            if resp.status != 200:
+                raise RolloutError(f"warm-up completion answered {resp.status}")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise RolloutError(
+            f"warm-up completion failed within {budget:g} s: {type(e).__name__}"
+        ) from None
+    took = time.monotonic() - t0
+    if took > budget:
+        raise RolloutError(f"warm-up took {took:.2f} s, over its {budget:g} s budget")
+    return took
+
+
+async def _wait_state(
+    sup: Supervisor, name: str, want: Callable[[dict[str, Any] | None], bool], timeout: float
+) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        eps = {e["name"]: e for e in await sup.admin.endpoints()}
+        if want(eps.get(name)):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def run_rollout(sup: Supervisor, req: RolloutRequest, progress: Progress) -> dict[str, Any]:
+    pool = next((p for p in sup.spec.pools if p.name == req.pool), None)
+    if pool is None:
+        raise RolloutError(
+            f"no pool named {req.pool!r} (pools: {', '.join(p.name for p in sup.spec.pools)})"
+        )
+    engine = new_engine(pool.engine, req.engine)
+    new_pool = pool.model_copy(update={"engine": engine})
+    olds = [r for r in sup.replicas.values() if r.pool.name == pool.name and not r.stopping]
+    t_start = time.monotonic()
+    steps: list[Step] = []
+
+    async def say(kind: str, **data: Any) -> None:
+        sup.record(f"rollout_{kind}", pool=pool.name, **data)
+        await progress({"event": kind, "t": time.time(), **data})
+
+    await say("started", replicas=len(olds), engine=engine.model_dump(exclude_defaults=True))
+    for i, old in enumerate(olds, 1):
+        step = Step(old=old.name)
+        steps.append(step)
+        new: Replica | None = None
+        registered = False
+        try:
+            t0 = time.monotonic()
+            new = await sup.start_replica(new_pool)
+            step.new = new.name
+            await say("surge", index=i, old=old.name, new=new.name, pid=new.pid)
+            try:
+                await asyncio.wait_for(sup.wait_health(new), req.health_timeout_s)
+            except TimeoutError:
+                raise RolloutError(
+                    f"{new.name} failed stage 1: no /health within {req.health_timeout_s:g} s"
+                ) from None
+            step.stage1_s = time.monotonic() - t0
+            await say("stage1", new=new.name, seconds=round(step.stage1_s, 3))
+            step.stage2_s = await _warmup(sup, new, req.warmup_budget_s)
+            await say("stage2", new=new.name, seconds=round(step.stage2_s, 3))
+            await sup.admin.add(
+                url=new.url, name=new.name, pool=pool.name, cap=pool.cap, warmup=False
+            )
+            registered = True
+            if not await _wait_state(
+                sup, new.name, lambda e: bool(e and e["state"] == "ready"), req.ready_timeout_s
+            ):
+                raise RolloutError(f"{new.name} did not become ready in the gateway")
+            sup.watch(new)
+            await say("ready", new=new.name)
+        except (RolloutError, AdminError, Exception) as e:
+            step.error = str(e)
+            await say("rollback", new=step.new, reason=str(e))
+            if registered and new is not None:
+                with contextlib.suppress(AdminError):
+                    await sup.admin.remove(name=new.name)
+            if new is not None:
+                await sup.stop_replica(new, timeout=5)
+            return _summary(pool.name, steps, t_start, ok=False, error=str(e))
+        t0 = time.monotonic()
+        await sup.admin.drain(name=old.name, deadline_s=req.drain_deadline_s)
+        await say("draining", old=old.name, deadline_s=req.drain_deadline_s)
+        gone = await _wait_state(sup, old.name, lambda e: e is None, req.drain_deadline_s + 15.0)
+        if not gone:  # should not happen: at the deadline the gateway migrates the rest
+            with contextlib.suppress(AdminError):
+                await sup.admin.remove(name=old.name)
+        step.drain_s = time.monotonic() - t0
+        code = await sup.stop_replica(old, timeout=15)
+        step.ok = True
+        await say(
+            "replaced", old=old.name, new=new.name, drain_s=round(step.drain_s, 3), exit_code=code
+        )
+    idx = sup.spec.pools.index(pool)
+    sup.spec.pools[idx] = new_pool  # replacements from now on run the new version
+    summary = _summary(pool.name, steps, t_start, ok=True)
+    await say("finished", seconds=summary["seconds"])
+    return summary
+
+
+def _summary(
+    pool: str, steps: list[Step], t0: float, *, ok: bool, error: str | None = None
+) -> dict[str, Any]:
+    return {
+        "pool": pool,
+        "ok": ok,
+        "error": error,
+        "seconds": round(time.monotonic() - t0, 3),
+        "steps": [
+            {
+                "old": s.old,
+                "new": s.new,
+                "stage1_s": s.stage1_s,
+                "stage2_s": s.stage2_s,
+                "drain_s": s.drain_s,
+                "ok": s.ok,
+                "error": s.error,
+            }
+            for s in steps
+        ],
+    }

@@ -1,0 +1,143 @@
+"""Rolling upgrades and drains against a running `unbroken up`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from helpers import MODEL, Up
+from test_migration import check_one_stream, read_stream, text_of
+from unbroken.engine.textmodel import expected_completion
+
+SPEC = f"""
+model: {MODEL}
+pools:
+  - name: primary
+    replicas: 2
+    weights_size: 8MiB
+    engine: {{profile: fp16, overrides: {{decode_base_s: 0.004, decode_per_seq_s: 0.00005}}}}
+  - name: fallback
+    replicas: 1
+    weights_size: 8MiB
+    engine: {{profile: fp8, overrides: {{decode_base_s: 0.004}}}}
+gateway: {{routes: {{standard: [primary]}}}}
+"""
+
+
+def _up(tmp: Path) -> Up:
+    spec = tmp / "spec.yaml"
+    spec.write_text(SPEC)
+    return Up(tmp, spec)
+
+
+def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
+    u = _up(tmp_path)
+    try:
+        before = {r["name"]: r["pid"] for r in u.status()["replicas"]}
+        results: list[tuple[list[Any], httpx.Response]] = []
+        prompts = [f"a long answer {i}" for i in range(4)]
+        ts = [
+            threading.Thread(
+                target=lambda p=p: results.append(
+                    read_stream(
+                        u.url,
+                        "/v1/completions",
+                        {"model": MODEL, "prompt": p, "max_tokens": 2000, "temperature": 0},
+                    )
+                )
+            )
+            for p in prompts
+        ]
+        for t in ts:
+            t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        r = u.run("rollout", "primary", "--set", "decode_base_s=0.005", "--deadline", "1", "--json")
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        summary = events[-1]
+        assert summary["event"] == "summary" and summary["ok"]
+        assert [s["old"] for s in summary["steps"]] == ["primary-1", "primary-2"]
+        # Two replicas, each: start (~1 s), deadline (1 s), stop: bounded, not 2,000 tokens.
+        assert took < 2 * (1.0 + 5.0), took
+        for t in ts:
+            t.join(90)
+        assert len(results) == 4
+        texts = set()
+        for evs, _ in results:
+            check_one_stream(evs, chat=False)
+            texts.add(text_of(evs, chat=False))
+        assert texts == {expected_completion(p, 2000).text for p in prompts}
+        st = u.status()
+        names = sorted(r["name"] for r in st["replicas"])
+        assert names == ["fallback-1", "primary-3", "primary-4"]
+        assert all(
+            before.get(r["name"]) != r["pid"]
+            for r in st["replicas"]
+            if r["name"].startswith("primary")
+        )
+        kinds = [e["event"] for e in st["events"]]
+        assert kinds.count("rollout_replaced") == 2
+    finally:
+        assert u.stop() == 0
+
+
+def test_rollback_when_the_new_replica_fails_stage_2(tmp_path: Path) -> None:
+    u = _up(tmp_path)
+    try:
+        before = sorted((r["name"], r["pid"]) for r in u.status()["replicas"])
+        # A 5 s decode step cannot answer the warm-up within a 1 s budget.
+        r = u.run("rollout", "primary", "--set", "decode_base_s=5", "--warmup-budget", "1")
+        assert r.returncode == 1
+        assert "rolled back" in r.stderr and "warm-up" in r.stderr
+        st = u.status()
+        assert sorted((r["name"], r["pid"]) for r in st["replicas"]) == before
+        eps = {e["name"]: e["state"] for e in st["gateway"]["endpoints"]}
+        assert eps == {"primary-1": "ready", "primary-2": "ready", "fallback-1": "ready"}
+        res = httpx.post(
+            u.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "still here", "max_tokens": 5, "temperature": 0},
+            timeout=30,
+        )
+        assert res.json()["choices"][0]["text"] == expected_completion("still here", 5).text
+        bad = u.run("rollout", "nosuchpool")
+        assert bad.returncode == 1 and "no pool named" in bad.stderr
+    finally:
+        u.stop()
+
+
+def test_drain_cli_waits_until_empty(tmp_path: Path) -> None:
+    u = _up(tmp_path)
+    try:
+        out: dict[str, Any] = {}
+        t = threading.Thread(
+            target=lambda: out.update(
+                r=read_stream(
+                    u.url,
+                    "/v1/completions",
+                    {"model": MODEL, "prompt": "keep going", "max_tokens": 300, "temperature": 0},
+                )
+            )
+        )
+        t.start()
+        time.sleep(0.5)
+        serving = next(e["name"] for e in u.status()["gateway"]["endpoints"] if e["inflight"])
+        t0 = time.monotonic()
+        r = u.run("drain", serving, "--deadline", "60")
+        assert r.returncode == 0, r.stderr
+        assert "drained" in r.stderr
+        t.join(30)
+        events, _ = out["r"]
+        assert text_of(events, chat=False) == expected_completion("keep going", 300).text
+        assert time.monotonic() - t0 > 0.3  # it waited for the stream, not the deadline
+        assert serving not in {e["name"] for e in u.status()["gateway"]["endpoints"]}
+        r = u.run("drain", "no-such-endpoint")
+        assert r.returncode == 1 and "no endpoint named" in r.stderr
+    finally:
+        u.stop()
