@@ -12,10 +12,10 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/unbroken up
+	$(BIN)/unbroken demo
 
 up: setup
-	$(BIN)/unbroken up
+	$(BIN)/unbroken demo
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks

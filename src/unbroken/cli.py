@@ -279,6 +279,118 @@ def drain(
     )
 
 
+def _range(text: str, what: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        _fail(f"{what}: expected N or LO:HI, got {text!r}")
+    if a < 1 or b < a:
+        _fail(f"{what}: need 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+@app.command()
+def bench(
+    url: Annotated[
+        str | None,
+        typer.Option(help="OpenAI-compatible base URL [the running pipeline's gateway]."),
+    ] = None,
+    scenario: Annotated[str, typer.Option(help="steady, rollout or chaos.")] = "steady",
+    users: Annotated[int, typer.Option(help="Concurrent streaming users.")] = 50,
+    spawn_rate: Annotated[float, typer.Option(help="Users started per second.")] = 10.0,
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 60.0,
+    at: Annotated[float, typer.Option(help="When the scenario acts (s).")] = 20.0,
+    pool: Annotated[str, typer.Option(help="Pool the scenario acts on.")] = "primary",
+    deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
+    max_tokens: Annotated[str, typer.Option(help="Output tokens, N or LO:HI.")] = "32:128",
+    prompt_words: Annotated[str, typer.Option(help="Prompt words, N or LO:HI.")] = "16:64",
+    chat_fraction: Annotated[float, typer.Option(help="Share of chat requests.")] = 0.5,
+    priority_mix: Annotated[
+        str, typer.Option(help="e.g. critical=0.1,standard=0.8,sheddable=0.1")
+    ] = "standard=1",
+    slow_fraction: Annotated[float, typer.Option(help="Share of slow-reading users.")] = 0.0,
+    verify: Annotated[
+        bool, typer.Option(help="Check every text against the simulator's expected output.")
+    ] = True,
+    model: Annotated[str, typer.Option(help="Model name to request.")] = "unbroken-sim",
+    out: Annotated[Path, typer.Option(help="Report directory.")] = Path("bench-out"),
+) -> None:
+    """Load-test an OpenAI endpoint; measure TTFT/ITL/TPOT, dropped and corrupted streams."""
+    import asyncio
+
+    from unbroken.bench.control import PipelineControl, Sampler
+    from unbroken.bench.load import LoadConfig
+    from unbroken.bench.runner import run_bench
+    from unbroken.pipeline.paths import RunInfo, state_dir
+
+    if scenario not in ("steady", "rollout", "chaos"):
+        _fail("--scenario must be steady, rollout or chaos")
+    mix: dict[str, float] = {}
+    for part in priority_mix.split(","):
+        k, _, v = part.partition("=")
+        try:
+            mix[k.strip()] = float(v)
+        except ValueError:
+            _fail(f"--priority-mix: bad entry {part!r}")
+    info = RunInfo.read(state_dir())
+    if url is None:
+        url = info.gateway_url if info else "http://127.0.0.1:8080"
+    control = sampler = None
+    if info is not None:
+        control = PipelineControl(info.control_socket)
+        try:
+            token = Path(info.token_file).read_text().strip()
+            sampler = Sampler(info.admin_url, token)
+        except OSError:
+            sampler = None
+    elif scenario != "steady":
+        _fail(f"scenario {scenario} needs a running `unbroken up`")
+    cfg = LoadConfig(
+        url=url.rstrip("/"),
+        model=model,
+        users=users,
+        spawn_rate=spawn_rate,
+        duration=duration,
+        prompt_words=_range(prompt_words, "--prompt-words"),
+        max_tokens=_range(max_tokens, "--max-tokens"),
+        chat_fraction=chat_fraction,
+        priorities=mix,
+        slow_fraction=slow_fraction,
+        verify=verify,
+    )
+    asyncio.run(
+        run_bench(
+            cfg,
+            scenario=scenario,
+            at=at,
+            pool=pool,
+            deadline_s=deadline,
+            out=out,
+            control=control,
+            sampler=sampler,
+            console=console,
+        )
+    )
+
+
+@app.command()
+def demo(
+    users: Annotated[int, typer.Option(help="Streaming users.")] = 200,
+    steady: Annotated[float, typer.Option(help="Seconds of the steady window.")] = 30.0,
+    deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
+    out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
+) -> None:
+    """The main job: default pipeline, 200 users, rolling upgrade, SIGKILL; measured."""
+    from unbroken.bench.demo import run_demo
+
+    _logging(False)
+    logging.getLogger().setLevel(logging.WARNING)
+    raise typer.Exit(
+        run_demo(out=out, users=users, steady_s=steady, deadline_s=deadline, console=console)
+    )
+
+
 @weights_app.command("make")
 def weights_make(
     directory: Annotated[Path, typer.Argument(help="Where to write the shards.")],

@@ -137,7 +137,13 @@ class Supervisor:
 
     def _gateway_argv(self) -> list[str]:
         cfg = self.state / "gateway.json"
-        cfg.write_text(self.spec.gateway.model_dump_json(indent=1))
+        settings = self.spec.gateway.model_copy(deep=True)
+        order = [p.name for p in self.spec.pools]
+        for prio in ("critical", "standard", "sheddable"):
+            # Unrouted priorities prefer pools in spec order (primary first, then fallback),
+            # not in the order their engines happened to become ready.
+            settings.routes.setdefault(prio, order)  # type: ignore[call-overload]
+        cfg.write_text(settings.model_dump_json(indent=1))
         return [sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)]
 
     def weights_for(self, pool: PoolSpec) -> Path | None:

@@ -1,0 +1,114 @@
+"""What a scenario does to a running pipeline, through the supervisor's control socket and
+the gateway's admin API (the same calls `unbroken rollout` and `unbroken status` make)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import aiohttp
+
+from unbroken.clients import AdminError, GatewayAdmin
+
+__all__ = ["PipelineControl", "Sampler"]
+
+
+class PipelineControl:
+    def __init__(self, control_socket: str) -> None:
+        self.socket = control_socket
+
+    def _session(self, read_timeout: float = 30) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=self.socket),
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=read_timeout),
+        )
+
+    async def status(self) -> dict[str, Any]:
+        async with self._session() as s, s.get("http://supervisor/status") as r:
+            return await r.json()
+
+    async def rollout(
+        self, pool: str, engine: dict[str, Any], *, deadline_s: float, warmup_budget_s: float = 10.0
+    ) -> dict[str, Any]:
+        body = {
+            "pool": pool,
+            "engine": engine,
+            "drain_deadline_s": deadline_s,
+            "warmup_budget_s": warmup_budget_s,
+        }
+        summary: dict[str, Any] = {"ok": False, "error": "no summary"}
+        async with self._session(600) as s, s.post("http://supervisor/rollout", json=body) as r:
+            if r.status != 200:
+                return {"ok": False, "error": await r.text()}
+            async for line in r.content:
+                ev = json.loads(line)
+                if ev["event"] == "summary":
+                    summary = ev
+        return summary
+
+    async def kill(self, pool: str) -> dict[str, Any]:
+        """SIGKILL one replica of `pool` (the oldest), as a crash would."""
+        st = await self.status()
+        victims = sorted(
+            (r for r in st["replicas"] if r["pool"] == pool and r["alive"]),
+            key=lambda r: r["started_at"],
+        )
+        if not victims:
+            raise RuntimeError(f"no live replica in pool {pool!r}")
+        v = victims[0]
+        os.kill(v["pid"], signal.SIGKILL)
+        return v
+
+    async def wait_replaced(self, name: str, timeout: float = 60) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = await self.status()
+            for e in reversed(st.get("events", [])):
+                if e.get("event") == "replica_replaced" and e.get("replica") == name:
+                    return e.get("by")
+            await asyncio.sleep(0.25)
+        return None
+
+
+class Sampler:
+    """Polls the gateway's admin API: in-flight streams per endpoint over time."""
+
+    def __init__(self, admin_url: str, token: str, interval: float = 0.5) -> None:
+        self.admin = GatewayAdmin(admin_url, token, timeout=5)
+        self.interval = interval
+        self.samples: list[dict[str, Any]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, t0: float) -> None:
+        self._task = asyncio.create_task(self._loop(t0))
+
+    async def _loop(self, t0: float) -> None:
+        while True:
+            try:
+                eps = await self.admin.endpoints()
+                self.samples.append(
+                    {
+                        "t": round(time.monotonic() - t0, 3),
+                        "endpoints": {
+                            e["name"]: {
+                                "inflight": e["inflight"],
+                                "state": e["state"],
+                                "pool": e["pool"],
+                            }
+                            for e in eps
+                        },
+                    }
+                )
+            except AdminError:
+                pass
+            await asyncio.sleep(self.interval)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.admin.close()

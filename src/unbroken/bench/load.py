@@ -1,0 +1,269 @@
+"""An asyncio load generator for any OpenAI-compatible URL.
+
+Closed loop: each user sends a streaming request, reads it to the end (slowly, for the
+slow-reader fraction), and sends the next, until the run stops. Every request is recorded:
+start, TTFT, every inter-token gap, end, tokens, outcome. Outcomes:
+
+- ok: its finish, then [DONE], and (when verifying against the simulator) the exact text;
+- dropped: it ended without its finish (reset, truncated, error event);
+- corrupted: it finished, but the text differs from what the simulator must produce;
+- rejected: 429/503 (shed, queue timeout, no capacity);
+- error: any other HTTP error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from unbroken.engine.textmodel import VOCAB, expected_chat, expected_completion
+from unbroken.wire.sse import SSEDecoder
+
+__all__ = ["LoadConfig", "LoadRun", "Record"]
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    model: str = "unbroken-sim"
+    users: int = 50
+    spawn_rate: float = 10.0  # users started per second
+    duration: float = 60.0
+    prompt_words: tuple[int, int] = (16, 64)
+    max_tokens: tuple[int, int] = (32, 128)
+    chat_fraction: float = 0.5
+    priorities: dict[str, float] = field(default_factory=lambda: {"standard": 1.0})
+    priority_header: str = "x-unbroken-priority"
+    slow_fraction: float = 0.0
+    slow_delay_s: float = 0.05  # pause after each read by a slow reader
+    verify: bool = True
+    sim_seed: int = 0
+    seed: int = 1
+    api_key: str | None = None
+    request_timeout_s: float = 300.0
+
+
+@dataclass(slots=True)
+class Record:
+    user: int
+    kind: str  # "chat" or "completion"
+    priority: str
+    slow: bool
+    start: float  # seconds since the run's t0
+    max_tokens: int
+    status: int = 0
+    ttft: float | None = None
+    end: float | None = None
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    outcome: str = "pending"
+    detail: str | None = None
+    endpoint: str | None = None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.end is None or self.tokens < 2:
+            return None
+        return (self.end - self.start - self.ttft) / (self.tokens - 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["e2e"], d["tpot"] = self.e2e, self.tpot
+        return d
+
+
+class LoadRun:
+    def __init__(self, cfg: LoadConfig, on_record: Callable[[Record], None] | None = None) -> None:
+        self.cfg = cfg
+        self.records: list[Record] = []
+        self.events: list[dict[str, Any]] = []
+        self.t0 = 0.0
+        self.active = 0
+        self._stop = asyncio.Event()
+        self._on_record = on_record
+        self._rng = random.Random(cfg.seed)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def mark(self, event: str, **data: Any) -> None:
+        """Timestamp an event (rollout started, replica killed...) into the results."""
+        self.events.append({"t": round(self.now(), 3), "event": event, **data})
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> list[Record]:
+        cfg = self.cfg
+        self.t0 = time.monotonic()
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=10)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            tasks = []
+            for i in range(cfg.users):
+                tasks.append(asyncio.create_task(self._user(session, i)))
+                if cfg.spawn_rate > 0:
+                    try:
+                        await asyncio.wait_for(self._stop.wait(), 1.0 / cfg.spawn_rate)
+                        break
+                    except TimeoutError:
+                        pass
+            try:
+                await asyncio.wait_for(self._stop.wait(), max(0.0, cfg.duration - self.now()))
+            except TimeoutError:
+                pass
+            self._stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return self.records
+
+    def _prompt(self) -> str:
+        lo, hi = self.cfg.prompt_words
+        n = self._rng.randint(lo, hi)
+        return " ".join(self._rng.choice(VOCAB) for _ in range(n)).capitalize()
+
+    def _priority(self) -> str:
+        r = self._rng.random() * sum(self.cfg.priorities.values())
+        for name, w in self.cfg.priorities.items():
+            r -= w
+            if r <= 0:
+                return name
+        return next(iter(self.cfg.priorities))
+
+    async def _user(self, session: aiohttp.ClientSession, user: int) -> None:
+        slow = self._rng.random() < self.cfg.slow_fraction
+        while not self._stop.is_set():
+            await self._one(session, user, slow)
+
+    async def _one(self, session: aiohttp.ClientSession, user: int, slow: bool) -> None:
+        cfg = self.cfg
+        chat = self._rng.random() < cfg.chat_fraction
+        prompt = self._prompt()
+        max_tokens = self._rng.randint(*cfg.max_tokens)
+        priority = self._priority()
+        rec = Record(
+            user=user,
+            kind="chat" if chat else "completion",
+            priority=priority,
+            slow=slow,
+            start=self.now(),
+            max_tokens=max_tokens,
+        )
+        body: dict[str, Any] = {
+            "model": cfg.model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        if chat:
+            msgs = [{"role": "user", "content": prompt}]
+            body["messages"] = msgs
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = prompt
+            path = "/v1/completions"
+        headers = {"Content-Type": "application/json", cfg.priority_header: priority}
+        if cfg.api_key:
+            headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self.active += 1
+        t0 = time.monotonic()
+        texts: list[str] = []
+        finish = None
+        done = error = False
+        try:
+            async with session.post(cfg.url + path, data=orjson.dumps(body), headers=headers) as r:
+                rec.status = r.status
+                rec.endpoint = r.headers.get("X-Unbroken-Endpoint")
+                if r.status != 200:
+                    await r.read()
+                    rec.outcome = "rejected" if r.status in (429, 503) else "error"
+                    rec.detail = f"HTTP {r.status}"
+                    if rec.outcome == "rejected":
+                        await asyncio.sleep(0.5)  # honour Retry-After-ish pacing
+                    return
+                dec = SSEDecoder()
+                last = None
+                async for chunk in r.content.iter_any():
+                    now = time.monotonic()
+                    for ev in dec.feed(chunk):
+                        if ev.data is None:
+                            continue
+                        if ev.is_done:
+                            done = True
+                            continue
+                        obj = orjson.loads(ev.data)
+                        if "error" in obj:
+                            error = True
+                            rec.detail = str(obj["error"].get("message"))[:200]
+                            continue
+                        for ch in obj.get("choices") or ():
+                            piece = (
+                                (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                            )
+                            if piece:
+                                texts.append(piece)
+                                rec.tokens += 1
+                                if last is None:
+                                    rec.ttft = now - t0
+                                else:
+                                    rec.gaps.append(now - last)
+                                last = now
+                            if ch.get("finish_reason"):
+                                finish = ch["finish_reason"]
+                    if slow:
+                        await asyncio.sleep(cfg.slow_delay_s)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            rec.detail = f"{type(e).__name__}: {e}"[:200]
+            done = False
+        finally:
+            self.active -= 1
+            rec.end = rec.start + (time.monotonic() - t0)
+            if rec.outcome == "pending":
+                rec.outcome = self._judge(
+                    rec, chat, prompt, max_tokens, "".join(texts), finish, done, error
+                )
+            self.records.append(rec)
+            if self._on_record is not None:
+                self._on_record(rec)
+
+    def _judge(
+        self,
+        rec: Record,
+        chat: bool,
+        prompt: str,
+        max_tokens: int,
+        text: str,
+        finish: str | None,
+        done: bool,
+        error: bool,
+    ) -> str:
+        if error or not done or finish is None:
+            rec.detail = rec.detail or ("no finish" if done else "stream ended without [DONE]")
+            return "dropped"
+        if self.cfg.verify:
+            exp = (
+                expected_chat([("user", prompt)], max_tokens, seed=self.cfg.sim_seed)
+                if chat
+                else expected_completion(prompt, max_tokens, seed=self.cfg.sim_seed)
+            )
+            if exp.text != text:
+                rec.detail = f"text differs at char {_diff_at(exp.text, text)}"
+                return "corrupted"
+        return "ok"
+
+
+def _diff_at(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

@@ -1,0 +1,50 @@
+"""Percentiles and window summaries of load records."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from unbroken.bench.load import Record
+
+__all__ = ["percentile", "summarize"]
+
+PCTS = (50, 90, 99, 99.9)
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (no interpolation: p99.9 of 1,000 samples is a real sample)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))
+    return s[k]
+
+
+def summarize(
+    records: Iterable[Record], start: float = 0.0, end: float = math.inf
+) -> dict[str, Any]:
+    """Requests that started in [start, end): outcomes and latency percentiles (seconds)."""
+    rs = [r for r in records if start <= r.start < end]
+    outcomes = Counter(r.outcome for r in rs)
+    ttft = [r.ttft for r in rs if r.ttft is not None]
+    tpot = [t for r in rs if (t := r.tpot) is not None]
+    e2e = [r.e2e for r in rs if r.e2e is not None and r.outcome == "ok"]
+    itl = [g for r in rs for g in r.gaps]
+    tokens = sum(r.tokens for r in rs)
+    span = (max((r.end or r.start) for r in rs) - min(r.start for r in rs)) if rs else 0.0
+    return {
+        "window": [start, None if end == math.inf else end],
+        "requests": len(rs),
+        "outcomes": dict(outcomes),
+        "dropped": outcomes.get("dropped", 0),
+        "corrupted": outcomes.get("corrupted", 0),
+        "tokens": tokens,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "ttft": {f"p{p:g}": percentile(ttft, p) for p in PCTS},
+        "itl": {f"p{p:g}": percentile(itl, p) for p in PCTS},
+        "tpot": {f"p{p:g}": percentile(tpot, p) for p in PCTS},
+        "e2e": {f"p{p:g}": percentile(e2e, p) for p in PCTS},
+    }
