@@ -15,7 +15,7 @@ demo: setup
 	$(BIN)/unbroken demo
 
 up: setup
-	$(BIN)/unbroken demo
+	$(BIN)/unbroken up
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks

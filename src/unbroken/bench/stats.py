@@ -19,7 +19,7 @@ def percentile(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
-    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(p * len(s) / 100 - 1e-9) - 1))
     return s[k]
 
 

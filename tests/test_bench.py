@@ -1,0 +1,192 @@
+"""The verifier: load records, outcomes, percentiles, report files, and the demo itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import MODEL, Proc, engine, gateway
+from unbroken.bench.load import LoadConfig, LoadRun, Record
+from unbroken.bench.report import write_report
+from unbroken.bench.runner import make_window, window_counts
+from unbroken.bench.stats import percentile, summarize
+
+
+def test_percentile_is_nearest_rank() -> None:
+    xs = [float(i) for i in range(1, 1001)]
+    assert percentile(xs, 50) == 500.0
+    assert percentile(xs, 99.9) == 999.0
+    assert percentile(xs, 100) == 1000.0
+    assert percentile([], 50) is None
+
+
+def _rec(start: float, end: float, outcome: str, ttft: float = 0.1) -> Record:
+    r = Record(
+        user=0,
+        kind="completion",
+        priority="standard",
+        slow=False,
+        start=start,
+        max_tokens=10,
+        status=200,
+        ttft=ttft,
+        end=end,
+        tokens=10,
+        gaps=[0.01] * 9,
+        outcome=outcome,
+    )
+    return r
+
+
+def test_windows_count_open_streams_and_started_requests() -> None:
+    recs = [_rec(0, 5, "ok"), _rec(4, 12, "dropped"), _rec(11, 13, "corrupted"), _rec(20, 21, "ok")]
+    assert window_counts(recs, 10, 15) == {"dropped": 1, "corrupted": 1}
+    s = summarize(recs, 10, 15)
+    assert s["requests"] == 1 and s["outcomes"] == {"corrupted": 1}
+    w = make_window(recs, 3, 12)
+    assert w["open"] == {"dropped": 1, "corrupted": 1, "streams": 3}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> tuple[Proc, Proc]:
+    tmp = tmp_path_factory.mktemp("bench")
+    e = engine(tmp)
+    g = gateway(tmp, e.url)
+    yield e, g
+    g.stop()
+    e.stop()
+
+
+def test_load_run_verifies_text_and_detects_corruption(target: tuple[Proc, Proc]) -> None:
+    _e, g = target
+    cfg = LoadConfig(
+        url=g.url,
+        users=6,
+        spawn_rate=50,
+        duration=2.0,
+        max_tokens=(5, 20),
+        chat_fraction=0.5,
+        slow_fraction=0.3,
+        slow_delay_s=0.01,
+    )
+    recs = asyncio.run(LoadRun(cfg).run())
+    assert len(recs) >= 6 and {r.outcome for r in recs} == {"ok"}
+    assert all(r.ttft is not None and r.tokens == r.max_tokens for r in recs)
+    assert {r.kind for r in recs} == {"chat", "completion"}
+    # Against an engine with another seed, every text is wrong: the verifier must say so.
+    wrong = LoadConfig(
+        url=g.url, users=2, spawn_rate=50, duration=1.0, max_tokens=(5, 5), sim_seed=42
+    )
+    assert {r.outcome for r in asyncio.run(LoadRun(wrong).run())} == {"corrupted"}
+
+
+def test_load_run_counts_rejections(tmp_path: Path) -> None:
+    e = engine(tmp_path)
+    g = gateway(tmp_path, e.url, args=("--cap", "1"))
+    try:
+        cfg = LoadConfig(
+            url=g.url,
+            users=4,
+            spawn_rate=100,
+            duration=1.5,
+            max_tokens=(40, 40),
+            priorities={"sheddable": 1.0},
+        )
+        outcomes = {r.outcome for r in asyncio.run(LoadRun(cfg).run())}
+        assert outcomes == {"ok", "rejected"}
+    finally:
+        g.stop()
+        e.stop()
+
+
+def test_report_files(tmp_path: Path) -> None:
+    recs = [_rec(i * 0.1, i * 0.1 + 1, "ok") for i in range(50)] + [_rec(2, 3, "dropped")]
+    path = write_report(
+        tmp_path,
+        title="t",
+        config={},
+        records=recs,
+        events=[{"t": 1.0, "event": "rollout_start"}],
+        samples=[{"t": 0.5, "endpoints": {"a": {"inflight": 3, "state": "ready", "pool": "p"}}}],
+        windows={},
+        markdown="| x |",
+    )
+    assert path.name == "report.html"
+    for name in ("ttft.png", "streams.png", "tokens.png", "results.json", "summary.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["records"]) == 51 and data["events"][0]["event"] == "rollout_start"
+    assert 'src="ttft.png"' in path.read_text()
+
+
+def test_bench_cli_steady(target: tuple[Proc, Proc], tmp_path: Path) -> None:
+    _e, g = target
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "bench",
+            "--url",
+            g.url,
+            "--users",
+            "4",
+            "--duration",
+            "3",
+            "--max-tokens",
+            "8:16",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "whole run" in r.stderr and (tmp_path / "report.html").exists()
+    bad = subprocess.run(
+        [sys.executable, "-m", "unbroken", "bench", "--url", g.url, "--max-tokens", "9:3"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2
+
+
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    """The main job, scaled down (40 users, short windows): same phases, same verdicts."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "demo",
+            "--users",
+            "40",
+            "--steady",
+            "8",
+            "--deadline",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "PASS" in out and "dropped SSE streams" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    kinds = [e["event"] for e in data["events"]]
+    assert {"rollout_start", "rollout_end", "replica_killed", "replica_replaced"} <= set(kinds)
+    assert all(
+        w["open"]["dropped"] == 0 and w["open"]["corrupted"] == 0 for w in data["windows"].values()
+    )
+    assert data["windows"]["rollout"]["open"]["streams"] > 0
+    assert MODEL
