@@ -190,3 +190,41 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     )
     assert data["windows"]["rollout"]["open"]["streams"] > 0
     assert MODEL
+
+
+def test_locustfile_reports_ttft_and_itl(target: tuple[Proc, Proc], tmp_path: Path) -> None:
+    import shutil
+
+    locust = shutil.which("locust", path=str(Path(sys.executable).parent))
+    if locust is None:
+        pytest.skip("locust is not installed (it is in the dev extras: pip install -e .[dev])")
+    _e, g = target
+    root = Path(__file__).parent.parent
+    r = subprocess.run(
+        [
+            locust,
+            "-f",
+            str(root / "benchmarks" / "locustfile.py"),
+            "--headless",
+            "--host",
+            g.url,
+            "--users",
+            "5",
+            "--spawn-rate",
+            "5",
+            "--run-time",
+            "4s",
+            "--csv",
+            str(tmp_path / "lc"),
+            "--only-summary",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "UNBROKEN_MAX_TOKENS": "8"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    stats = (tmp_path / "lc_stats.csv").read_text().splitlines()
+    rows = {line.split(",")[1]: line.split(",") for line in stats[1:]}
+    assert int(rows["TTFT"][2]) > 0 and int(rows["ITL"][2]) > 0
+    assert int(rows["/v1/chat/completions (stream)"][3]) == 0  # no failures
