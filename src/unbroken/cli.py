@@ -379,6 +379,7 @@ def demo(
     users: Annotated[int, typer.Option(help="Streaming users.")] = 200,
     steady: Annotated[float, typer.Option(help="Seconds of the steady window.")] = 30.0,
     deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
+    weights_size: Annotated[str, typer.Option(help="Weights per pool (generated once).")] = "1GiB",
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
 ) -> None:
     """The main job: default pipeline, 200 users, rolling upgrade, SIGKILL; measured."""
@@ -387,7 +388,14 @@ def demo(
     _logging(False)
     logging.getLogger().setLevel(logging.WARNING)
     raise typer.Exit(
-        run_demo(out=out, users=users, steady_s=steady, deadline_s=deadline, console=console)
+        run_demo(
+            out=out,
+            users=users,
+            steady_s=steady,
+            deadline_s=deadline,
+            weights_size=weights_size,
+            console=console,
+        )
     )
 
 

@@ -1,6 +1,7 @@
 """`unbroken demo`: the whole story on one machine, measured.
 
-Starts the default pipeline (two fp16 replicas, one fp8 replica, one gateway), drives 200
+Measures an engine start with a cold page cache against one after `unbroken prewarm`, then
+starts the default pipeline (two fp16 replicas, one fp8 replica, one gateway), drives 200
 streaming users, and while they stream: a steady window, a rolling upgrade of the primary
 pool, then a SIGKILL of one primary replica (the supervisor replaces it). Every response is
 checked byte for byte against the simulator's deterministic text. Prints the seed article's
@@ -20,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from unbroken.bench.coldstart import measure_cold_start
 from unbroken.bench.control import PipelineControl, Sampler
 from unbroken.bench.load import LoadConfig, LoadRun, Record
 from unbroken.bench.report import fmt_ms, write_report
@@ -31,17 +33,31 @@ from unbroken.wire.http import free_port
 __all__ = ["run_demo"]
 
 
-async def _demo(console: Console, out: Path, users: int, steady_s: float, deadline_s: float) -> int:
+async def _demo(
+    console: Console, out: Path, users: int, steady_s: float, deadline_s: float, weights_size: str
+) -> int:
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True)
     spec = default_spec()
     spec.gateway.port, spec.gateway.admin_port = free_port(), free_port()
+    for pool in spec.pools:
+        pool.weights_size = weights_size
     token = secrets.token_urlsafe(16)
     token_file = state / "admin-token"
     token_file.write_text(token)
     token_file.chmod(0o600)
     sup = Supervisor(spec, state=state, token=token, token_file=token_file)
+    loop = asyncio.get_running_loop()
+    with console.status("measuring a cold engine start against a pre-warmed one") as st:
+        await loop.run_in_executor(None, sup.prepare_weights, lambda m: st.update(m))
+        primary = spec.pools[0]
+        port = free_port()
+        weights = sup.weights_for(primary)
+        assert weights is not None
+        cold = await measure_cold_start(
+            sup.engine_argv(primary, "127.0.0.1", port), f"http://127.0.0.1:{port}", weights
+        )
     t_boot = time.monotonic()
     with console.status("starting the default pipeline") as st:
         await sup.start(lambda m: st.update(m))
@@ -124,7 +140,7 @@ async def _demo(console: Console, out: Path, users: int, steady_s: float, deadli
     }
     end = max((r.end or r.start) for r in records)
     windows["whole run"] = make_window(records, 0.0, end + 1)
-    return _verdict(console, out, cfg, load, sampler, windows, records, summary, boot_s)
+    return _verdict(console, out, cfg, load, sampler, windows, records, summary, boot_s, cold)
 
 
 def _verdict(
@@ -137,6 +153,7 @@ def _verdict(
     records: list[Record],
     rollout: dict[str, Any],
     boot_s: float,
+    cold: dict[str, float],
 ) -> int:
     steady = windows["steady"]["summary"]["ttft"]["p99.9"]
     during = windows["rollout"]["summary"]["ttft"]["p99.9"]
@@ -158,6 +175,16 @@ def _verdict(
     t.add_column("target")
     t.add_column("")
     checks = [
+        (
+            "model cold start (engine to /health), cold cache vs pre-warmed",
+            f"{cold['cold_start_s']:.2f} s vs {cold['warm_start_s']:.2f} s "
+            f"({cold['cold_start_s'] / cold['warm_start_s']:.2f}x); weight load "
+            f"{cold['cold_load_s']:.2f} s vs {cold['warm_load_s']:.2f} s "
+            f"({cold['cold_load_s'] / max(cold['warm_load_s'], 1e-6):.1f}x), "
+            f"{cold['bytes'] / 2**30:.2f} GiB",
+            "measured",
+            True,
+        ),
         ("p99.9 TTFT, steady window", fmt_ms(steady), "", True),
         (
             "p99.9 TTFT, during rolling upgrade",
@@ -230,8 +257,9 @@ def run_demo(
     users: int = 200,
     steady_s: float = 30.0,
     deadline_s: float = 5.0,
+    weights_size: str = "1GiB",
     console: Console,
 ) -> int:
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(_demo(console, out, users, steady_s, deadline_s))
+        return asyncio.run(_demo(console, out, users, steady_s, deadline_s, weights_size))
     return 130

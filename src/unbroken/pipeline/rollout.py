@@ -1,6 +1,7 @@
 """Zero-downtime rolling upgrade of one pool, driven by the supervisor.
 
-For each replica of the pool, one at a time: start the new version beside it (surge one),
+For each replica of the pool, one at a time: pre-warm its weight files into the page cache,
+start the new version beside it (surge one),
 stage 1 (`/health`), stage 2 (a real warm-up completion within its latency budget), register
 it with the gateway, wait until it is ready there, drain the old replica with a deadline (the
 gateway migrates what is still running at the deadline), SIGTERM it, wait for its exit. A new
@@ -130,6 +131,9 @@ async def run_rollout(sup: Supervisor, req: RolloutRequest, progress: Progress) 
         registered = False
         try:
             t0 = time.monotonic()
+            warmed = await sup.prewarm(new_pool)
+            if warmed is not None:
+                await say("prewarm", **warmed)
             new = await sup.start_replica(new_pool)
             step.new = new.name
             await say("surge", index=i, old=old.name, new=new.name, pid=new.pid)

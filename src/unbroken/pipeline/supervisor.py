@@ -169,6 +169,27 @@ class Supervisor:
                 (d / ".complete").write_text("ok\n")
             self._weights[size] = d
 
+    async def prewarm(self, pool: PoolSpec) -> dict[str, Any] | None:
+        """Read the pool's weight files into the page cache before a replica starts (the
+        engine then loads from memory, not from disk). None when there is nothing to read."""
+        from unbroken.prewarm import PrewarmError, find_weight_files, warm_files
+
+        weights = self.weights_for(pool)
+        if weights is None:
+            return None
+        try:
+            files = find_weight_files([str(weights)])
+        except PrewarmError as e:
+            log.warning("no pre-warm for %s: %s", pool.name, e)
+            return None
+        stats = await asyncio.get_running_loop().run_in_executor(None, warm_files, files)
+        return {
+            "files": stats.files,
+            "bytes": stats.bytes,
+            "seconds": round(stats.seconds, 3),
+            "gbps": round(stats.gbps, 2),
+        }
+
     def engine_argv(self, pool: PoolSpec, host: str, port: int) -> list[str]:
         e = pool.engine
         if e.kind == "command":

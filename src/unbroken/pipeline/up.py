@@ -223,6 +223,11 @@ def _describe(ev: dict[str, Any]) -> str:
         )
     if kind == "ready":
         return f"{ev['new']} ready in the gateway"
+    if kind == "prewarm":
+        return (
+            f"pre-warmed {ev['bytes'] / 1e9:.2f} GB of weights in {ev['seconds']:.2f} s "
+            f"({ev['gbps']:.2f} GB/s)"
+        )
     if kind == "draining":
         return f"draining {ev['old']} (deadline {ev['deadline_s']:g} s)"
     if kind == "replaced":

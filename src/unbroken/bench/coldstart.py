@@ -1,0 +1,79 @@
+"""Engine start with a cold page cache versus after `unbroken prewarm`, measured for real."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import aiohttp
+
+from unbroken.prewarm import evict, find_weight_files, warm_files
+
+__all__ = ["measure_cold_start"]
+
+
+async def _start(argv: list[str], url: str, timeout: float = 120.0) -> tuple[float, float]:
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"engine exited with {proc.returncode} while starting")
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status == 200:
+                            took = time.monotonic() - t0
+                            break
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError("engine did not start")
+                await asyncio.sleep(0.01)
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+        load = next(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("unbroken_engine_weights_load_seconds")
+        )
+        return took, load
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+
+
+async def measure_cold_start(
+    argv: list[str], url: str, weights: Path, repeats: int = 1
+) -> dict[str, float]:
+    """Start the engine `argv` (serving on `url`) with its weights evicted, then right after a
+    pre-warm; medians over `repeats`. Seconds to /health and the weight-load part of each."""
+    files = find_weight_files([str(weights)])
+    loop = asyncio.get_running_loop()
+    cold: list[tuple[float, float]] = []
+    warm: list[tuple[float, float]] = []
+    prewarm_s: list[float] = []
+    for _ in range(repeats):
+        for f in files:
+            evict(f)
+        cold.append(await _start(argv, url))
+        for f in files:
+            evict(f)
+        stats = await loop.run_in_executor(None, warm_files, files)
+        prewarm_s.append(stats.seconds)
+        warm.append(await _start(argv, url))
+
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    return {
+        "bytes": float(sum(f.stat().st_size for f in files)),
+        "cold_start_s": med([c[0] for c in cold]),
+        "cold_load_s": med([c[1] for c in cold]),
+        "warm_start_s": med([w[0] for w in warm]),
+        "warm_load_s": med([w[1] for w in warm]),
+        "prewarm_s": med(prewarm_s),
+    }
