@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-APT_PKGS=(gcc libc6-dev binutils util-linux vmtouch)
+APT_PKGS=(gcc libc6-dev binutils util-linux vmtouch clang libbpf-dev bpftool bpftrace)
 
 need=()
 if command -v dpkg-query >/dev/null 2>&1; then

@@ -322,7 +322,7 @@ def bench(
     from unbroken.bench.control import PipelineControl, Sampler
     from unbroken.bench.load import LoadConfig
     from unbroken.bench.runner import run_bench
-    from unbroken.pipeline.paths import RunInfo, state_dir
+    from unbroken.config.paths import RunInfo, state_dir
 
     if scenario not in ("steady", "rollout", "chaos"):
         _fail("--scenario must be steady, rollout or chaos")
@@ -435,6 +435,47 @@ def prewarm(
             console=console,
         )
     )
+
+
+@app.command()
+def agent(
+    listen: Annotated[str, typer.Option(help="Exporter address HOST:PORT.")] = "127.0.0.1:9101",
+    interval: Annotated[float, typer.Option(help="Process discovery interval (s).")] = 1.0,
+    threshold: Annotated[
+        float, typer.Option(help="Send-buffer fill counted as backpressure.")
+    ] = 0.8,
+    once: Annotated[bool, typer.Option("--once", help="Print a snapshot and exit.")] = False,
+    duration: Annotated[float, typer.Option(help="With --once: seconds to watch.")] = 3.0,
+    allow_slow_probes: Annotated[
+        bool, typer.Option(help="Also attach where the probe would be single-stepped (slow).")
+    ] = False,
+    no_ebpf: Annotated[bool, typer.Option(help="Use the sock_diag fallback only.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """eBPF node agent: CUDA call latency (uprobes) and TCP backpressure, per process/pod."""
+    from unbroken.agent.service import AgentConfig, run_agent
+
+    _logging(verbose)
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        _fail(f"--listen {listen!r}: expected HOST:PORT")
+    if not 0 < threshold <= 1:
+        _fail("--threshold must be in (0, 1]")
+    cfg = AgentConfig(
+        host=host,
+        port=int(port),
+        interval=interval,
+        threshold=threshold,
+        allow_slow_probes=allow_slow_probes,
+        ebpf=not no_ebpf,
+    )
+    if once:
+        from rich.console import Console
+
+        from unbroken.agent.snapshot import run_once
+
+        raise typer.Exit(run_once(cfg, duration, Console()))
+    run_agent(cfg)
 
 
 @weights_app.command("make")

@@ -27,8 +27,8 @@ import aiohttp
 from aiohttp import web
 
 from unbroken.clients import AdminError, GatewayAdmin
+from unbroken.config.paths import RunInfo, cache_dir
 from unbroken.config.spec import PipelineSpec, PoolSpec
-from unbroken.pipeline.paths import RunInfo, cache_dir
 from unbroken.wire.http import free_port
 
 __all__ = ["Replica", "StartupError", "Supervisor"]

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from unbroken.clients import AdminError
+from unbroken.config.paths import RunInfo, admin_token, state_dir
 from unbroken.config.spec import SpecError, load_spec
-from unbroken.pipeline.paths import RunInfo, admin_token, state_dir
 from unbroken.pipeline.supervisor import StartupError, Supervisor
 
 __all__ = ["run_up", "show_status"]

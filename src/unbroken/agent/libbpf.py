@@ -1,0 +1,201 @@
+"""A thin, typed ctypes layer over the system libbpf (libbpf.so.1): open, load, attach,
+read maps, detach. No mature Python binding exists (see docs/agent.md); this is the part we
+use, and nothing more.
+
+Errors from libbpf become `BpfError` with errno and libbpf's own log lines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypeVar
+
+__all__ = ["BpfError", "Link", "Object", "libbpf_version"]
+
+log = logging.getLogger("unbroken.agent.libbpf")
+T = TypeVar("T", bound=ctypes.Structure)
+
+_lib = ctypes.CDLL(ctypes.util.find_library("bpf") or "libbpf.so.1", use_errno=True)
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+vp, cp, ci, cu32 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint32
+
+_PRINT = ctypes.CFUNCTYPE(ci, ci, cp, vp)
+_lines: list[str] = []
+
+
+@_PRINT
+def _print(level: int, fmt: bytes, args: int) -> int:
+    buf = ctypes.create_string_buffer(1024)
+    _libc.vsnprintf(buf, 1024, fmt, ctypes.c_void_p(args))
+    line = buf.value.decode(errors="replace").rstrip()
+    _lines.append(line)
+    del _lines[:-50]
+    if level == 0:  # LIBBPF_WARN
+        log.debug("libbpf: %s", line)
+    return 0
+
+
+_libc.vsnprintf.argtypes = [cp, ctypes.c_size_t, cp, vp]
+_lib.libbpf_set_print.argtypes = [_PRINT]
+_lib.libbpf_set_print.restype = vp
+_lib.libbpf_set_print(_print)
+
+
+class _UprobeOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("ref_ctr_offset", ctypes.c_size_t),
+        ("bpf_cookie", ctypes.c_uint64),
+        ("retprobe", ctypes.c_bool),
+        ("func_name", cp),
+    ]
+
+
+def _sig(name: str, res: object, *args: object) -> None:
+    f = getattr(_lib, name)
+    f.restype = res
+    f.argtypes = list(args)
+
+
+_sig("bpf_object__open_file", vp, cp, vp)
+_sig("bpf_object__load", ci, vp)
+_sig("bpf_object__close", None, vp)
+_sig("bpf_object__find_program_by_name", vp, vp, cp)
+_sig("bpf_object__find_map_by_name", vp, vp, cp)
+_sig("bpf_map__fd", ci, vp)
+_sig("bpf_map__initial_value", vp, vp, ctypes.POINTER(ctypes.c_size_t))
+_sig("bpf_program__attach", vp, vp)
+_sig(
+    "bpf_program__attach_uprobe_opts", vp, vp, ci, cp, ctypes.c_size_t, ctypes.POINTER(_UprobeOpts)
+)
+_sig("bpf_link__destroy", ci, vp)
+_sig("bpf_map_get_next_key", ci, ci, vp, vp)
+_sig("bpf_map_lookup_elem", ci, ci, vp, vp)
+_sig("bpf_map_delete_elem", ci, ci, vp)
+_sig("libbpf_major_version", cu32)
+_sig("libbpf_minor_version", cu32)
+
+
+class BpfError(OSError):
+    def __init__(self, what: str, err: int) -> None:
+        detail = "; ".join(_lines[-5:])
+        super().__init__(err, f"{what}: {os.strerror(err)}" + (f" ({detail})" if detail else ""))
+
+
+def libbpf_version() -> str:
+    return f"{_lib.libbpf_major_version()}.{_lib.libbpf_minor_version()}"
+
+
+def _errno(rc: int | None = None) -> int:
+    if rc is not None and rc < 0:
+        return -rc
+    return ctypes.get_errno() or 1
+
+
+class Link:
+    """An attachment; `destroy()` detaches it (idempotent)."""
+
+    def __init__(self, ptr: int, what: str) -> None:
+        self._ptr: int | None = ptr
+        self.what = what
+
+    def destroy(self) -> None:
+        if self._ptr:
+            _lib.bpf_link__destroy(self._ptr)
+            self._ptr = None
+
+
+class Object:
+    """A BPF object file: open (set read-only data), load, attach, read its maps, close."""
+
+    def __init__(self, path: Path) -> None:
+        _lines.clear()
+        ptr = _lib.bpf_object__open_file(str(path).encode(), None)
+        if not ptr:
+            raise BpfError(f"open {path}", _errno())
+        self._ptr: int | None = ptr
+        self.path = path
+        self.links: list[Link] = []
+
+    def set_rodata(self, data: bytes) -> None:
+        """Overwrite the start of .rodata (`const volatile` knobs) before load."""
+        m = _lib.bpf_object__find_map_by_name(self._ptr, b".rodata")
+        if not m:
+            raise BpfError("no .rodata map", 2)
+        size = ctypes.c_size_t()
+        addr = _lib.bpf_map__initial_value(m, ctypes.byref(size))
+        if not addr or size.value < len(data):
+            raise BpfError(".rodata too small", 22)
+        ctypes.memmove(addr, data, len(data))
+
+    def load(self) -> None:
+        _lines.clear()
+        rc = _lib.bpf_object__load(self._ptr)
+        if rc != 0:
+            raise BpfError(f"load {self.path.name}", _errno(rc))
+
+    def _prog(self, name: str) -> int:
+        p = _lib.bpf_object__find_program_by_name(self._ptr, name.encode())
+        if not p:
+            raise BpfError(f"no program {name}", 2)
+        return int(p)
+
+    def attach(self, prog: str) -> Link:
+        """Attach by the program's section (tracepoints, tp_btf)."""
+        link = _lib.bpf_program__attach(self._prog(prog))
+        if not link:
+            raise BpfError(f"attach {prog}", _errno())
+        lk = Link(link, prog)
+        self.links.append(lk)
+        return lk
+
+    def attach_uprobe(
+        self, prog: str, binary: str, offset: int, *, cookie: int, retprobe: bool, pid: int = -1
+    ) -> Link:
+        opts = _UprobeOpts(sz=ctypes.sizeof(_UprobeOpts), bpf_cookie=cookie, retprobe=retprobe)
+        link = _lib.bpf_program__attach_uprobe_opts(
+            self._prog(prog), pid, binary.encode(), offset, ctypes.byref(opts)
+        )
+        if not link:
+            raise BpfError(f"attach {prog} to {binary}+{offset:#x}", _errno())
+        lk = Link(link, f"{prog} {binary}+{offset:#x}")
+        self.links.append(lk)
+        return lk
+
+    def map_fd(self, name: str) -> int:
+        m = _lib.bpf_object__find_map_by_name(self._ptr, name.encode())
+        if not m:
+            raise BpfError(f"no map {name}", 2)
+        return int(_lib.bpf_map__fd(m))
+
+    def close(self) -> None:
+        for lk in self.links:
+            lk.destroy()
+        self.links.clear()
+        if self._ptr:
+            _lib.bpf_object__close(self._ptr)
+            self._ptr = None
+
+
+def items(
+    fd: int, key_t: type[T], val_t: type[ctypes.Structure] | type[ctypes.c_uint64]
+) -> Iterator[tuple[T, object]]:
+    """Every (key, value) of a hash map, copied out."""
+    key, nxt = key_t(), key_t()
+    val = val_t()
+    prev: object = None
+    while _lib.bpf_map_get_next_key(fd, prev, ctypes.byref(nxt)) == 0:
+        if _lib.bpf_map_lookup_elem(fd, ctypes.byref(nxt), ctypes.byref(val)) == 0:
+            k = key_t.from_buffer_copy(nxt)
+            yield k, val_t.from_buffer_copy(val)
+        ctypes.memmove(ctypes.byref(key), ctypes.byref(nxt), ctypes.sizeof(key_t))
+        prev = ctypes.byref(key)
+
+
+def delete(fd: int, key: ctypes.Structure | ctypes.c_uint32) -> None:
+    _lib.bpf_map_delete_elem(fd, ctypes.byref(key))

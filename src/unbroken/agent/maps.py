@@ -1,0 +1,41 @@
+"""ctypes mirrors of bpf/agent.h (a test checks their sizes against the C layouts)."""
+
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["MAX_SLOTS", "HistKey", "SockState", "StartVal", "TcpStats", "TotalKey", "TotalVal"]
+
+MAX_SLOTS = 40
+u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+
+
+class StartVal(ctypes.Structure):
+    _fields_ = [("ts", u64), ("fn", u32), ("depth", u32)]
+
+
+class HistKey(ctypes.Structure):
+    _fields_ = [("pid", u32), ("fn", u32), ("slot", u32), ("pad", u32)]
+
+
+class TotalKey(ctypes.Structure):
+    _fields_ = [("pid", u32), ("fn", u32)]
+
+
+class TotalVal(ctypes.Structure):
+    _fields_ = [("count", u64), ("sum_ns", u64)]
+
+
+class SockState(ctypes.Structure):
+    _fields_ = [("last_ts", u64), ("pid", u32), ("above", u32)]
+
+
+class TcpStats(ctypes.Structure):
+    _fields_ = [
+        ("sends", u64),
+        ("above_ns", u64),
+        ("last_permille", u64),
+        ("peak_permille", u64),
+        ("last_ts", u64),
+        ("above_sends", u64),
+    ]

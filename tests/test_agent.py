@@ -1,0 +1,354 @@
+"""The eBPF node agent, for real: BPF programs loaded into this kernel, uprobes on the
+stand-in CUDA libraries, a tracepoint on tcp_sendmsg_locked. Needs root, BTF, clang and
+bpftool (CI runs as root and `make` installs the tools)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import MODEL, Up, wait_for
+from unbroken.agent import maps
+from unbroken.agent.build import BPF_DIR, BuildError, build_objects
+from unbroken.agent.service import Agent, AgentConfig
+from unbroken.agent.tcp import SockDiagSampler
+from unbroken.engine.cuda import load
+from unbroken.wire.http import free_port
+
+WORKLOADS = Path(__file__).parent / "workloads"
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "eBPF tests need root (CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN for uprobes)"
+    if not Path("/sys/kernel/btf/vmlinux").exists():
+        return "the kernel has no BTF (/sys/kernel/btf/vmlinux)"
+    try:
+        build_objects()
+    except BuildError as e:
+        return str(e)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent(AgentConfig())
+    a.start()
+    assert a.cuda is not None, a.ebpf_error
+    yield a
+    a.close()
+
+
+def _discover(a: Agent) -> None:
+    asyncio.run(a.discover())
+
+
+def _start_plan(tmp: Path, linger: float = 30) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    go, done = tmp / f"go-{time.monotonic_ns()}", tmp / f"done-{time.monotonic_ns()}"
+    p = subprocess.Popen(
+        [sys.executable, str(WORKLOADS / "cuda_plan.py"), str(go), str(done), str(linger)]
+    )
+    lib = load().directory.name
+    wait_for(
+        lambda: lib.encode() in Path(f"/proc/{p.pid}/maps").read_bytes(),
+        timeout=20,
+        what="workload mapped the libraries",
+    )
+    return p, go, done
+
+
+def test_struct_layouts_match_the_header(tmp_path: Path) -> None:
+    src = tmp_path / "sizes.c"
+    src.write_text(
+        '#include <linux/types.h>\n#include <stdio.h>\n#include "agent.h"\n'
+        'int main(void){printf("%zu %zu %zu %zu %zu %zu\\n", sizeof(struct start_val),'
+        "sizeof(struct hist_key), sizeof(struct total_key), sizeof(struct total_val),"
+        "sizeof(struct sock_state), sizeof(struct tcp_stats)); return 0;}"
+    )
+    subprocess.run(["cc", f"-I{BPF_DIR}", str(src), "-o", str(tmp_path / "sizes")], check=True)
+    c = [
+        int(x)
+        for x in subprocess.run(
+            [str(tmp_path / "sizes")], capture_output=True, text=True, check=True
+        ).stdout.split()
+    ]
+    py = [
+        ctypes.sizeof(t)
+        for t in (
+            maps.StartVal,
+            maps.HistKey,
+            maps.TotalKey,
+            maps.TotalVal,
+            maps.SockState,
+            maps.TcpStats,
+        )
+    ]
+    assert c == py
+
+
+def test_exact_counts_and_latency_buckets(agent: Agent, tmp_path: Path) -> None:
+    p, go, done = _start_plan(tmp_path)
+    try:
+        _discover(agent)
+        assert p.pid in agent.cuda_pids
+        assert {pr.prologue for r in agent.libraries for pr in r.attached} == {"push"}
+        go.touch()
+        wait_for(done.exists, timeout=30)
+        stats = {fn: s for (pid, fn), s in agent.cuda.read().items() if pid == p.pid}
+        # Exact counts; runtime calls are not counted again as their inner driver calls.
+        assert {fn: s.count for fn, s in stats.items()} == {
+            "cudaLaunchKernel": 300,
+            "cuLaunchKernel": 120,
+            "cudaGraphLaunch": 7,
+            "cudaStreamSynchronize": 3,
+        }
+        # Injected durations land in their log2 bucket: slot i holds [2^i, 2^(i+1)) ns.
+        for fn, seconds in (
+            ("cudaLaunchKernel", 200e-6),
+            ("cudaGraphLaunch", 1.5e-3),
+            ("cudaStreamSynchronize", 20e-3),
+        ):
+            slot = int(seconds * 1e9).bit_length() - 1
+            s = stats[fn]
+            assert s.slots[slot] >= 0.9 * s.count, (fn, slot, s.slots)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_bpftrace_counts_the_same(agent: Agent, tmp_path: Path) -> None:
+    if shutil.which("bpftrace") is None:
+        pytest.skip("bpftrace is not installed (apt-get install bpftrace)")
+    p, go, done = _start_plan(tmp_path)
+    try:
+        _discover(agent)
+        lib_dir = load().directory
+        script = (
+            f"uprobe:{lib_dir}/libunbroken_cudart.so.12:cudaLaunchKernel /pid == {p.pid}/ "
+            f"{{ @rt = count(); }} uprobe:{lib_dir}/libunbroken_cuda.so.1:cuLaunchKernel "
+            f"/pid == {p.pid}/ {{ @drv = count(); }}"
+        )
+        out = tmp_path / "bt.json"
+        bt = subprocess.Popen(
+            ["bpftrace", "-f", "json", "-o", str(out), "-e", script], stderr=subprocess.PIPE
+        )
+        wait_for(
+            lambda: out.exists() and b"attached_probes" in out.read_bytes(),
+            timeout=30,
+            what="bpftrace attached",
+        )
+        time.sleep(1.0)  # bpftrace prints "attached" as it starts attaching, not after
+        go.touch()
+        wait_for(done.exists, timeout=30)
+        bt.send_signal(signal.SIGINT)
+        bt.wait(20)
+        counts = {}
+        for line in out.read_text().splitlines():
+            obj = json.loads(line)
+            if obj.get("type") == "map":
+                counts.update({k.lstrip("@"): v for k, v in obj["data"].items()})
+        ours = {fn: s.count for (pid, fn), s in agent.cuda.read().items() if pid == p.pid}
+        # bpftrace sees every cuLaunchKernel, including the 300 inside cudaLaunchKernel.
+        assert counts == {
+            "rt": ours["cudaLaunchKernel"],
+            "drv": ours["cuLaunchKernel"] + ours["cudaLaunchKernel"],
+        }
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_new_process_picked_up_within_2s_and_exited_forgotten(agent: Agent, tmp_path: Path) -> None:
+    first, _go1, _ = _start_plan(tmp_path, linger=60)
+    _discover(agent)  # libraries attached
+    second, go2, done2 = _start_plan(tmp_path, linger=60)
+    t0 = time.monotonic()
+    while second.pid not in agent.cuda_pids and time.monotonic() - t0 < 2.0:
+        _discover(agent)
+        time.sleep(0.2)
+    assert second.pid in agent.cuda_pids and time.monotonic() - t0 < 2.0
+    go2.touch()
+    wait_for(done2.exists, timeout=30)
+    assert any(pid == second.pid for pid, _ in agent.cuda.read())
+    second.kill()
+    second.wait()
+    _discover(agent)
+    assert second.pid not in agent.procs and second.pid not in agent.cuda_pids
+    assert not any(pid == second.pid for pid, _ in agent.cuda.read())
+    first.kill()
+    first.wait()
+
+
+def _tcp_scenario(sampler_tick: object = None) -> tuple[int, int]:
+    """A slow reader (reads nothing for 2.5 s) and a healthy one; returns the senders' pids."""
+    slow_srv, ok_srv = (
+        socket.create_server(("127.0.0.1", 0)),
+        socket.create_server(("127.0.0.1", 0)),
+    )
+    senders = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKLOADS / "tcp_sender.py"),
+                str(srv.getsockname()[1]),
+                mode,
+                "2.5",
+            ]
+        )
+        for srv, mode in ((slow_srv, "fast"), (ok_srv, "paced"))
+    ]
+    slow_conn, _ = slow_srv.accept()
+    ok_conn, _ = ok_srv.accept()
+    ok_conn.setblocking(False)
+    end = time.monotonic() + 2.7
+    while time.monotonic() < end:
+        try:
+            ok_conn.recv(1 << 16)
+        except BlockingIOError:
+            pass
+        if sampler_tick is not None:
+            sampler_tick()  # type: ignore[operator]
+        time.sleep(0.01)
+    pids = (senders[0].pid, senders[1].pid)
+    for s in senders:
+        s.wait(10)
+    for sock in (slow_conn, ok_conn, slow_srv, ok_srv):
+        sock.close()
+    return pids
+
+
+def test_slow_reader_is_detected_healthy_is_not(agent: Agent) -> None:
+    slow, ok = _tcp_scenario()
+    stats = agent.tcp.read()
+    assert stats[slow].backpressure_s > 0.5 and stats[slow].peak_ratio >= 0.8
+    assert ok not in stats or stats[ok].backpressure_s < 0.1
+
+
+def test_sock_diag_fallback_sees_the_same() -> None:
+    sampler = SockDiagSampler(0.8)
+    last = [0.0]
+
+    def tick() -> None:
+        if time.monotonic() - last[0] >= 0.1:
+            last[0] = time.monotonic()
+            sampler.sample()
+
+    slow, ok = _tcp_scenario(tick)
+    stats = sampler.read()
+    assert stats[slow].backpressure_s > 0.5 and stats[slow].peak_ratio >= 0.8
+    assert (stats[slow].rwnd_limited_s or 0) > 1.5  # the peer's window held us back
+    assert ok not in stats or stats[ok].backpressure_s < 0.2
+
+
+def _our_programs() -> set[str]:
+    out = subprocess.run(
+        ["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True
+    ).stdout
+    return {p.get("name", "") for p in json.loads(out)} & {
+        "cuda_enter",
+        "cuda_exit",
+        "on_sendmsg",
+        "on_state",
+    }
+
+
+def test_exporter_and_clean_exit(tmp_path: Path) -> None:
+    before = _our_programs()
+    port = free_port()
+    p, go, done = _start_plan(tmp_path)
+    agent_proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "agent",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--interval",
+            "0.5",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _get_json(url + "/health").get("cuda_processes"), timeout=30)
+        assert _our_programs() - before == {"cuda_enter", "cuda_exit", "on_sendmsg", "on_state"}
+        go.touch()
+        wait_for(done.exists, timeout=30)
+        text = httpx.get(url + "/metrics").text
+        assert (
+            f'unbroken_cuda_calls_total{{container="",endpoint="",function="cudaLaunchKernel"'
+            f',namespace="",pid="{p.pid}",pod=""}} 300.0'
+        ) in text
+        assert "unbroken_cuda_call_duration_seconds_bucket{" in text
+        assert 'unbroken_agent_probes{function="cuLaunchKernel"' in text
+    finally:
+        agent_proc.send_signal(signal.SIGTERM)
+        agent_proc.wait(20)
+        p.kill()
+        p.wait()
+    assert agent_proc.returncode == 0, agent_proc.stderr.read() if agent_proc.stderr else ""
+    assert _our_programs() == before  # every program and link is gone
+    links = subprocess.run(
+        ["bpftool", "-j", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "cuda_enter" not in links and "on_sendmsg" not in links
+
+
+def _get_json(url: str) -> dict:
+    try:
+        return httpx.get(url, timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def test_injected_slow_cuda_shows_for_the_engine_endpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"model: {MODEL}\npools:\n  - name: main\n    replicas: 1\n    weights_size: 8MiB\n"
+    )
+    u = Up(tmp_path, spec)
+    a = Agent(AgentConfig())
+    try:
+        monkeypatch.setenv("UNBROKEN_STATE_DIR", str(u.state))
+        a.start()
+        _discover(a)
+        engine = next(r for r in u.status()["replicas"] if r["name"] == "main-1")
+        assert engine["pid"] in a.cuda_pids and a.info(engine["pid"]).endpoint == "main-1"
+        token = (u.state / "admin-token").read_text().strip()
+        r = httpx.post(
+            engine["url"] + "/admin/faults",
+            headers={"Authorization": f"Bearer {token}"},
+            json={"kind": "slow_cuda", "extra_ms": 10, "duration_s": 30},
+        )
+        assert r.status_code == 200
+        httpx.post(
+            u.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "slow", "max_tokens": 40},
+        )
+        st = a.cuda.read()[(engine["pid"], "cudaGraphLaunch")]
+        slot = int(10e-3 * 1e9).bit_length() - 1  # 10 ms extra: [8.4 ms, 16.8 ms)
+        assert st.count >= 39 and st.slots[slot] >= 0.9 * st.count, st.slots
+    finally:
+        a.close()
+        u.stop()
