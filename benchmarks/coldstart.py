@@ -3,7 +3,8 @@
 One run, on generated safetensors weights (4 GiB by default, less if memory is short). Each
 measurement starts from an evicted cache and they alternate across repeats (medians reported):
 
-- limit: raw parallel O_DIRECT reads (8 threads, 4 MiB, no page cache): what the disk gives;
+- limit: raw parallel O_DIRECT reads, the best of several thread counts and request sizes
+  (no page cache): what the disk gives;
 - dd bs=1M (serial, file by file), cat, vmtouch -t, and unbroken prewarm (adaptive threads);
 - engine start (process start to /health 200) with a cold cache, and right after a prewarm.
 
@@ -36,12 +37,12 @@ from unbroken.wire.http import free_port
 CHUNK = 4 * 2**20
 
 
-def o_direct_read(files: list[Path], threads: int = 8) -> None:
-    items = [(f, off) for f in files for off in range(0, f.stat().st_size, CHUNK)]
+def o_direct_read(files: list[Path], threads: int = 8, chunk: int = CHUNK) -> None:
+    items = [(f, off) for f in files for off in range(0, f.stat().st_size, chunk)]
     lock = threading.Lock()
 
     def worker() -> None:
-        buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT requires
+        buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
         fds: dict[Path, int] = {}
         try:
             while True:
@@ -134,8 +135,13 @@ def main() -> None:
     files = find_weight_files([str(d)])
     total = sum(f.stat().st_size for f in files)
     fl = [str(f) for f in files]
+    # The limit: the best of several O_DIRECT queue depths and request sizes (no page cache).
+    limits = {(8, CHUNK), (16, 16 * 2**20), (32, 8 * 2**20), (64, CHUNK)}
     methods = {
-        "O_DIRECT x8 (limit)": lambda: o_direct_read(files),
+        **{
+            f"O_DIRECT {t}x{c >> 20}M": (lambda t=t, c=c: o_direct_read(files, t, c))
+            for t, c in sorted(limits)
+        },
         "dd bs=1M": lambda: [run(["dd", f"if={f}", "of=/dev/null", "bs=1M"]) for f in fl],
         "cat": lambda: run(["sh", "-c", 'cat "$@" > /dev/null', "cat", *fl]),
         "unbroken prewarm": lambda: warm_files(files),
@@ -169,7 +175,7 @@ def main() -> None:
             file=sys.stderr,
         )
     med = {m: statistics.median(v) for m, v in times.items()}
-    limit = med["O_DIRECT x8 (limit)"]
+    limit = min(s for m, s in med.items() if m.startswith("O_DIRECT"))
     rows = [[m, f"{total / s / 1e9:.2f}", f"{s:.2f}", f"{limit / s:.2f}"] for m, s in med.items()]
     print(
         f"\nmachine: {platform.node()}, {os.cpu_count()} cpus, kernel {platform.release()}; "

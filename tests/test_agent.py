@@ -77,8 +77,8 @@ def test_struct_layouts_match_the_header(tmp_path: Path) -> None:
     src = tmp_path / "sizes.c"
     src.write_text(
         '#include <linux/types.h>\n#include <stdio.h>\n#include "agent.h"\n'
-        'int main(void){printf("%zu %zu %zu %zu %zu %zu\\n", sizeof(struct start_val),'
-        "sizeof(struct hist_key), sizeof(struct total_key), sizeof(struct total_val),"
+        'int main(void){printf("%zu %zu %zu %zu %zu\\n", sizeof(struct start_val),'
+        "sizeof(struct call_key), sizeof(struct call_hist),"
         "sizeof(struct sock_state), sizeof(struct tcp_stats)); return 0;}"
     )
     subprocess.run(["cc", f"-I{BPF_DIR}", str(src), "-o", str(tmp_path / "sizes")], check=True)
@@ -92,9 +92,8 @@ def test_struct_layouts_match_the_header(tmp_path: Path) -> None:
         ctypes.sizeof(t)
         for t in (
             maps.StartVal,
-            maps.HistKey,
-            maps.TotalKey,
-            maps.TotalVal,
+            maps.CallKey,
+            maps.CallHist,
             maps.SockState,
             maps.TcpStats,
         )

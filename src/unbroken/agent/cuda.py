@@ -11,7 +11,7 @@ from pathlib import Path
 from unbroken.agent import libbpf
 from unbroken.agent.elf import Probe, function_offsets, plan_probe
 from unbroken.agent.functions import FN_ID, FUNCTIONS
-from unbroken.agent.maps import MAX_SLOTS, HistKey, TotalKey, TotalVal
+from unbroken.agent.maps import MAX_SLOTS, CallHist, CallKey
 
 __all__ = ["CallStats", "CudaTracer", "LibraryProbes"]
 
@@ -39,8 +39,7 @@ class CudaTracer:
         self.obj.load()
         self.allow_slow = allow_slow
         self.libraries: dict[tuple[int, int], LibraryProbes] = {}
-        self._hists = self.obj.map_fd("hists")
-        self._totals = self.obj.map_fd("totals")
+        self._calls = self.obj.map_fd("calls")
 
     def attach_library(self, path: str) -> LibraryProbes | None:
         """Attach to every traced function `path` exports (once per file: uprobes follow the
@@ -87,27 +86,17 @@ class CudaTracer:
 
     def read(self) -> dict[tuple[int, str], CallStats]:
         out: dict[tuple[int, str], CallStats] = {}
-        for k, v in libbpf.items(self._totals, TotalKey, TotalVal):
-            assert isinstance(v, TotalVal)
+        for k, v in libbpf.items(self._calls, CallKey, CallHist):
+            assert isinstance(v, CallHist)
             if k.fn < len(FUNCTIONS):
-                out[(k.pid, FUNCTIONS[k.fn])] = CallStats(v.count, v.sum_ns)
-        import ctypes
-
-        for hk, cnt in libbpf.items(self._hists, HistKey, ctypes.c_uint64):
-            s = out.get((hk.pid, FUNCTIONS[hk.fn])) if hk.fn < len(FUNCTIONS) else None
-            if s is not None and hk.slot < MAX_SLOTS:
-                s.slots[hk.slot] = int(cnt.value)  # type: ignore[attr-defined]
+                out[(k.pid, FUNCTIONS[k.fn])] = CallStats(int(v.count), int(v.sum_ns),
+                                                         list(v.slots))
         return out
 
     def forget(self, pids: set[int]) -> None:
-        import ctypes
-
-        for k, _ in list(libbpf.items(self._totals, TotalKey, TotalVal)):
+        for k, _ in list(libbpf.items(self._calls, CallKey, CallHist)):
             if k.pid in pids:
-                libbpf.delete(self._totals, k)
-        for hk, _ in list(libbpf.items(self._hists, HistKey, ctypes.c_uint64)):
-            if hk.pid in pids:
-                libbpf.delete(self._hists, hk)
+                libbpf.delete(self._calls, k)
 
     def close(self) -> None:
         self.obj.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["MAX_SLOTS", "HistKey", "SockState", "StartVal", "TcpStats", "TotalKey", "TotalVal"]
+__all__ = ["MAX_SLOTS", "CallHist", "CallKey", "SockState", "StartVal", "TcpStats"]
 
 MAX_SLOTS = 40
 u32, u64 = ctypes.c_uint32, ctypes.c_uint64
@@ -14,16 +14,12 @@ class StartVal(ctypes.Structure):
     _fields_ = [("ts", u64), ("fn", u32), ("depth", u32)]
 
 
-class HistKey(ctypes.Structure):
-    _fields_ = [("pid", u32), ("fn", u32), ("slot", u32), ("pad", u32)]
-
-
-class TotalKey(ctypes.Structure):
+class CallKey(ctypes.Structure):
     _fields_ = [("pid", u32), ("fn", u32)]
 
 
-class TotalVal(ctypes.Structure):
-    _fields_ = [("count", u64), ("sum_ns", u64)]
+class CallHist(ctypes.Structure):
+    _fields_ = [("count", u64), ("sum_ns", u64), ("slots", u64 * MAX_SLOTS)]
 
 
 class SockState(ctypes.Structure):

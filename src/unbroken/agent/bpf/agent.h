@@ -11,21 +11,16 @@ struct start_val {
     __u32 depth; /* traced calls nested inside this one (a runtime call's driver call) */
 };
 
-struct hist_key {
-    __u32 pid;
-    __u32 fn;
-    __u32 slot;
-    __u32 pad;
-};
-
-struct total_key {
+struct call_key {
     __u32 pid;
     __u32 fn;
 };
 
-struct total_val {
+/* Everything about one (pid, function): one map lookup per call. */
+struct call_hist {
     __u64 count;
     __u64 sum_ns;
+    __u64 slots[MAX_SLOTS];
 };
 
 struct sock_state {

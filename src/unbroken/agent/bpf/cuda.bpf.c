@@ -10,26 +10,20 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
+/* Per-thread open call: task-local storage, no hashing on the hot path. */
 struct {
-    __uint(type, BPF_MAP_TYPE_LRU_HASH);
-    __uint(max_entries, 65536);
-    __type(key, __u64);
+    __uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+    __uint(map_flags, BPF_F_NO_PREALLOC);
+    __type(key, int);
     __type(value, struct start_val);
 } starts SEC(".maps");
 
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
-    __uint(max_entries, 65536);
-    __type(key, struct hist_key);
-    __type(value, __u64);
-} hists SEC(".maps");
-
-struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, 16384);
-    __type(key, struct total_key);
-    __type(value, struct total_val);
-} totals SEC(".maps");
+    __type(key, struct call_key);
+    __type(value, struct call_hist);
+} calls SEC(".maps");
 
 static __always_inline __u32 log2_u32(__u32 v)
 {
@@ -51,50 +45,47 @@ static __always_inline __u32 log2_u64(__u64 v)
 SEC("uprobe")
 int cuda_enter(struct pt_regs *ctx)
 {
-    __u64 tid = bpf_get_current_pid_tgid();
-    struct start_val *s = bpf_map_lookup_elem(&starts, &tid);
-    if (s) {
+    struct start_val *s = bpf_task_storage_get(&starts, bpf_get_current_task_btf(), 0,
+                                               BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (!s)
+        return 0;
+    if (s->ts) {
         s->depth++;
         return 0;
     }
-    struct start_val v = {.ts = bpf_ktime_get_ns(), .fn = (__u32)bpf_get_attach_cookie(ctx)};
-    bpf_map_update_elem(&starts, &tid, &v, BPF_ANY);
+    s->fn = (__u32)bpf_get_attach_cookie(ctx);
+    s->depth = 0;
+    s->ts = bpf_ktime_get_ns();
     return 0;
 }
 
 SEC("uretprobe")
 int cuda_exit(struct pt_regs *ctx)
 {
-    __u64 tid = bpf_get_current_pid_tgid();
-    struct start_val *s = bpf_map_lookup_elem(&starts, &tid);
-    if (!s)
+    struct start_val *s = bpf_task_storage_get(&starts, bpf_get_current_task_btf(), 0, 0);
+    if (!s || !s->ts)
         return 0;
     if (s->depth) {
         s->depth--;
         return 0;
     }
     __u64 delta = bpf_ktime_get_ns() - s->ts;
-    __u32 fn = s->fn;
-    bpf_map_delete_elem(&starts, &tid);
+    struct call_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .fn = s->fn};
+    s->ts = 0;
 
     __u32 slot = log2_u64(delta ? delta : 1);
     if (slot >= MAX_SLOTS)
         slot = MAX_SLOTS - 1;
-    struct hist_key hk = {.pid = tid >> 32, .fn = fn, .slot = slot};
-    __u64 one = 1, *cnt = bpf_map_lookup_elem(&hists, &hk);
-    if (cnt)
-        __sync_fetch_and_add(cnt, 1);
-    else
-        bpf_map_update_elem(&hists, &hk, &one, BPF_NOEXIST);
-
-    struct total_key tk = {.pid = tid >> 32, .fn = fn};
-    struct total_val *t = bpf_map_lookup_elem(&totals, &tk);
-    if (t) {
-        __sync_fetch_and_add(&t->count, 1);
-        __sync_fetch_and_add(&t->sum_ns, delta);
-    } else {
-        struct total_val tv = {.count = 1, .sum_ns = delta};
-        bpf_map_update_elem(&totals, &tk, &tv, BPF_NOEXIST);
+    struct call_hist *h = bpf_map_lookup_elem(&calls, &key);
+    if (!h) {
+        struct call_hist zero = {};
+        bpf_map_update_elem(&calls, &key, &zero, BPF_NOEXIST);
+        h = bpf_map_lookup_elem(&calls, &key);
+        if (!h)
+            return 0;
     }
+    __sync_fetch_and_add(&h->count, 1);
+    __sync_fetch_and_add(&h->sum_ns, delta);
+    __sync_fetch_and_add(&h->slots[slot], 1);
     return 0;
 }
