@@ -351,3 +351,76 @@ def test_injected_slow_cuda_shows_for_the_engine_endpoint(
     finally:
         a.close()
         u.stop()
+
+
+def test_pod_labels_from_the_kubelet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet is a boundary we cannot reach here: a local HTTP server stands in for its
+    /pods endpoint. The container id comes from a real process's real cgroup file."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from unbroken.agent.discovery import PodResolver, process_info
+
+    cid = "ab" * 32
+    pods = {
+        "items": [
+            {
+                "metadata": {"name": "vllm-0", "namespace": "ai-serving"},
+                "status": {
+                    "containerStatuses": [
+                        {"name": "vllm-engine", "containerID": f"containerd://{cid}"}
+                    ]
+                },
+            }
+        ]
+    }
+
+    class Kubelet(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(pods).encode()
+            self.send_response(200 if self.path == "/pods" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Kubelet)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("KUBELET_URL", f"http://127.0.0.1:{srv.server_address[1]}")
+    # A process in a cgroup whose path carries the container id, as under containerd.
+    cg = Path("/sys/fs/cgroup/pids") / f"cri-containerd-{cid}.scope"
+    if not (Path("/sys/fs/cgroup/pids") / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 pids hierarchy to place a process in")
+    cg.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        ["sleep", "30"], preexec_fn=lambda: (cg / "cgroup.procs").write_text(str(os.getpid()))
+    )
+    try:
+        r = PodResolver()
+        r.refresh()
+        info = process_info(proc.pid, r, {})
+        assert (info.pod, info.namespace, info.container) == ("vllm-0", "ai-serving", "vllm-engine")
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.shutdown()
+        cg.rmdir()
+
+
+def test_once_snapshot_and_fallback_cli() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "agent", "--once", "--duration", "1", "--no-ebpf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "eBPF unavailable" in r.stdout and "sock_diag" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "agent", "--listen", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr

@@ -228,3 +228,40 @@ def test_locustfile_reports_ttft_and_itl(target: tuple[Proc, Proc], tmp_path: Pa
     rows = {line.split(",")[1]: line.split(",") for line in stats[1:]}
     assert int(rows["TTFT"][2]) > 0 and int(rows["ITL"][2]) > 0
     assert int(rows["/v1/chat/completions (stream)"][3]) == 0  # no failures
+
+
+def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
+    from helpers import Up
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"model: {MODEL}\npools:\n  - name: primary\n    replicas: 2\n"
+        "    weights_size: 8MiB\n    engine: {overrides: {decode_base_s: 0.005}}\n"
+    )
+    u = Up(tmp_path, spec)
+    try:
+        out = tmp_path / "out"
+        r = u.run(
+            "bench",
+            "--scenario",
+            "chaos",
+            "--users",
+            "12",
+            "--duration",
+            "9",
+            "--at",
+            "3",
+            "--max-tokens",
+            "40:80",
+            "--out",
+            str(out),
+        )
+        assert r.returncode == 0, r.stderr
+        data = json.loads((out / "results.json").read_text())
+        kinds = [e["event"] for e in data["events"]]
+        assert kinds == ["replica_killed", "replica_replaced"]
+        chaos = data["windows"]["chaos"]
+        assert chaos["open"]["streams"] > 0 and chaos["open"]["dropped"] == 0
+        assert chaos["open"]["corrupted"] == 0
+    finally:
+        u.stop()
