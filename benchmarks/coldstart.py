@@ -14,6 +14,7 @@ measurement starts from an evicted cache and they alternate across repeats (medi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import mmap
 import os
 import platform
@@ -27,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import httpx
 
 from _common import table
+from unbroken.bench.coldstart import engine_start as start_engine
 from unbroken.engine.weights import make_weights, parse_size
 from unbroken.prewarm import evict, find_weight_files, memory_available, warm_files
 from unbroken.wire.http import free_port
@@ -71,44 +72,18 @@ def run(cmd: list[str]) -> None:
 
 
 def engine_start(weights: Path) -> tuple[float, float]:
-    """(seconds from spawn to /health 200, weight-load seconds the engine reported)."""
     port = free_port()
-    t0 = time.perf_counter()
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "unbroken",
-            "engine",
-            "--port",
-            str(port),
-            "--weights",
-            str(weights),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    took = time.perf_counter() - t0
-                    break
-            except httpx.HTTPError:
-                pass
-            if p.poll() is not None:
-                raise RuntimeError("engine exited")
-            time.sleep(0.01)
-        m = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        load = next(
-            float(line.split()[-1])
-            for line in m.splitlines()
-            if line.startswith("unbroken_engine_weights_load_seconds")
-        )
-        return took, load
-    finally:
-        p.terminate()
-        p.wait(10)
+    argv = [
+        sys.executable,
+        "-m",
+        "unbroken",
+        "engine",
+        "--port",
+        str(port),
+        "--weights",
+        str(weights),
+    ]
+    return asyncio.run(start_engine(argv, f"http://127.0.0.1:{port}"))
 
 
 def main() -> None:

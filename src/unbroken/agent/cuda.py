@@ -89,8 +89,9 @@ class CudaTracer:
         for k, v in libbpf.items(self._calls, CallKey, CallHist):
             assert isinstance(v, CallHist)
             if k.fn < len(FUNCTIONS):
-                out[(k.pid, FUNCTIONS[k.fn])] = CallStats(int(v.count), int(v.sum_ns),
-                                                         list(v.slots))
+                out[(k.pid, FUNCTIONS[k.fn])] = CallStats(
+                    int(v.count), int(v.sum_ns), list(v.slots)
+                )
         return out
 
     def forget(self, pids: set[int]) -> None:

@@ -11,10 +11,11 @@ import aiohttp
 
 from unbroken.prewarm import evict, find_weight_files, warm_files
 
-__all__ = ["measure_cold_start"]
+__all__ = ["engine_start", "measure_cold_start"]
 
 
-async def _start(argv: list[str], url: str, timeout: float = 120.0) -> tuple[float, float]:
+async def engine_start(argv: list[str], url: str, timeout: float = 120.0) -> tuple[float, float]:
+    """Start an engine; (seconds from spawn to /health 200, weight-load seconds it reports)."""
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
@@ -59,12 +60,12 @@ async def measure_cold_start(
     for _ in range(repeats):
         for f in files:
             evict(f)
-        cold.append(await _start(argv, url))
+        cold.append(await engine_start(argv, url))
         for f in files:
             evict(f)
         stats = await loop.run_in_executor(None, warm_files, files)
         prewarm_s.append(stats.seconds)
-        warm.append(await _start(argv, url))
+        warm.append(await engine_start(argv, url))
 
     def med(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]

@@ -15,10 +15,7 @@ import contextlib
 from collections import deque
 from typing import Any
 
-import orjson
 from aiohttp import web
-
-from unbroken.wire.sse import SSEEvent
 
 __all__ = ["ClientGone", "ClientSink", "SlowClient", "StreamTracker"]
 
@@ -159,23 +156,6 @@ class StreamTracker:
         self.done = False
         self.error: dict[str, Any] | None = None
 
-    def observe(self, events: list[SSEEvent]) -> int:
-        """Take in events; return how many carried tokens."""
-        tokens = 0
-        for ev in events:
-            if ev.data is None:
-                continue
-            if ev.is_done:
-                self.done = True
-                continue
-            try:
-                obj = orjson.loads(ev.data)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                tokens += self.observe_obj(obj)
-        return tokens
-
     def observe_obj(self, obj: dict[str, Any]) -> int:
         """Take in one decoded event; return 1 if it carried a token, else 0."""
         if "error" in obj:
@@ -205,11 +185,6 @@ class StreamTracker:
                 self.finish[idx] = ch["finish_reason"]
         self.token_events += tokens
         return tokens
-
-    @property
-    def complete(self) -> bool:
-        """Ended as a stream should: its finish, then [DONE], and no error event."""
-        return self.done and self.error is None and bool(self.finish)
 
     @property
     def finished(self) -> bool:
