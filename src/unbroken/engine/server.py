@@ -650,13 +650,44 @@ class Engine:
             log.warning("shutdown timeout: aborting %d request(s)", len(self.states))
 
 
-class _CompletionFormat:
+class _Format:
+    """What completions and chat streams share: usage options and the usage chunk."""
+
+    chunk_object = ""
+
+    def __init__(
+        self, req: CompletionRequest | ChatRequest, state: RequestState, model: str
+    ) -> None:
+        self.state, self.model = state, model
+        self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def _usage(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> bytes | None:
+        if not self.usage_on:
+            return None
+        return encode_json(
+            {
+                "id": self.state.request_id,
+                "object": self.chunk_object,
+                "created": self.state.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self._usage(),
+            }
+        )
+
+
+class _CompletionFormat(_Format):
+    chunk_object = "text_completion"
+
     def __init__(
         self, req: CompletionRequest, state: RequestState, model: str, prompts: list[str]
     ) -> None:
-        self.req, self.state, self.model, self.prompts = req, state, model, prompts
-        self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
-        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        super().__init__(req, state, model)
+        self.req, self.prompts = req, prompts
         self.offsets = [0] * state.n
         self.echoed = [False] * state.n
         self.lp: list[dict[str, list[Any]]] = [
@@ -714,20 +745,6 @@ class _CompletionFormat:
             obj["usage"] = self._usage()
         return encode_json(obj)
 
-    def usage_chunk(self) -> bytes | None:
-        if not self.usage_on:
-            return None
-        return encode_json(
-            {
-                "id": self.state.request_id,
-                "object": "text_completion",
-                "created": self.state.created,
-                "model": self.model,
-                "choices": [],
-                "usage": self._usage(),
-            }
-        )
-
     def collect(self, o: Output) -> None:
         i = o.seq.index
         self.state.texts[i].append(self._prefix(i) + o.text)
@@ -757,11 +774,12 @@ class _CompletionFormat:
         }
 
 
-class _ChatFormat:
+class _ChatFormat(_Format):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, req: ChatRequest, state: RequestState, model: str) -> None:
-        self.req, self.state, self.model = req, state, model
-        self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
-        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        super().__init__(req, state, model)
+        self.req = req
         self.prompt_tokens = 0
         self.lp: list[list[dict[str, Any]]] = [[] for _ in range(state.n)]
 
@@ -834,19 +852,6 @@ class _ChatFormat:
                 ]
             )
         )
-
-    def usage_chunk(self) -> bytes | None:
-        if not self.usage_on:
-            return None
-        obj = {
-            "id": self.state.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.state.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self._usage(),
-        }
-        return encode_json(obj)
 
     def collect(self, o: Output) -> None:
         self.state.texts[o.seq.index].append(o.text)
