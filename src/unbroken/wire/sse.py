@@ -72,6 +72,9 @@ class SSEDecoder:
 
 
 def _parse(block: bytes) -> SSEEvent:
+    # Fast path: the usual event is one `data: ...` line (vLLM, our engines).
+    if block.startswith(b"data: ") and block.find(b"\n", 6) == len(block) - 2:
+        return SSEEvent(raw=block, data=block[6:-2])
     data: list[bytes] = []
     for line in block.split(b"\n"):
         if line.startswith(b"data:"):
