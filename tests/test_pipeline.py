@@ -149,3 +149,32 @@ def test_spec_errors_name_the_field(tmp_path: Path, text: str, expect: str) -> N
         env={**os.environ, "UNBROKEN_STATE_DIR": str(tmp_path / "s")},
     )
     assert r.returncode == 2 and expect in r.stderr, r.stderr
+
+
+def test_supervisor_restarts_a_dead_gateway(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"model: {MODEL}\npools:\n  - name: main\n    replicas: 1\n    weights_size: 8MiB\n"
+    )
+    u = Up(tmp_path, spec)
+    try:
+        old = u.status()["gateway_pid"]
+        os.kill(old, signal.SIGKILL)
+
+        def back() -> bool:
+            try:
+                st = u.status()
+            except subprocess.CalledProcessError:
+                return False
+            eps = (st.get("gateway") or {}).get("endpoints") or []
+            return st["gateway_pid"] != old and [e["state"] for e in eps] == ["ready"]
+
+        wait_for(back, timeout=30, interval=0.3, what="gateway restarted with its engine")
+        from openai import OpenAI
+
+        c = OpenAI(base_url=u.url + "/v1", api_key="x")
+        r = c.completions.create(model=MODEL, prompt="back", max_tokens=4, temperature=0)
+        assert r.choices[0].text == expected_completion("back", 4).text
+        assert "gateway_restarted" in [e["event"] for e in u.status()["events"]]
+    finally:
+        assert u.stop() == 0

@@ -268,9 +268,7 @@ class Supervisor:
         return r
 
     def watch(self, r: Replica) -> None:
-        t = asyncio.create_task(self._on_exit(r), name=f"watch-{r.name}")
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._track(asyncio.create_task(self._on_exit(r), name=f"watch-{r.name}"))
 
     async def _on_exit(self, r: Replica) -> None:
         assert r.proc is not None
@@ -327,6 +325,7 @@ class Supervisor:
         )
         say("waiting for every endpoint to pass its warm-up")
         await self.wait_ready()
+        self._track(asyncio.create_task(self._watch_gateway(), name="watch-gateway"))
         await self._start_control()
         RunInfo(
             pid=os.getpid(),
@@ -336,6 +335,38 @@ class Supervisor:
             token_file=str(self.token_file),
             started=time.time(),
         ).write(self.state)
+
+    def _track(self, t: asyncio.Task[Any]) -> None:
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _watch_gateway(self) -> None:
+        """A gateway that dies is restarted on the same ports and given every live engine
+        again (its streams are gone with it; new requests are served again in seconds)."""
+        while not self._stopping:
+            assert self.gateway_proc is not None
+            code = await self.gateway_proc.wait()
+            if self._stopping:
+                return
+            log.warning(
+                "the gateway (pid %s) exited unexpectedly with %s; restarting it",
+                self.gateway_proc.pid,
+                code,
+            )
+            self.record("gateway_died", pid=self.gateway_proc.pid, code=code)
+            self.restarts += 1
+            try:
+                self.gateway_proc, gw_log = await self._spawn(
+                    "gateway", self._gateway_argv(), {"UNBROKEN_ADMIN_TOKEN": self.token}
+                )
+                await self._wait_gateway(gw_log)
+                for r in list(self.replicas.values()):
+                    if r.proc is not None and r.proc.returncode is None and not r.stopping:
+                        await self.register(r)
+                self.record("gateway_restarted", pid=self.gateway_proc.pid)
+            except (StartupError, AdminError) as e:
+                log.error("could not restart the gateway: %s", e)
+                await asyncio.sleep(1.0)
 
     async def _wait_gateway(self, gw_log: Path) -> None:
         deadline = time.monotonic() + 30
