@@ -159,7 +159,9 @@ def test_bench_cli_steady(target: tuple[Proc, Proc], tmp_path: Path) -> None:
 
 
 def test_demo_end_to_end(tmp_path: Path) -> None:
-    """The main job, scaled down (40 users, short windows): same phases, same verdicts."""
+    """The main job, scaled down (40 users, short windows): same phases, same verdicts on
+    dropped and corrupted streams. With ~150 requests a window, p99.9 TTFT is its single worst
+    request, so the ratio target is loosened to 3x here; the 1.5x target is for 200 users."""
     r = subprocess.run(
         [
             sys.executable,
@@ -172,6 +174,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
             "8",
             "--deadline",
             "2",
+            "--weights-size",
+            "64MiB",
+            "--max-ttft-ratio",
+            "3",
             "--out",
             str(tmp_path),
         ],

@@ -380,6 +380,9 @@ def demo(
     steady: Annotated[float, typer.Option(help="Seconds of the steady window.")] = 30.0,
     deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
     weights_size: Annotated[str, typer.Option(help="Weights per pool (generated once).")] = "1GiB",
+    max_ttft_ratio: Annotated[
+        float, typer.Option(help="Pass when rollout p99.9 TTFT <= this x steady.")
+    ] = 1.5,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
 ) -> None:
     """The main job: default pipeline, 200 users, rolling upgrade, SIGKILL; measured."""
@@ -394,6 +397,7 @@ def demo(
             steady_s=steady,
             deadline_s=deadline,
             weights_size=weights_size,
+            max_ratio=max_ttft_ratio,
             console=console,
         )
     )
