@@ -434,3 +434,32 @@ def test_no_endpoints_answers_503(tmp_path: Path, path: str) -> None:
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
     finally:
         g.stop()
+
+
+def test_priority_from_api_key(tmp_path: Path) -> None:
+    a = engine(tmp_path, name="a")
+    cfg = tmp_path / "gw.json"
+    cfg.write_text(json.dumps({"priority_keys": {"sk-batch": "sheddable"}, "default_cap": 1}))
+    g = gateway(tmp_path, a.url, args=("--config", str(cfg)))
+    try:
+        hold = _raw_stream(g.port, {"model": MODEL, "prompt": "x", "max_tokens": 5000})
+        wait_endpoints(g, lambda eps: eps[0]["inflight"] == 1)
+        r = httpx.post(
+            g.url + "/v1/completions",
+            headers={"Authorization": "Bearer sk-batch"},
+            json={"model": MODEL, "prompt": "s", "max_tokens": 2},
+        )
+        assert r.status_code == 429 and r.json()["error"]["code"] == "shed"
+        # An explicit header wins over the key's class.
+        hold.close()
+        r = httpx.post(
+            g.url + "/v1/completions",
+            headers={"Authorization": "Bearer sk-batch", "x-unbroken-priority": "critical"},
+            json={"model": MODEL, "prompt": "s", "max_tokens": 2},
+            timeout=30,
+        )
+        assert r.status_code == 200
+        assert metric(g.url, "unbroken_gateway_requests_total", priority="critical") == 1
+    finally:
+        g.stop()
+        a.stop()
