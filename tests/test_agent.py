@@ -195,7 +195,7 @@ def test_new_process_picked_up_within_2s_and_exited_forgotten(agent: Agent, tmp_
 
 
 def _tcp_scenario(sampler_tick: object = None) -> tuple[int, int]:
-    """A slow reader (reads nothing for 2.5 s) and a healthy one; returns the senders' pids."""
+    """A slow reader (reads nothing for 3.5 s) and a healthy one; returns the senders' pids."""
     slow_srv, ok_srv = (
         socket.create_server(("127.0.0.1", 0)),
         socket.create_server(("127.0.0.1", 0)),
@@ -207,7 +207,7 @@ def _tcp_scenario(sampler_tick: object = None) -> tuple[int, int]:
                 str(WORKLOADS / "tcp_sender.py"),
                 str(srv.getsockname()[1]),
                 mode,
-                "2.5",
+                "3.5",
             ]
         )
         for srv, mode in ((slow_srv, "fast"), (ok_srv, "paced"))
@@ -215,7 +215,7 @@ def _tcp_scenario(sampler_tick: object = None) -> tuple[int, int]:
     slow_conn, _ = slow_srv.accept()
     ok_conn, _ = ok_srv.accept()
     ok_conn.setblocking(False)
-    end = time.monotonic() + 2.7
+    end = time.monotonic() + 3.7
     while time.monotonic() < end:
         try:
             ok_conn.recv(1 << 16)
