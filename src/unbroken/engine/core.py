@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from unbroken.engine.cuda import CudaStub, Fn
 from unbroken.engine.profiles import EngineProfile
@@ -42,9 +42,7 @@ class Seq:
     want_logprobs: bool = False
     generated: int = 0
     kv: int = 0  # KV slots held while running
-    admitted_once: bool = False
     finished: bool = False
-    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -173,7 +171,6 @@ class EngineCore:
             s.kv = need - 1
             self.kv_used += s.kv
             prefill += s.kv
-            s.admitted_once = True
             self.running.append(s)
         # Every running sequence needs one more slot; preempt the newest until they fit.
         while self.running and self.kv_used + len(self.running) > p.kv_capacity_tokens:

@@ -121,7 +121,3 @@ class Admission:
             served.append(w)
         for w in served:
             self._forget(w)
-
-    @property
-    def queued(self) -> int:
-        return len(self._heap)

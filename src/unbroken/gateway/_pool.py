@@ -46,7 +46,6 @@ class Endpoint:
     last_error: str | None = None
     drain_deadline: float | None = None  # monotonic
     served: int = 0
-    added_at: float = field(default_factory=time.time)
     state_since: float = field(default_factory=time.time)
     relays: set[Any] = field(default_factory=set)  # streams being relayed from here
     _rr: int = 0
@@ -158,6 +157,3 @@ class Pool:
             and id(e) not in excluded
             for e in self.endpoints.values()
         )
-
-    def ready_count(self) -> int:
-        return sum(1 for e in self.endpoints.values() if e.state == State.READY and e.healthy)

@@ -1,7 +1,7 @@
 """Relaying one SSE stream: what the client has been sent, and a bounded per-stream buffer
 that keeps a slow client from ever slowing the upstream read.
 
-`StreamTracker` follows every event (id, text per choice, finish, usage): it decides whether a
+`StreamTracker` follows every event (id, text per choice, finish): it decides whether a
 stream ended with its finish, and it is what mid-stream continuation builds on.
 `ClientSink` writes straight to the client while its socket keeps up; once the socket backs
 up, events queue in memory (up to a bound) and a writer task feeds the client at its pace
@@ -140,7 +140,6 @@ class StreamTracker:
         "role_sent",
         "texts",
         "token_events",
-        "usage",
     )
 
     def __init__(self, chat: bool) -> None:
@@ -151,7 +150,6 @@ class StreamTracker:
         self.texts: dict[int, list[str]] = {}
         self.finish: dict[int, str] = {}
         self.role_sent: set[int] = set()
-        self.usage: dict[str, Any] | None = None
         self.token_events = 0
         self.done = False
         self.error: dict[str, Any] | None = None
@@ -166,8 +164,6 @@ class StreamTracker:
             self.id = obj.get("id")
             self.created = obj.get("created")
             self.model = obj.get("model")
-        if obj.get("usage"):
-            self.usage = obj["usage"]
         tokens = 0
         for ch in obj.get("choices") or ():
             idx = ch.get("index", 0)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -56,7 +56,6 @@ class Step:
     drain_s: float | None = None
     ok: bool = False
     error: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def new_engine(old: EngineSpec, update: dict[str, Any]) -> EngineSpec:
