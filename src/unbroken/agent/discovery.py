@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import ssl
+import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,16 +70,26 @@ def _container_id(pid: int) -> str:
 class PodResolver:
     """Container id → (pod, namespace, container name) from the kubelet's pod list, when the
     agent runs on a Kubernetes node (KUBELET_URL, default https://$NODE_IP:10250, with the
-    service account token). Off the cluster it resolves nothing."""
+    service account token). Off the cluster it resolves nothing. The pod list is fetched only
+    when a container it does not know appears, and at most every `min_interval` seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_interval: float = 10.0) -> None:
         node = os.environ.get("NODE_IP") or os.environ.get("KUBERNETES_NODE_IP")
         self.url = os.environ.get("KUBELET_URL") or (f"https://{node}:10250" if node else None)
         self.cache: dict[str, tuple[str, str, str]] = {}
+        self.min_interval = min_interval
+        self._fetched = -math.inf
+
+    def wants(self, pids: Iterable[int]) -> bool:
+        """Would a fetch now resolve a container of these processes that is not cached?"""
+        if not self.url or time.monotonic() - self._fetched < self.min_interval:
+            return False
+        return any((cid := _container_id(pid)) and cid not in self.cache for pid in pids)
 
     def refresh(self) -> None:
         if not self.url:
             return
+        self._fetched = time.monotonic()
         token_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
         headers = {}
         if token_file.exists():

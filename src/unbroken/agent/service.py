@@ -93,9 +93,10 @@ class Agent:
                     if rep is not None:
                         self.libraries.append(rep)
         self.endpoints = await supervisor_endpoints()
-        await loop.run_in_executor(None, self.pods.refresh)
         self.cuda_pids = set(libs)
         wanted = self.cuda_pids | set(self.endpoints)
+        if self.pods.wants(wanted - set(self.procs)):
+            await loop.run_in_executor(None, self.pods.refresh)
         for pid in wanted:
             if pid not in self.procs or self.procs[pid].endpoint != self.endpoints.get(pid, ""):
                 self.procs[pid] = process_info(pid, self.pods, self.endpoints)

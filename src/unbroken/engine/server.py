@@ -409,7 +409,9 @@ class Engine:
                 state.push(Output(s, "", "length", 0))
         else:
             self._submit(state, seqs)
-        fmt = _CompletionFormat(req, state, self.cfg.model_name, prompts)
+        fmt = _CompletionFormat(
+            req, state, self.cfg.model_name, prompts, sum(t for _, t in contexts) * req.n
+        )
         try:
             if req.stream:
                 return await self._stream(request, state, fmt)
@@ -463,7 +465,7 @@ class Engine:
         state = RequestState(rid, req.n)
         self._maybe_fail(state)
         self._submit(state, self._seqs(req, state, [(ctx, ptoks)], [max_tokens]))
-        fmt = _ChatFormat(req, state, self.cfg.model_name)
+        fmt = _ChatFormat(req, state, self.cfg.model_name, ptoks)
         try:
             if req.stream:
                 return await self._stream(request, state, fmt)
@@ -656,14 +658,20 @@ class _Format:
     chunk_object = ""
 
     def __init__(
-        self, req: CompletionRequest | ChatRequest, state: RequestState, model: str
+        self,
+        req: CompletionRequest | ChatRequest,
+        state: RequestState,
+        model: str,
+        prompt_tokens: int,
     ) -> None:
         self.state, self.model = state, model
+        self.prompt_tokens = prompt_tokens  # counted once, by the handler
         self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
         self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     def _usage(self) -> dict[str, int]:
-        raise NotImplementedError
+        p, c = self.prompt_tokens, sum(self.state.tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def usage_chunk(self) -> bytes | None:
         if not self.usage_on:
@@ -684,9 +692,14 @@ class _CompletionFormat(_Format):
     chunk_object = "text_completion"
 
     def __init__(
-        self, req: CompletionRequest, state: RequestState, model: str, prompts: list[str]
+        self,
+        req: CompletionRequest,
+        state: RequestState,
+        model: str,
+        prompts: list[str],
+        prompt_tokens: int,
     ) -> None:
-        super().__init__(req, state, model)
+        super().__init__(req, state, model, prompt_tokens)
         self.req, self.prompts = req, prompts
         self.offsets = [0] * state.n
         self.echoed = [False] * state.n
@@ -716,11 +729,6 @@ class _CompletionFormat(_Format):
 
     def head(self) -> bytes:
         return b""
-
-    def _usage(self) -> dict[str, int]:
-        p = sum(count_tokens(x) for x in self.prompts) * self.req.n
-        c = sum(self.state.tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def chunk(self, o: Output) -> bytes:
         text = self._prefix(o.seq.index) + o.text
@@ -777,19 +785,12 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, req: ChatRequest, state: RequestState, model: str) -> None:
-        super().__init__(req, state, model)
+    def __init__(
+        self, req: ChatRequest, state: RequestState, model: str, prompt_tokens: int
+    ) -> None:
+        super().__init__(req, state, model, prompt_tokens)
         self.req = req
-        self.prompt_tokens = 0
         self.lp: list[list[dict[str, Any]]] = [[] for _ in range(state.n)]
-
-    def _usage(self) -> dict[str, int]:
-        c = sum(self.state.tokens)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": c,
-            "total_tokens": self.prompt_tokens + c,
-        }
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj: dict[str, Any] = {
@@ -811,7 +812,6 @@ class _ChatFormat(_Format):
         return {"content": [{**entry, "top_logprobs": top}]}
 
     def head(self) -> bytes:
-        self.prompt_tokens = self._count_prompt()
         return b"".join(
             encode_json(
                 self._envelope(
@@ -827,14 +827,6 @@ class _ChatFormat(_Format):
             )
             for i in range(self.state.n)
         )
-
-    def _count_prompt(self) -> int:
-        ctx = render_chat(
-            [(m.role, m.text()) for m in self.req.messages],
-            add_generation_prompt=self.req.add_generation_prompt,
-            continue_final_message=self.req.continue_final_message,
-        )
-        return count_tokens(ctx)
 
     def chunk(self, o: Output) -> bytes:
         if not o.text and o.finish_reason is None:
@@ -860,7 +852,6 @@ class _ChatFormat(_Format):
 
     def full(self) -> dict[str, Any]:
         st = self.state
-        self.prompt_tokens = self._count_prompt()
         choices = [
             {
                 "index": i,
