@@ -204,7 +204,7 @@ class Proxy:
                 )
                 return await relay.run(up, ep), ep.pool
             except Retry as r:
-                if r.kind not in ("reset", "truncated", "stall", "error_event") or not handed:
+                if not handed:  # a relay has already recorded its own failure
                     self.upstream_failed(ep, r.kind, str(r))
                 tried.append(ep)
                 self.metrics.retries.labels(r.kind).inc()

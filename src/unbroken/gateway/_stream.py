@@ -77,6 +77,7 @@ class StreamRelay:
         self.base_tokens = 0
         self._last_token = 0.0
         self._itl: Any = None
+        self._detail: str | None = None
 
     # -- called by the gateway ------------------------------------------------------------
     def interrupt(self, reason: str) -> None:
@@ -181,6 +182,15 @@ class StreamRelay:
         return None
 
     async def _leg(self, up: aiohttp.ClientResponse, ep: Endpoint, *, rewrite: bool) -> str | None:
+        """One leg, and the one place its failure is put on the endpoint's record (a break
+        we caused ourselves, the drain deadline, is not the endpoint's failure)."""
+        self._detail = None
+        reason = await self._pump(up, ep, rewrite=rewrite)
+        if reason is not None and reason != self.interrupted:
+            self.p.upstream_failed(ep, reason, self._detail or f"stream {reason}")
+        return reason
+
+    async def _pump(self, up: aiohttp.ClientResponse, ep: Endpoint, *, rewrite: bool) -> str | None:
         """Pump one upstream leg into the client. None: the stream is complete; otherwise
         why the leg broke. Releases the leg's slot."""
         self.up, self.ep = up, ep
@@ -218,8 +228,7 @@ class StreamRelay:
         except TimeoutError:
             return self.interrupted or "stall"
         except UPSTREAM_ERRORS as e:
-            if not self.interrupted:
-                self.p.upstream_failed(ep, "reset", f"{type(e).__name__}: {e}")
+            self._detail = f"{type(e).__name__}: {e}"
             return self.interrupted or "reset"
         finally:
             ep.relays.discard(self)
