@@ -9,24 +9,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import orjson
 
 from unbroken.wire.http import free_port
-from unbroken.wire.sse import SSEDecoder
 
 CLK = os.sysconf("SC_CLK_TCK")
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
-    return xs[k]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -101,66 +91,6 @@ async def wait_http(url: str, timeout: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(url)
             await asyncio.sleep(0.1)
-
-
-@dataclass
-class Sample:
-    ttft: float
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ok: bool = False
-    warmup: bool = False  # started during warm-up: counted for throughput, not latency
-
-
-async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> Sample:
-    t0 = time.monotonic()
-    dec = SSEDecoder()
-    s = Sample(ttft=float("nan"))
-    last = None
-    async with session.post(
-        url + "/v1/completions",
-        data=orjson.dumps(body),
-        headers={"Content-Type": "application/json"},
-    ) as r:
-        async for chunk in r.content.iter_any():
-            now = time.monotonic()
-            for ev in dec.feed(chunk):
-                if ev.data is None:
-                    continue
-                if ev.is_done:
-                    s.ok = True
-                    continue
-                if b'"text":"' in ev.data and b'"text":""' not in ev.data:
-                    if last is None:
-                        s.ttft = now - t0
-                    else:
-                        s.gaps.append(now - last)
-                    last = now
-                    s.tokens += 1
-    return s
-
-
-async def closed_loop(
-    url: str, users: int, duration: float, body: dict, warmup: float = 1.5
-) -> list[Sample]:
-    """`users` clients each streaming requests back to back for `duration` seconds; requests
-    started during the first `warmup` seconds are marked `warmup`."""
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
-    out: list[Sample] = []
-    start = time.monotonic()
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-
-        async def user(i: int) -> None:
-            await asyncio.sleep(i * min(0.01, warmup / max(users, 1)))
-            while time.monotonic() - start < warmup + duration:
-                t = time.monotonic()
-                s = await one_stream(session, url, body)
-                s.warmup = t - start < warmup
-                out.append(s)
-
-        await asyncio.gather(*(user(i) for i in range(users)))
-    return out
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

@@ -19,23 +19,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import (
-    closed_loop,
     cpu_seconds,
     engine_service,
     gateway_service,
     median,
-    pct,
     table,
     wait_http,
 )
+from unbroken.bench.load import LoadConfig, LoadRun
+from unbroken.bench.stats import percentile
 
-BODY = {
-    "model": "unbroken-sim",
-    "prompt": "Benchmark the gateway",
-    "max_tokens": 64,
-    "temperature": 0,
-    "stream": True,
-}
+WARMUP_S = 1.5  # requests started earlier count for CPU per chunk, not for latency
+
+
+def pct(xs: list[float], p: float) -> float:
+    v = percentile(xs, p)
+    return float("nan") if v is None else v
+
+
+async def closed_loop(url: str, users: int, duration: float, max_tokens: int) -> LoadRun:
+    """`users` clients streaming completions back to back (unbroken bench's load
+    generator, text verification off to keep the client light)."""
+    cfg = LoadConfig(
+        url=url,
+        users=users,
+        spawn_rate=users / 1.0,
+        duration=WARMUP_S + duration,
+        prompt_words=(3, 3),
+        max_tokens=(max_tokens, max_tokens),
+        chat_fraction=0.0,
+        verify=False,
+    )
+    run = LoadRun(cfg)
+    await run.run()
+    return run
 
 
 async def main() -> None:
@@ -45,7 +62,6 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    BODY["max_tokens"] = args.max_tokens
 
     logs = Path(tempfile.mkdtemp(prefix="ub-bench-"))
     eng = engine_service("--max-num-seqs", "512").start(logs, "engine")
@@ -62,12 +78,12 @@ async def main() -> None:
                 for mode, url in (("direct", eng.url), ("gateway", gw.url)):
                     assert gw.proc is not None
                     c0 = cpu_seconds(gw.proc.pid)
-                    samples = await closed_loop(url, users, args.duration, BODY)
+                    run = await closed_loop(url, users, args.duration, args.max_tokens)
                     cpu = cpu_seconds(gw.proc.pid) - c0
-                    measured = [s for s in samples if not s.warmup]
-                    ttfts = [s.ttft for s in measured if s.ok]
-                    gaps = [g for s in measured for g in s.gaps]
-                    chunks = sum(s.tokens for s in samples)  # all of them: CPU covers all
+                    measured = [r for r in run.records if r.start >= WARMUP_S]
+                    ttfts = [r.ttft for r in measured if r.outcome == "ok" and r.ttft]
+                    gaps = [g for r in measured for g in r.gaps]
+                    chunks = sum(r.tokens for r in run.records)  # all of them: CPU covers all
                     res[mode].append(
                         {
                             "p50": pct(ttfts, 50),
@@ -76,7 +92,7 @@ async def main() -> None:
                             "itl99": pct(gaps, 99),
                             "cpu_per_chunk": cpu / max(chunks, 1),
                             "chunks": chunks,
-                            "failed": sum(not s.ok for s in samples),
+                            "failed": sum(r.outcome != "ok" for r in run.records),
                         }
                     )
                     last = res[mode][-1]

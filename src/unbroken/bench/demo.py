@@ -81,12 +81,6 @@ async def _demo(
         priorities={"critical": 0.1, "standard": 0.8, "sheddable": 0.1},
     )
     load = LoadRun(cfg)
-    counts: dict[str, int] = {}
-
-    def on_record(r: Record) -> None:
-        counts[r.outcome] = counts.get(r.outcome, 0) + 1
-
-    load._on_record = on_record
     marks: dict[str, float] = {}
     phase = "ramp-up"
     try:
@@ -101,8 +95,7 @@ async def _demo(
                     prog.update(
                         tid,
                         description=phase,
-                        stats=f"active {load.active}  "
-                        + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+                        stats=load.status(),
                     )
                     await asyncio.sleep(0.5)
 

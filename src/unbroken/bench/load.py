@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -84,14 +84,14 @@ class Record:
 
 
 class LoadRun:
-    def __init__(self, cfg: LoadConfig, on_record: Callable[[Record], None] | None = None) -> None:
+    def __init__(self, cfg: LoadConfig) -> None:
         self.cfg = cfg
         self.records: list[Record] = []
         self.events: list[dict[str, Any]] = []
         self.t0 = 0.0
         self.active = 0
         self._stop = asyncio.Event()
-        self._on_record = on_record
+        self.outcomes: Counter[str] = Counter()
         self._rng = random.Random(cfg.seed)
 
     def now(self) -> float:
@@ -100,6 +100,11 @@ class LoadRun:
     def mark(self, event: str, **data: Any) -> None:
         """Timestamp an event (rollout started, replica killed...) into the results."""
         self.events.append({"t": round(self.now(), 3), "event": event, **data})
+
+    def status(self) -> str:
+        """One line for a progress display: open streams and outcomes so far."""
+        counts = {"ok": 0, **self.outcomes}
+        return f"active {self.active}  " + "  ".join(f"{k} {v}" for k, v in counts.items())
 
     def stop(self) -> None:
         self._stop.set()
@@ -233,8 +238,7 @@ class LoadRun:
                     rec, chat, prompt, max_tokens, "".join(texts), finish, done, error
                 )
             self.records.append(rec)
-            if self._on_record is not None:
-                self._on_record(rec)
+            self.outcomes[rec.outcome] += 1
 
     def _judge(
         self,

@@ -16,9 +16,7 @@ from unbroken.bench.load import LoadConfig, LoadRun, Record
 from unbroken.bench.report import fmt_ms, write_report
 from unbroken.bench.stats import summarize
 
-__all__ = ["Phase", "live_progress", "markdown_table", "run_bench", "window_counts"]
-
-Phase = dict[str, Any]
+__all__ = ["live_progress", "make_window", "markdown_table", "run_bench", "window_counts"]
 
 
 def window_counts(records: list[Record], start: float, end: float) -> dict[str, int]:
@@ -92,12 +90,6 @@ async def run_bench(
     console: Console,
 ) -> dict[str, Any]:
     load = LoadRun(cfg)
-    counts = {"ok": 0, "dropped": 0, "corrupted": 0, "rejected": 0, "error": 0}
-
-    def on_record(r: Record) -> None:
-        counts[r.outcome] = counts.get(r.outcome, 0) + 1
-
-    load._on_record = on_record
     scenario_window: tuple[float, float] | None = None
     with live_progress(console) as prog:
         task_id = prog.add_task(f"bench {scenario}", total=cfg.duration, stats="")
@@ -129,8 +121,7 @@ async def run_bench(
             prog.update(
                 task_id,
                 completed=min(cfg.duration, load.now()),
-                stats=f"active {load.active}  "
-                + "  ".join(f"{k} {v}" for k, v in counts.items() if v or k == "ok"),
+                stats=load.status(),
             )
         await act
     if sampler is not None:
