@@ -6,7 +6,8 @@ measurement starts from an evicted cache and they alternate across repeats (medi
 - limit: raw parallel O_DIRECT reads, the best of several thread counts and request sizes
   (no page cache): what the disk gives;
 - dd bs=1M (serial, file by file), cat, vmtouch -t, and unbroken prewarm (adaptive threads);
-- engine start (process start to /health 200) with a cold cache, and right after a prewarm.
+- engine start (process start to /health 200) with a cold cache, right after a prewarm, and
+  with no weights at all: the floor no loader can go below (interpreter, imports, server).
 
     python benchmarks/coldstart.py [--size 4GiB] [--repeats 3] [--dir PATH]
 """
@@ -71,18 +72,11 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def engine_start(weights: Path) -> tuple[float, float]:
+def engine_start(weights: Path | None) -> tuple[float, float]:
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "unbroken",
-        "engine",
-        "--port",
-        str(port),
-        "--weights",
-        str(weights),
-    ]
+    argv = [sys.executable, "-m", "unbroken", "engine", "--port", str(port)]
+    if weights is not None:
+        argv += ["--weights", str(weights)]
     return asyncio.run(start_engine(argv, f"http://127.0.0.1:{port}"))
 
 
@@ -126,7 +120,7 @@ def main() -> None:
     else:
         print("vmtouch not installed (apt-get install vmtouch): skipped", file=sys.stderr)
     times: dict[str, list[float]] = {m: [] for m in methods}
-    starts: dict[str, list[tuple[float, float]]] = {"cold": [], "prewarmed": []}
+    starts: dict[str, list[tuple[float, float]]] = {"cold": [], "prewarmed": [], "floor": []}
     for rep in range(args.repeats):
         order = list(methods) if rep % 2 == 0 else list(reversed(methods))
         for name in order:
@@ -144,9 +138,11 @@ def main() -> None:
         starts["cold"].append(engine_start(d))
         warm_files(files)
         starts["prewarmed"].append(engine_start(d))
+        starts["floor"].append(engine_start(None))
         print(
             f"  rep {rep + 1} engine start cold {starts['cold'][-1][0]:.2f} s, "
-            f"prewarmed {starts['prewarmed'][-1][0]:.2f} s",
+            f"prewarmed {starts['prewarmed'][-1][0]:.2f} s, "
+            f"no weights {starts['floor'][-1][0]:.2f} s",
             file=sys.stderr,
         )
     med = {m: statistics.median(v) for m, v in times.items()}
@@ -159,6 +155,7 @@ def main() -> None:
     print(table(["method", "GB/s", "seconds", "ratio to limit"], rows))
     cold = statistics.median(s for s, _ in starts["cold"])
     warm = statistics.median(s for s, _ in starts["prewarmed"])
+    floor = statistics.median(s for s, _ in starts["floor"])
     cold_l = statistics.median(w for _, w in starts["cold"])
     warm_l = statistics.median(w for _, w in starts["prewarmed"])
     print()
@@ -168,8 +165,13 @@ def main() -> None:
             [
                 ["cold page cache", f"{cold:.2f}", f"{cold_l:.2f}", "1.00x"],
                 ["after unbroken prewarm", f"{warm:.2f}", f"{warm_l:.2f}", f"{cold / warm:.2f}x"],
+                ["no weights (floor)", f"{floor:.2f}", "-", f"{cold / floor:.2f}x"],
             ],
         )
+    )
+    print(
+        f"\nthe most any loader could give here: {cold / floor:.2f}x "
+        f"(cold start over the start with no weights at all)"
     )
 
 

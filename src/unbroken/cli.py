@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -19,7 +22,14 @@ app = typer.Typer(
 )
 weights_app = typer.Typer(no_args_is_help=True, help="Weight files for the engine simulator.")
 app.add_typer(weights_app, name="weights")
-console = Console(stderr=True, soft_wrap=True)
+
+
+@functools.cache
+def _console() -> Console:
+    # rich costs ~35 ms to import: the engine's start (measured) does not pay it.
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True)
 
 
 def _logging(verbose: bool) -> None:
@@ -31,7 +41,7 @@ def _logging(verbose: bool) -> None:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    _console().print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)
 
 
@@ -68,7 +78,6 @@ def engine(
 ) -> None:
     """Run the vLLM-compatible engine simulator."""
     from unbroken.engine.profiles import get_profile
-    from unbroken.engine.server import EngineConfig, run_engine
 
     _logging(verbose)
     try:
@@ -85,6 +94,17 @@ def engine(
         _fail(str(e))
     if weights is not None and not weights.exists():
         _fail(f"weights path {weights} does not exist")
+    loader = None
+    if weights is not None:
+        # Start reading weights before the server's imports, which then overlap the read.
+        from unbroken.engine.weights import WeightError, start_weights
+
+        try:
+            loader = start_weights(weights, upload=not no_cuda_stub)
+        except (WeightError, OSError) as e:
+            _fail(str(e))
+    from unbroken.engine.server import EngineConfig, run_engine
+
     run_engine(
         EngineConfig(
             host=host,
@@ -94,6 +114,7 @@ def engine(
             seed=seed,
             eos_rate=eos_rate,
             weights=weights,
+            weights_loader=loader,
             admin_token=admin_token or None,
             shutdown_timeout=shutdown_timeout,
             use_cuda_stub=not no_cuda_stub,
@@ -178,7 +199,7 @@ def up(
     from unbroken.pipeline.up import run_up
 
     _logging(verbose)
-    raise typer.Exit(run_up(spec, port=port, admin_port=admin_port, console=console))
+    raise typer.Exit(run_up(spec, port=port, admin_port=admin_port, console=_console()))
 
 
 @app.command()
@@ -249,7 +270,7 @@ def rollout(
             drain_deadline_s=deadline,
             warmup_budget_s=warmup_budget,
             as_json=as_json,
-            console=console,
+            console=_console(),
         )
     )
 
@@ -274,7 +295,7 @@ def drain(
 
     raise typer.Exit(
         drain_cli(
-            endpoint, admin_url=admin_url, deadline_s=deadline, timeout=timeout, console=console
+            endpoint, admin_url=admin_url, deadline_s=deadline, timeout=timeout, console=_console()
         )
     )
 
@@ -369,7 +390,7 @@ def bench(
             out=out,
             control=control,
             sampler=sampler,
-            console=console,
+            console=_console(),
         )
     )
 
@@ -398,7 +419,7 @@ def demo(
             deadline_s=deadline,
             weights_size=weights_size,
             max_ratio=max_ttft_ratio,
-            console=console,
+            console=_console(),
         )
     )
 
@@ -436,7 +457,7 @@ def prewarm(
             target=target,
             threads=threads,
             as_json=as_json,
-            console=console,
+            console=_console(),
         )
     )
 
@@ -503,13 +524,13 @@ def weights_make(
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
-        console=console,
+        console=_console(),
     ) as prog:
         task = prog.add_task(f"writing {directory}", total=total)
         paths = make_weights(
             directory, total, shard_bytes=shard, seed=seed, progress=lambda n: prog.advance(task, n)
         )
-    console.print(f"wrote {len(paths)} shard(s), {total / 2**30:.2f} GiB, in {directory}")
+    _console().print(f"wrote {len(paths)} shard(s), {total / 2**30:.2f} GiB, in {directory}")
 
 
 def main() -> None:

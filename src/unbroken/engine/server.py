@@ -29,7 +29,7 @@ from unbroken.engine.faults import Config, Fail, FaultRequest, Hang, SlowCuda
 from unbroken.engine.metrics import EngineMetrics
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.textmodel import StopChecker, TextModel, count_tokens, render_chat
-from unbroken.engine.weights import LoadReport, load_weights
+from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
 from unbroken.wire.errors import ApiError
 from unbroken.wire.http import bearer_auth_middleware, error_middleware, prepare_sse, start_site
 from unbroken.wire.openai import (
@@ -44,8 +44,6 @@ __all__ = ["Engine", "EngineConfig", "run_engine"]
 
 log = logging.getLogger("unbroken.engine")
 
-PCIE_BYTES_PER_S = 25e9  # host-to-device copy rate charged for weights
-
 
 @dataclass
 class EngineConfig:
@@ -56,6 +54,9 @@ class EngineConfig:
     seed: int = 0
     eos_rate: float = 0.0
     weights: Path | None = None
+    # Started by the caller before importing this module, so the read overlaps the imports;
+    # started here when absent.
+    weights_loader: WeightLoader | None = None
     admin_token: str | None = None
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 16 * 2**20
@@ -167,24 +168,20 @@ class Engine:
             log.warning("stand-in CUDA library disabled, timing in pure Python")
         self.metrics.cuda_stub.set(1 if self.cuda else 0)
         if self.cfg.weights is not None:
-            self.weights_report = load_weights(self.cfg.weights, to_device=self._to_device)
-            r = self.weights_report
+            loader = self.cfg.weights_loader or start_weights(
+                self.cfg.weights, self.cfg.use_cuda_stub
+            )
+            self.weights_report = r = loader.wait()
             self.metrics.weights_load.set(r.seconds)
             self.metrics.weights_bytes.set(r.bytes)
             log.info(
-                "weights: %d files, %.2f GB in %.3f s (%.2f GB/s)",
+                "weights: %d files, %d tensors, %.2f GB in %.3f s (%.2f GB/s)",
                 r.files,
+                r.tensors,
                 r.bytes / 1e9,
                 r.seconds,
                 r.gbps,
             )
-
-    def _to_device(self, nbytes: int) -> None:
-        if self.cuda is None:
-            return
-        self.cuda.malloc(nbytes)
-        self.cuda.set_delay(cuda_mod.Fn.CU_MEMCPY_HTOD_ASYNC, nbytes / PCIE_BYTES_PER_S)
-        self.cuda.copy_to_device(nbytes)
 
     def start_core(self, loop: asyncio.AbstractEventLoop) -> None:
         def deliver(outs: list[Output]) -> None:
@@ -633,7 +630,12 @@ class Engine:
                 "startup_s": self.startup_s,
                 "weights": None
                 if w is None
-                else {"files": w.files, "bytes": w.bytes, "seconds": w.seconds},
+                else {
+                    "files": w.files,
+                    "tensors": w.tensors,
+                    "bytes": w.bytes,
+                    "seconds": w.seconds,
+                },
                 "faults": self._faults(),
                 "draining": self.draining,
             }
@@ -885,7 +887,12 @@ async def serve(cfg: EngineConfig) -> None:
         cfg.model_name,
         cfg.profile.name,
     )
-    await loop.run_in_executor(None, engine.load)
+    try:
+        await loop.run_in_executor(None, engine.load)
+    except (WeightError, OSError) as e:
+        log.error("cannot load weights from %s: %s", cfg.weights, e)
+        await runner.cleanup()
+        raise SystemExit(1) from None
     engine.start_core(loop)
     engine.ready = True
     engine.startup_s = time.time() - started

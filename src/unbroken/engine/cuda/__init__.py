@@ -16,11 +16,22 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-__all__ = ["CudaStub", "Fn", "StubBuildError", "build", "load", "stub_dir"]
+__all__ = [
+    "PCIE_BYTES_PER_S",
+    "CudaStub",
+    "Fn",
+    "StubBuildError",
+    "WeightUpload",
+    "build",
+    "load",
+    "stub_dir",
+    "weight_upload",
+]
 
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent
+PCIE_BYTES_PER_S = 25e9  # host-to-device rate charged for weight uploads (PCIe 4.0 x16)
 DRIVER_SONAME = "libunbroken_cuda.so.1"
 RUNTIME_SONAME = "libunbroken_cudart.so.12"
 # Frame pointers and no CET: entry points begin with `push %rbp` as in libcudart/libcuda;
@@ -179,3 +190,30 @@ def load(directory: Path | None = None) -> CudaStub:
     driver = ctypes.CDLL(str(directory / DRIVER_SONAME))
     runtime = ctypes.CDLL(str(directory / RUNTIME_SONAME))
     return CudaStub(runtime=runtime, driver=driver, directory=directory)
+
+
+@dataclass
+class WeightUpload:
+    """Weights going to the device through the stub (the engine loader's Device): one
+    cudaMalloc per tensor, one cudaMemcpyAsync per staged chunk, charged at PCIe speed.
+    Called from one thread only: the copy's delay is set just before each call."""
+
+    stub: CudaStub
+    bytes_per_s: float = PCIE_BYTES_PER_S
+
+    def alloc(self, nbytes: int) -> None:
+        self.stub.malloc(nbytes)
+
+    def copy(self, nbytes: int) -> None:
+        self.stub.set_delay(Fn.CU_MEMCPY_HTOD_ASYNC, nbytes / self.bytes_per_s)
+        self.stub.copy_to_device(nbytes)
+
+
+def weight_upload() -> WeightUpload | None:
+    """The loader's device factory: the stub's upload path, or None (weights are only read,
+    as the engine times steps in pure Python then too) when the stub cannot be built."""
+    try:
+        return WeightUpload(load())
+    except (StubBuildError, OSError) as e:
+        log.warning("stand-in CUDA library unavailable, weights are read but not uploaded: %s", e)
+        return None
