@@ -300,7 +300,7 @@ class WeightLoader:
         self._filled: queue.Queue[_Staged | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
-        self._t0 = 0.0
+        self._t0 = self._t1 = 0.0
         self._files = self._tensors = self._bytes = 0
         self._checksum = 0
         self._report: LoadReport | None = None
@@ -350,7 +350,7 @@ class WeightLoader:
                 self._files,
                 self._tensors,
                 self._bytes,
-                time.perf_counter() - self._t0,
+                self._t1 - self._t0,  # the copy thread's end, not when someone asked
                 self._checksum,
             )
         return self._report
@@ -417,6 +417,7 @@ class WeightLoader:
                 self._fail(e)
             finally:
                 self._free.put(staged.buf)
+        self._t1 = time.perf_counter()
 
     def _close(self) -> None:
         for fd in self._fds:
