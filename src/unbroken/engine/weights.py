@@ -180,21 +180,24 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_header(path: Path) -> list[TensorInfo]:
+def read_header(path: Path, fd: int | None = None) -> list[TensorInfo]:
     """The tensors of one safetensors file in file order; WeightError when the layout is
-    not valid (bad header, unknown dtype, sizes that disagree, gaps, overlaps, truncation)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise WeightError(f"{path}: too short to be safetensors ({size} bytes)")
-        n = int.from_bytes(raw, "little")
-        if n > MAX_HEADER or n > size - 8:
-            raise WeightError(f"{path}: header length {n} is past the end of a {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise WeightError(f"{path}: header is not JSON: {e}") from None
+    not valid (bad header, unknown dtype, sizes that disagree, gaps, overlaps, truncation).
+    Reads through `fd` when the caller already has the file open."""
+    if fd is None:
+        with open(path, "rb") as f:
+            return read_header(path, f.fileno())
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        raise WeightError(f"{path}: too short to be safetensors ({size} bytes)")
+    n = int.from_bytes(raw, "little")
+    if n > MAX_HEADER or n > size - 8:
+        raise WeightError(f"{path}: header length {n} is past the end of a {size}-byte file")
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WeightError(f"{path}: header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise WeightError(f"{path}: header is not a JSON object")
     base = 8 + n
@@ -313,9 +316,9 @@ class WeightLoader:
         plan: list[_Piece] = []
         try:
             for f in files:
-                tensors = read_header(f)
                 fd = os.open(f, os.O_RDONLY)
                 self._fds.append(fd)
+                tensors = read_header(f, fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for t in tensors:
                     for off in range(t.start, t.end, self.chunk):
