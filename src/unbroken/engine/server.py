@@ -655,9 +655,11 @@ class Engine:
 
 
 class _Format:
-    """What completions and chat streams share: usage options and the usage chunk."""
+    """What completions and chat streams share: usage options, the response envelope and the
+    usage chunk."""
 
     chunk_object = ""
+    full_object = ""
 
     def __init__(
         self,
@@ -675,23 +677,28 @@ class _Format:
         p, c = self.prompt_tokens, sum(self.state.tokens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    def _envelope(
+        self, choices: list[dict[str, Any]], *, usage: bool, full: bool = False
+    ) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "id": self.state.request_id,
+            "object": self.full_object if full else self.chunk_object,
+            "created": self.state.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage:
+            obj["usage"] = self._usage()
+        return obj
+
     def usage_chunk(self) -> bytes | None:
         if not self.usage_on:
             return None
-        return encode_json(
-            {
-                "id": self.state.request_id,
-                "object": self.chunk_object,
-                "created": self.state.created,
-                "model": self.model,
-                "choices": [],
-                "usage": self._usage(),
-            }
-        )
+        return encode_json(self._envelope([], usage=True))
 
 
 class _CompletionFormat(_Format):
-    chunk_object = "text_completion"
+    chunk_object = full_object = "text_completion"
 
     def __init__(
         self,
@@ -736,24 +743,14 @@ class _CompletionFormat(_Format):
         text = self._prefix(o.seq.index) + o.text
         if not text and o.finish_reason is None:
             return b""
-        obj: dict[str, Any] = {
-            "id": self.state.request_id,
-            "object": "text_completion",
-            "created": self.state.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": o.seq.index,
-                    "text": text,
-                    "logprobs": self._logprobs(o),
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": None,
-                }
-            ],
+        choice = {
+            "index": o.seq.index,
+            "text": text,
+            "logprobs": self._logprobs(o),
+            "finish_reason": o.finish_reason,
+            "stop_reason": None,
         }
-        if self.continuous:
-            obj["usage"] = self._usage()
-        return encode_json(obj)
+        return encode_json(self._envelope([choice], usage=self.continuous))
 
     def collect(self, o: Output) -> None:
         i = o.seq.index
@@ -774,18 +771,12 @@ class _CompletionFormat(_Format):
             }
             for i in range(st.n)
         ]
-        return {
-            "id": st.request_id,
-            "object": "text_completion",
-            "created": st.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(),
-        }
+        return self._envelope(choices, usage=True, full=True)
 
 
 class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
+    full_object = "chat.completion"
 
     def __init__(
         self, req: ChatRequest, state: RequestState, model: str, prompt_tokens: int
@@ -793,18 +784,6 @@ class _ChatFormat(_Format):
         super().__init__(req, state, model, prompt_tokens)
         self.req = req
         self.lp: list[list[dict[str, Any]]] = [[] for _ in range(state.n)]
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "id": self.state.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.state.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.continuous:
-            obj["usage"] = self._usage()
-        return obj
 
     def _logprobs(self, o: Output) -> dict[str, Any] | None:
         if not self.req.logprobs or o.logprob is None:
@@ -824,7 +803,8 @@ class _ChatFormat(_Format):
                             "logprobs": None,
                             "finish_reason": None,
                         }
-                    ]
+                    ],
+                    usage=self.continuous,
                 )
             )
             for i in range(self.state.n)
@@ -843,7 +823,8 @@ class _ChatFormat(_Format):
                         "logprobs": self._logprobs(o),
                         "finish_reason": o.finish_reason,
                     }
-                ]
+                ],
+                usage=self.continuous,
             )
         )
 
@@ -864,14 +845,7 @@ class _ChatFormat(_Format):
             }
             for i in range(st.n)
         ]
-        return {
-            "id": st.request_id,
-            "object": "chat.completion",
-            "created": st.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(),
-        }
+        return self._envelope(choices, usage=True, full=True)
 
 
 async def serve(cfg: EngineConfig) -> None:
