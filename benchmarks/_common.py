@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from unbroken.wire.http import free_port
+from unbroken.wire.http import free_port, wait_ok
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -79,18 +77,8 @@ def gateway_service(*endpoints: str, args: tuple[str, ...] = ()) -> tuple[Servic
 
 
 async def wait_http(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(url)
-            await asyncio.sleep(0.1)
+        await wait_ok(s, url, timeout=timeout, interval=0.1)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

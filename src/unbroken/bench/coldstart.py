@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 
 import aiohttp
 
 from unbroken.prewarm import evict, find_weight_files, warm_files
+from unbroken.wire.http import wait_ok
 
 __all__ = ["engine_start", "measure_cold_start"]
 
@@ -20,19 +20,15 @@ async def engine_start(argv: list[str], url: str, timeout: float = 120.0) -> tup
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
     )
+
+    def alive() -> None:
+        if proc.returncode is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode} while starting")
+
     try:
         async with aiohttp.ClientSession() as s:
-            while True:
-                if proc.returncode is not None:
-                    raise RuntimeError(f"engine exited with {proc.returncode} while starting")
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                        if r.status == 200:
-                            took = time.monotonic() - t0
-                            break
-                if time.monotonic() - t0 > timeout:
-                    raise TimeoutError("engine did not start")
-                await asyncio.sleep(0.01)
+            await wait_ok(s, url + "/health", timeout=timeout, interval=0.01, check=alive)
+            took = time.monotonic() - t0
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
         load = next(

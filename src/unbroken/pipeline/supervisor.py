@@ -29,7 +29,7 @@ from aiohttp import web
 from unbroken.clients import AdminError, GatewayAdmin
 from unbroken.config.paths import RunInfo, cache_dir
 from unbroken.config.spec import PipelineSpec, PoolSpec
-from unbroken.wire.http import free_port
+from unbroken.wire.http import free_port, wait_ok
 
 __all__ = ["Replica", "StartupError", "Supervisor"]
 
@@ -235,27 +235,22 @@ class Supervisor:
         return r
 
     async def wait_health(self, r: Replica) -> None:
-        deadline = time.monotonic() + self.health_timeout
+        def alive() -> None:
+            if r.proc is not None and r.proc.returncode is not None:
+                raise StartupError(
+                    f"{r.name} exited with {r.proc.returncode} before "
+                    f"answering /health; log: {r.log_path}\n" + _tail(r.log_path)
+                )
+
         async with aiohttp.ClientSession() as s:
-            while True:
-                if r.proc is not None and r.proc.returncode is not None:
-                    raise StartupError(
-                        f"{r.name} exited with {r.proc.returncode} before "
-                        f"answering /health; log: {r.log_path}\n" + _tail(r.log_path)
-                    )
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
-                    async with s.get(
-                        r.url + "/health", timeout=aiohttp.ClientTimeout(total=1)
-                    ) as resp:
-                        if resp.status == 200:
-                            r.healthy_at = time.time()
-                            return
-                if time.monotonic() > deadline:
-                    raise StartupError(
-                        f"{r.name} did not answer /health within "
-                        f"{self.health_timeout:.0f} s; log: {r.log_path}"
-                    )
-                await asyncio.sleep(0.05)
+            try:
+                await wait_ok(s, r.url + "/health", timeout=self.health_timeout, check=alive)
+            except TimeoutError:
+                raise StartupError(
+                    f"{r.name} did not answer /health within "
+                    f"{self.health_timeout:.0f} s; log: {r.log_path}"
+                ) from None
+        r.healthy_at = time.time()
 
     async def register(self, r: Replica) -> None:
         await self.admin.add(url=r.url, name=r.name, pool=r.pool.name, cap=r.pool.cap)

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -21,6 +22,7 @@ __all__ = [
     "free_port",
     "prepare_sse",
     "start_site",
+    "wait_ok",
 ]
 
 log = logging.getLogger(__name__)
@@ -120,3 +122,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+async def wait_ok(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout: float,
+    interval: float = 0.05,
+    check: Callable[[], None] | None = None,
+) -> float:
+    """GET `url` until it answers 200; return the seconds that took. Refused connections and
+    other statuses mean "not yet". `check` runs before every try and raises to give up early
+    (the process that should answer has exited); TimeoutError after `timeout` seconds."""
+    t0 = time.monotonic()
+    while True:
+        if check is not None:
+            check()
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
+        await asyncio.sleep(interval)
