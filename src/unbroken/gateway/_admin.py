@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import orjson
 from aiohttp import web
@@ -44,6 +44,13 @@ class AddEndpoint(_In):
 class PatchEndpoint(_In):
     cap: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
     pool: Name | None = None
+    # Set by the controller: its cap (null clears it) and its verdict on the endpoint.
+    cap_override: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    condition: Literal["normal", "contended", "recovering"] | None = None
+
+
+class Routes(_In):
+    routes: dict[Literal["critical", "standard", "sheddable"], list[Name]]
 
 
 class Drain(_In):
@@ -96,6 +103,10 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
         fields = orjson.loads(body or b"{}")
         if "cap" in fields:
             ep.cap = spec.cap
+        if "cap_override" in fields:
+            ep.cap_override = spec.cap_override
+        if spec.condition is not None:
+            ep.set_condition(spec.condition)
         if spec.pool is not None:
             ep.pool = spec.pool
             if spec.pool not in pool.pool_order:
@@ -114,30 +125,46 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
         gw.drain_endpoint(ep, spec.deadline_s)
         return json(dump(ep))
 
+    def routes_view() -> dict[str, Any]:
+        return {
+            "routes": {p: pool.pools_for(p) for p in PRIORITIES},
+            "configured": {p: pool.configured_pools_for(p) for p in PRIORITIES},
+            "override": dict(pool.routes_override),
+            "pool_order": pool.pool_order,
+        }
+
+    def parse_routes(body: bytes) -> dict[str, list[str]]:
+        routes = _parse(Routes, body).routes
+        known = {e.pool for e in pool.endpoints.values()} | set(pool.pool_order)
+        for prio, pools in routes.items():
+            unknown = [p for p in pools if p not in known]
+            if unknown:
+                raise ApiError(
+                    400,
+                    f"routes.{prio} names unknown pool(s): {', '.join(unknown)}; "
+                    f"known pools: {', '.join(sorted(known)) or 'none'}",
+                    param=f"routes.{prio}",
+                )
+        return {k: list(v) for k, v in routes.items() if v}
+
     async def get_routes(request: web.Request) -> web.Response:
-        return json(
-            {"routes": {p: pool.pools_for(p) for p in PRIORITIES}, "pool_order": pool.pool_order}
-        )
+        return json(routes_view())
 
     async def put_routes(request: web.Request) -> web.Response:
-        try:
-            raw = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
-        routes = raw.get("routes") if isinstance(raw, dict) else None
-        if not isinstance(routes, dict) or not all(
-            k in PRIORITIES and isinstance(v, list) and all(isinstance(x, str) for x in v)
-            for k, v in routes.items()
-        ):
-            raise ApiError(
-                400,
-                'body must be {"routes": {priority: [pool, ...]}} with '
-                f"priorities among {', '.join(PRIORITIES)}",
-                param="routes",
-            )
-        pool.routes = {k: list(v) for k, v in routes.items() if v}
+        pool.routes = parse_routes(await request.read())
         gw.admission.wake()
-        return await get_routes(request)
+        return json(routes_view())
+
+    async def put_routes_override(request: web.Request) -> web.Response:
+        """The controller's temporary routes; DELETE restores the configured ones."""
+        pool.routes_override = parse_routes(await request.read())
+        gw.admission.wake()
+        return json(routes_view())
+
+    async def delete_routes_override(request: web.Request) -> web.Response:
+        pool.routes_override = {}
+        gw.admission.wake()
+        return json(routes_view())
 
     async def status(request: web.Request) -> web.Response:
         return json(
@@ -158,5 +185,7 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
     app.router.add_post("/admin/endpoints/{name}/drain", drain)
     app.router.add_get("/admin/routes", get_routes)
     app.router.add_put("/admin/routes", put_routes)
+    app.router.add_put("/admin/routes/override", put_routes_override)
+    app.router.add_delete("/admin/routes/override", delete_routes_override)
     app.router.add_get("/admin/status", status)
     return app

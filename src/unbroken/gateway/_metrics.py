@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from unbroken.gateway._admission import PRIORITIES, Admission
-from unbroken.gateway._pool import Pool, State
+from unbroken.gateway._pool import CONDITIONS, Pool, State
 
 __all__ = ["GatewayMetrics"]
 
@@ -89,10 +89,23 @@ class _PoolCollector(Collector):
             "1 when the endpoint passes its health checks.",
             labels=labels,
         )
+        condition = GaugeMetricFamily(
+            "unbroken_gateway_endpoint_condition",
+            "1 for the condition the controller last set (normal, contended, recovering).",
+            labels=[*labels, "condition"],
+        )
+        slow = GaugeMetricFamily(
+            "unbroken_gateway_endpoint_slow_clients",
+            "Streams of this endpoint whose client is behind by 64 KiB or more.",
+            labels=labels,
+        )
         for e in list(self.pool.endpoints.values()):
             lv = [e.name, e.pool]
+            for c in CONDITIONS:
+                condition.add_metric([*lv, c], 1 if e.condition == c else 0)
+            slow.add_metric(lv, e.slow_clients)
             inflight.add_metric(lv, e.inflight)
-            cap.add_metric(lv, e.cap if e.cap is not None else self.pool.default_cap)
+            cap.add_metric(lv, e.effective_cap(self.pool.default_cap))
             load.add_metric(lv, e.load)
             healthy.add_metric(lv, 1 if e.healthy else 0)
             for s in State:
@@ -111,7 +124,7 @@ class _PoolCollector(Collector):
         buffered.add_metric([], sum(s.buffered for s in list(self.sinks or ())))
         streams = GaugeMetricFamily("unbroken_gateway_active_streams", "Streams being relayed.")
         streams.add_metric([], len(self.sinks or ()))
-        yield from (inflight, cap, load, state, healthy, depth, buffered, streams)
+        yield from (inflight, cap, load, state, healthy, condition, slow, depth, buffered, streams)
 
 
 class GatewayMetrics:

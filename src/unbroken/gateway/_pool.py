@@ -1,8 +1,15 @@
 """Endpoints and their states, and the load-aware pick.
 
 States: starting → warming → ready → draining → gone. Only ready, healthy endpoints with room
-under their cap receive new requests. Picking walks the priority's pool preference list and
-takes the least-loaded candidate of the first pool that has one.
+under their cap receive new requests.
+
+The controller adjusts two things here without touching what the operator configured: a cap
+override per endpoint (the effective cap is the lower of the two) and a routes override per
+priority. Clearing an override restores the configured value exactly, so undoing an action
+never needs the controller to remember the original.
+
+Picking walks the priority's pool preference list and takes the least-loaded candidate of the
+first pool that has one.
 """
 
 from __future__ import annotations
@@ -14,7 +21,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KV_WEIGHT", "Endpoint", "Pool", "State"]
+__all__ = ["CONDITIONS", "KV_WEIGHT", "SLOW_CLIENT_BYTES", "Endpoint", "Pool", "State"]
+
+# What the controller last concluded about an endpoint (it sets it; the gateway shows it).
+CONDITIONS = ("normal", "contended", "recovering")
+# A stream whose client has this much unread output waiting in the gateway counts as a slow
+# client of its endpoint (reported, never acted on: the gateway already isolates it).
+SLOW_CLIENT_BYTES = 64 * 1024
 
 # One full KV cache weighs like 4 queued requests in the load score.
 KV_WEIGHT = 4.0
@@ -34,6 +47,9 @@ class Endpoint:
     url: str
     pool: str = "default"
     cap: int | None = None
+    cap_override: int | None = None  # set by the controller; effective cap = min(cap, this)
+    condition: str = "normal"
+    condition_since: float = field(default_factory=time.time)
     state: State = State.STARTING
     warmup: bool = True
     inflight: int = 0
@@ -54,9 +70,26 @@ class Endpoint:
     def load(self) -> float:
         return self.inflight + self.waiting + KV_WEIGHT * self.kv_usage
 
-    def has_room(self, default_cap: int) -> bool:
+    def effective_cap(self, default_cap: int) -> int:
         cap = default_cap if self.cap is None else self.cap
-        return self.inflight < cap
+        return cap if self.cap_override is None else min(cap, self.cap_override)
+
+    def has_room(self, default_cap: int) -> bool:
+        return self.inflight < self.effective_cap(default_cap)
+
+    def set_condition(self, condition: str) -> None:
+        if condition != self.condition:
+            self.condition = condition
+            self.condition_since = time.time()
+
+    @property
+    def slow_clients(self) -> int:
+        n = 0
+        for r in list(self.relays):
+            sink = getattr(r, "sink", None)
+            if sink is not None and getattr(sink, "buffered", 0) >= SLOW_CLIENT_BYTES:
+                n += 1
+        return n
 
     def set_state(self, state: State) -> None:
         if state != self.state:
@@ -71,7 +104,12 @@ class Endpoint:
             "state": str(self.state),
             "healthy": self.healthy,
             "inflight": self.inflight,
-            "cap": self.cap if self.cap is not None else default_cap,
+            "cap": self.effective_cap(default_cap),
+            "configured_cap": self.cap if self.cap is not None else default_cap,
+            "cap_override": self.cap_override,
+            "condition": self.condition,
+            "condition_since": self.condition_since,
+            "slow_clients": self.slow_clients,
             "models": sorted(self.models),
             "waiting": self.waiting,
             "running": self.running,
@@ -94,6 +132,7 @@ class Pool:
         self.endpoints: dict[str, Endpoint] = {}
         self.pool_order: list[str] = []
         self.routes: dict[str, list[str]] = {}
+        self.routes_override: dict[str, list[str]] = {}
         self._tick = itertools.count()
 
     def add(self, ep: Endpoint) -> None:
@@ -112,6 +151,11 @@ class Pool:
         return self.endpoints.get(name)
 
     def pools_for(self, priority: str) -> list[str]:
+        return (
+            self.routes_override.get(priority) or self.routes.get(priority) or self.pool_order
+        )
+
+    def configured_pools_for(self, priority: str) -> list[str]:
         return self.routes.get(priority) or self.pool_order
 
     def known_models(self) -> set[str]:
