@@ -105,3 +105,13 @@ class GatewayAdmin:
 
     async def set_routes(self, *, routes: dict[str, list[str]]) -> dict[str, Any]:
         return await self._call("PUT", "/admin/routes", {"routes": routes})
+
+    async def patch(self, *, name: str, **fields: Any) -> dict[str, Any]:
+        """Set any of `cap`, `pool`, `cap_override` (None clears it), `condition`."""
+        return await self._call("PATCH", f"/admin/endpoints/{name}", fields)
+
+    async def set_routes_override(self, *, routes: dict[str, list[str]]) -> dict[str, Any]:
+        return await self._call("PUT", "/admin/routes/override", {"routes": routes})
+
+    async def clear_routes_override(self) -> dict[str, Any]:
+        return await self._call("DELETE", "/admin/routes/override")
