@@ -10,6 +10,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
+    "AgentSettings",
+    "ControllerSettings",
     "EngineSpec",
     "GatewaySettings",
     "PipelineSpec",
@@ -58,6 +60,75 @@ class GatewaySettings(_Spec):
     drain_deadline_s: Annotated[float, Field(ge=0)] = 30.0
     stall_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     max_migrations: Annotated[int, Field(ge=0, le=20)] = 3
+    # Hardening (docs/gateway.md, "Limits"): hung engines, slow or hostile clients, memory.
+    ttfb_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    ttfb_min_s: Annotated[float, Field(gt=0)] = 5.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    max_connections_per_client: Annotated[int, Field(ge=1)] = 1024
+    max_queue: Annotated[int, Field(ge=0)] = 1024
+    max_queue_bytes: Annotated[int, Field(ge=0)] = 64 * 2**20
+    stream_buffer_budget_bytes: Annotated[int, Field(ge=4096)] = 256 * 2**20
+    max_sequences_per_request: Annotated[int, Field(ge=1)] = 128
+    endpoint_header: bool = Field(
+        default=True, description="send X-Unbroken-Endpoint (names internal endpoints)"
+    )
+    upstream_key_env: dict[str, str] = Field(
+        default_factory=dict, description="pool → env var holding its upstream API key"
+    )
+
+
+class ControllerSettings(_Spec):
+    """The adaptive loop (docs/controller.md). Ratios compare a signal with the endpoint's own
+    learned baseline; dwell times keep conditions from flapping."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8082
+    interval_s: Annotated[float, Field(gt=0, le=5)] = 0.25
+    # CUDA launch/copy call latency (agent) against its baseline.
+    cuda_enter_ratio: Annotated[float, Field(gt=1)] = 3.0
+    cuda_exit_ratio: Annotated[float, Field(gt=1)] = 1.5
+    cuda_quantile: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    min_excess_ms: Annotated[float, Field(ge=0)] = 0.1
+    # Engine inter-token latency against the baseline predicted for its batch size.
+    itl_enter_ratio: Annotated[float, Field(gt=1)] = 1.6
+    itl_exit_ratio: Annotated[float, Field(gt=1)] = 1.2
+    # Socket-seconds per second at >= the agent's threshold above which the slowdown is
+    # blamed on the network/clients, not the device (the seed's rule).
+    backpressure_max: Annotated[float, Field(ge=0)] = 0.5
+    enter_dwell_s: Annotated[float, Field(ge=0)] = 0.5
+    exit_dwell_s: Annotated[float, Field(ge=0)] = 3.0
+    min_dwell_s: Annotated[float, Field(ge=0)] = 2.0
+    recover_step_s: Annotated[float, Field(gt=0)] = 2.0
+    baseline_windows: Annotated[int, Field(ge=1)] = 8
+    cap_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
+    min_cap: Annotated[int, Field(ge=1)] = 2
+    # Pools by tier; empty = derived from pool precision (fp16/bf16 full, the rest degraded).
+    full_pools: list[str] = Field(default_factory=list)
+    degraded_pools: list[str] = Field(default_factory=list)
+    # Dynamic precision (off when convert_after_s is null): convert a contended full-precision
+    # replica to the degraded tier through the zero-downtime rollout, and back.
+    convert_after_s: Annotated[float, Field(gt=0)] | None = None
+    convert_back_after_s: Annotated[float, Field(gt=0)] = 60.0
+    min_full_replicas: Annotated[int, Field(ge=0)] = 1
+
+    @model_validator(mode="after")
+    def _check(self) -> ControllerSettings:
+        if self.cuda_exit_ratio >= self.cuda_enter_ratio:
+            raise ValueError("cuda_exit_ratio must be below cuda_enter_ratio")
+        if self.itl_exit_ratio >= self.itl_enter_ratio:
+            raise ValueError("itl_exit_ratio must be below itl_enter_ratio")
+        return self
+
+
+class AgentSettings(_Spec):
+    """The node agent under `unbroken up`: started when running as root ("auto")."""
+
+    enabled: bool | Literal["auto"] = "auto"
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 9101
 
 
 class ProfileOverrides(_Spec):
@@ -107,12 +178,18 @@ class PoolSpec(_Spec):
     )
     weights_size: str = "64MiB"
     cap: Annotated[int, Field(ge=1)] | None = None
+    # The engines' API key (vLLM's --api-key): the gateway sends it upstream, never the
+    # client's own Authorization. `api_key_env` names an env var holding it instead.
+    api_key: str | None = Field(default=None, repr=False)
+    api_key_env: str | None = None
 
 
 class PipelineSpec(_Spec):
     model: str = "unbroken-sim"
     pools: Annotated[list[PoolSpec], Field(min_length=1)]
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    controller: ControllerSettings = Field(default_factory=ControllerSettings)
+    agent: AgentSettings = Field(default_factory=AgentSettings)
 
     @model_validator(mode="after")
     def _unique(self) -> PipelineSpec:
