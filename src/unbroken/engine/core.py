@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from unbroken.engine.cuda import CudaStub, Fn
+from unbroken.engine.faults import Faults
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.textmodel import Cursor, StopChecker
 
@@ -43,6 +44,7 @@ class Seq:
     generated: int = 0
     kv: int = 0  # KV slots held while running
     finished: bool = False
+    scheduled: float | None = None  # monotonic time of first admission (queue time ends)
 
 
 @dataclass(slots=True)
@@ -64,12 +66,15 @@ class EngineCore:
         deliver: Deliver,
         *,
         cuda: CudaStub | None = None,
+        faults: Faults | None = None,
         on_step: Callable[[EngineCore, int, int], None] | None = None,
     ) -> None:
         self.profile = profile
         self.max_num_seqs = profile.max_num_seqs
         self._deliver = deliver
         self._cuda = cuda
+        self.faults = faults or Faults()
+        self._contention_s = 0.0  # what the stub currently adds per contended call
         self._on_step = on_step
         self._cv = threading.Condition()
         self._inbox: list[Seq] = []
@@ -77,8 +82,6 @@ class EngineCore:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.kv_used = 0
-        self.contention_s = 0.0
-        self.hang_until = 0.0
         self.steps = 0
         self.preemptions = 0
         self._stop = False
@@ -108,11 +111,6 @@ class EngineCore:
             self._aborts.add(request_id)
             self._cv.notify()
 
-    def set_contention(self, seconds: float) -> None:
-        self.contention_s = seconds
-        if self._cuda is not None:
-            self._cuda.set_contention(seconds)
-
     def set_max_num_seqs(self, n: int) -> None:
         with self._cv:
             self.max_num_seqs = n
@@ -138,8 +136,8 @@ class EngineCore:
                     aborts, self._aborts = self._aborts, set()
                 if aborts:
                     self._drop(aborts)
-                if time.monotonic() < self.hang_until:
-                    time.sleep(min(0.02, self.hang_until - time.monotonic()))
+                if (hang := self.faults.hang_remaining()) > 0:
+                    time.sleep(min(0.02, hang))
                     continue
                 self._step()
         except Exception:  # a bug here would silently freeze every stream: make it loud
@@ -168,6 +166,8 @@ class EngineCore:
             if self.kv_used + need > p.kv_capacity_tokens and self.running:
                 break
             self.waiting.popleft()
+            if s.scheduled is None:
+                s.scheduled = time.monotonic()
             s.kv = need - 1
             self.kv_used += s.kv
             prefill += s.kv
@@ -220,13 +220,19 @@ class EngineCore:
 
     def _spend(self, seconds: float, prefill: bool) -> None:
         """Spend a step's time where a GPU engine spends it: launches, one small copy of the
-        sampled ids, and the wait in cudaStreamSynchronize."""
+        sampled ids, and the wait in cudaStreamSynchronize. Contention (an injected episode)
+        lengthens the launches and copies and stretches the device time the sync waits for."""
         cuda = self._cuda
         p = self.profile
+        extra, factor = self.faults.cuda_penalty()
+        seconds *= factor
         if cuda is None:
             launches = p.kernels_per_step if prefill else 2
-            time.sleep(seconds + self.contention_s * (launches + 1))
+            time.sleep(seconds + extra * (launches + 1))
             return
+        if extra != self._contention_s:
+            cuda.set_contention(extra)
+            self._contention_s = extra
         if prefill:
             for _ in range(p.kernels_per_step - 2):
                 cuda.launch_kernel()

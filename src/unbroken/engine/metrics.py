@@ -1,11 +1,23 @@
-"""Engine metrics under vLLM's names and meanings, so dashboards and the gateway's scraper
-work the same against the simulator and a real vLLM."""
+"""Engine metrics under vLLM's names, meanings and buckets (vllm/v1/metrics/loggers.py), so
+dashboards and the gateway's scraper work the same against the simulator and a real vLLM.
+
+Injected faults are deliberately absent: whatever watches the engine must learn of contention
+from what it measures (step times, CUDA call latency), as it would on a GPU node.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
-__all__ = ["EngineMetrics"]
+__all__ = ["EngineMetrics", "FinishedSeq"]
 
 disable_created_metrics()
 
@@ -76,9 +88,44 @@ E2E_BUCKETS = (
 )
 
 
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class FinishedSeq:
+    """The timestamps (monotonic) of one finished sequence, as vLLM's FinishedRequestStats:
+    arrival at the API, first admission to the batch, first and last token."""
+
+    __slots__ = ("arrival", "finish", "first", "generated", "last", "prompt", "scheduled")
+
+    def __init__(
+        self,
+        *,
+        arrival: float,
+        scheduled: float,
+        first: float,
+        last: float,
+        finish: float,
+        prompt: int,
+        generated: int,
+    ) -> None:
+        self.arrival, self.scheduled, self.first, self.last = arrival, scheduled, first, last
+        self.finish, self.prompt, self.generated = finish, prompt, generated
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 16_384, version: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         labels = ["model_name", "engine"]
         self._lv = (model_name, "0")
         self.running = Gauge(
@@ -117,12 +164,56 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         ).labels(*self._lv)
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(*self._lv)
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=E2E_BUCKETS, registry=r).labels(*self._lv)
+
+        self.queue_time = latency(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+        )
+        self.prefill_time = latency(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+        )
+        self.decode_time = latency(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+        )
+        self.inference_time = latency(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            buckets=token_buckets,
+            registry=r,
+        ).labels(*self._lv)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            buckets=token_buckets,
+            registry=r,
+        ).labels(*self._lv)
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*labels, "finished_reason"],
             registry=r,
         )
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(*self._lv, reason)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
         ).labels(*self._lv)
@@ -145,9 +236,22 @@ class EngineMetrics:
             "1 when steps run inside the stand-in CUDA library.",
             registry=r,
         )
-        self.faults = Gauge(
-            "unbroken_engine_fault_active", "Active injected faults.", ["kind"], registry=r
-        )
+        Gauge(
+            "unbroken_build_info", "The unbroken release serving.", ["version"], registry=r
+        ).labels(version).set(1)
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(*self._lv, finished_reason).inc()
+
+    def finished(self, f: FinishedSeq, finished_reason: str) -> None:
+        """Per-sequence histograms, as vLLM records a finished request (n > 1 is n of them)."""
+        self.success(finished_reason)
+        self.e2e.observe(f.finish - f.arrival)
+        self.queue_time.observe(f.scheduled - f.arrival)
+        self.prefill_time.observe(f.first - f.scheduled)
+        self.decode_time.observe(f.last - f.first)
+        self.inference_time.observe(f.last - f.scheduled)
+        self.request_prompt_tokens.observe(f.prompt)
+        self.request_generation_tokens.observe(f.generated)
+        if f.generated > 1:
+            self.tpot.observe((f.last - f.first) / (f.generated - 1))

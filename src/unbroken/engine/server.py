@@ -9,11 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import signal
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +22,11 @@ from pydantic import ValidationError
 
 from unbroken.engine import cuda as cuda_mod
 from unbroken.engine.core import EngineCore, Output, Seq
-from unbroken.engine.faults import Config, Fail, FaultRequest, Hang, SlowCuda
-from unbroken.engine.metrics import EngineMetrics
+from unbroken.engine.faults import Config, FaultRequest, Faults
+from unbroken.engine.metrics import EngineMetrics, FinishedSeq
 from unbroken.engine.profiles import EngineProfile
+from unbroken.engine.render import ChatFormat, CompletionFormat
+from unbroken.engine.request import INT64_MAX, INT64_MIN, RequestState, client_request_id
 from unbroken.engine.textmodel import StopChecker, TextModel, count_tokens, render_chat
 from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
 from unbroken.wire.errors import ApiError
@@ -39,6 +38,8 @@ from unbroken.wire.openai import (
     validation_message,
 )
 from unbroken.wire.sse import encode_data, encode_json
+
+_Format = CompletionFormat | ChatFormat
 
 __all__ = ["Engine", "EngineConfig", "run_engine"]
 
@@ -63,71 +64,6 @@ class EngineConfig:
     use_cuda_stub: bool = True
 
 
-class RequestState:
-    """Loop-side state of one HTTP request: outputs handed over by the core, per choice."""
-
-    __slots__ = (
-        "arrival",
-        "created",
-        "event",
-        "fail_after",
-        "finish",
-        "first",
-        "last",
-        "n",
-        "pending",
-        "remaining",
-        "request_id",
-        "texts",
-        "tokens",
-    )
-
-    def __init__(self, request_id: str, n: int) -> None:
-        self.request_id = request_id
-        self.n = n
-        self.created = int(time.time())
-        self.arrival = time.monotonic()
-        self.pending: list[Output] = []
-        self.event = asyncio.Event()
-        self.remaining = n
-        self.first: list[float | None] = [None] * n
-        self.last = [0.0] * n
-        self.tokens = [0] * n
-        self.texts: list[list[str]] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.fail_after: int | None = None
-
-    def push(self, out: Output) -> None:
-        self.pending.append(out)
-        i = out.seq.index
-        self.tokens[i] += out.tokens
-        if out.finish_reason is not None:
-            self.finish[i] = out.finish_reason
-            self.remaining -= 1
-        self.event.set()
-
-    @property
-    def done(self) -> bool:
-        return self.remaining == 0
-
-    async def batches(self) -> AsyncIterator[list[Output]]:
-        while True:
-            if not self.pending:
-                if self.remaining == 0:
-                    return
-                self.event.clear()
-                await self.event.wait()
-                continue
-            batch, self.pending = self.pending, []
-            yield batch
-
-
-def _request_id(request: web.Request) -> str:
-    """vLLM's convention: a caller's X-Request-Id becomes the request id."""
-    rid = request.headers.get("X-Request-Id", "")
-    return rid if 0 < len(rid) <= 128 and rid.isprintable() else uuid.uuid4().hex
-
-
 def _process_start_time() -> float:
     """Wall-clock time this process started, from /proc (so interpreter start counts)."""
     try:
@@ -143,16 +79,17 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.model = TextModel(cfg.seed, cfg.eos_rate)
-        self.metrics = EngineMetrics(cfg.model_name)
+        from unbroken import __version__
+
+        self.metrics = EngineMetrics(cfg.model_name, cfg.profile.max_model_len, __version__)
+        self.faults = Faults()
         self.cuda: cuda_mod.CudaStub | None = None
         self.core: EngineCore | None = None
         self.states: dict[str, RequestState] = {}
         self.draining = False
         self.ready = False
-        self.fail: Fail | None = None
         self.weights_report: LoadReport | None = None
         self.startup_s: float | None = None
-        self._fault_timers: dict[str, asyncio.TimerHandle] = {}
         self._preemptions_seen = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -198,7 +135,9 @@ class Engine:
                 m.preemptions.inc(core.preemptions - self._preemptions_seen)
                 self._preemptions_seen = core.preemptions
 
-        self.core = EngineCore(self.cfg.profile, deliver, cuda=self.cuda, on_step=on_step)
+        self.core = EngineCore(
+            self.cfg.profile, deliver, cuda=self.cuda, faults=self.faults, on_step=on_step
+        )
         self.core.start()
 
     def _on_outputs(self, outs: list[Output]) -> None:
@@ -216,8 +155,19 @@ class Engine:
                     m.itl.observe(now - st.last[i])
                 st.last[i] = now
             if o.finish_reason is not None:
-                m.e2e.observe(now - st.arrival)
-                m.success(o.finish_reason)
+                first = st.first[i] or now
+                m.finished(
+                    FinishedSeq(
+                        arrival=st.arrival,
+                        scheduled=o.seq.scheduled or st.arrival,
+                        first=first,
+                        last=st.last[i] or first,
+                        finish=now,
+                        prompt=o.seq.prompt_tokens,
+                        generated=st.tokens[i] + o.tokens,
+                    ),
+                    o.finish_reason,
+                )
             st.push(o)
         if self.core is not None and not self.core.running:
             m.running.set(0)
@@ -322,14 +272,23 @@ class Engine:
         return requested
 
     def _maybe_fail(self, state: RequestState) -> None:
-        f = self.fail
-        if f is None or random.random() >= f.fraction:
-            return
-        if f.after_tokens is None:
+        after = self.faults.draw_failure()
+        if after == 0:
             raise ApiError(
                 500, "injected failure", type="internal_server_error", code="injected_fault"
             )
-        state.fail_after = f.after_tokens
+        state.fail_after = after
+
+    @staticmethod
+    def _check_seed(req: CompletionRequest | ChatRequest) -> None:
+        """vLLM bounds `seed` to int64 and answers 400 outside it."""
+        if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+            raise ApiError(
+                400,
+                f"seed must be between {INT64_MIN} and {INT64_MAX}",
+                param="seed",
+                code="invalid_value",
+            )
 
     def _salt(self, req: CompletionRequest | ChatRequest, index: int) -> bytes:
         if req.greedy:
@@ -351,7 +310,7 @@ class Engine:
                 idx = p * req.n + j
                 seqs.append(
                     Seq(
-                        request_id=state.request_id,
+                        request_id=state.key,
                         index=idx,
                         prompt_tokens=ptoks,
                         max_tokens=max_tokens[p],
@@ -367,15 +326,15 @@ class Engine:
 
     def _submit(self, state: RequestState, seqs: list[Seq]) -> None:
         assert self.core is not None
-        self.states[state.request_id] = state
+        self.states[state.key] = state
         self._idle.clear()
         self.metrics.prompt_tokens.inc(sum(s.prompt_tokens for s in seqs))
         self.core.submit(seqs)
 
     def _release(self, state: RequestState) -> None:
-        if self.states.pop(state.request_id, None) is not None and not state.done:
+        if self.states.pop(state.key, None) is not None and not state.done:
             assert self.core is not None
-            self.core.abort(state.request_id)
+            self.core.abort(state.key)
             for i, f in enumerate(state.finish):
                 if f is None:
                     self.metrics.success("abort")
@@ -388,6 +347,7 @@ class Engine:
         self._admit()
         req, _ = parse_request(CompletionRequest, await request.read())
         self._check_model(req.model)
+        self._check_seed(req)
         prompts = self._prompts(req.prompt)
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(
@@ -397,7 +357,7 @@ class Engine:
             raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported")
         contexts = [(p, count_tokens(p)) for p in prompts]
         limits = [self._limit(t, req.max_tokens, "prompt") for _, t in contexts]
-        rid = f"cmpl-{_request_id(request)}"
+        rid = f"cmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, len(prompts) * req.n)
         self._maybe_fail(state)
         seqs = self._seqs(req, state, contexts, limits)
@@ -406,7 +366,7 @@ class Engine:
                 state.push(Output(s, "", "length", 0))
         else:
             self._submit(state, seqs)
-        fmt = _CompletionFormat(
+        fmt = CompletionFormat(
             req, state, self.cfg.model_name, prompts, sum(t for _, t in contexts) * req.n
         )
         try:
@@ -432,6 +392,7 @@ class Engine:
         self._admit()
         req, _ = parse_request(ChatRequest, await request.read())
         self._check_model(req.model)
+        self._check_seed(req)
         if req.response_format and req.response_format.get("type") not in (None, "text"):
             raise ApiError(
                 400,
@@ -458,11 +419,11 @@ class Engine:
         )
         ptoks = count_tokens(ctx)
         max_tokens = self._limit(ptoks, limit, "messages")
-        rid = f"chatcmpl-{_request_id(request)}"
+        rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, req.n)
         self._maybe_fail(state)
         self._submit(state, self._seqs(req, state, [(ctx, ptoks)], [max_tokens]))
-        fmt = _ChatFormat(req, state, self.cfg.model_name, ptoks)
+        fmt = ChatFormat(req, state, self.cfg.model_name, ptoks)
         try:
             if req.stream:
                 return await self._stream(request, state, fmt)
@@ -472,7 +433,7 @@ class Engine:
 
     # -- responses --------------------------------------------------------------------------
     async def _stream(
-        self, request: web.Request, state: RequestState, fmt: _CompletionFormat | _ChatFormat
+        self, request: web.Request, state: RequestState, fmt: _Format
     ) -> web.StreamResponse:
         resp = await prepare_sse(request)
         try:
@@ -509,9 +470,7 @@ class Engine:
             log.debug("client went away: %s", state.request_id)
         return resp
 
-    async def _collect(
-        self, state: RequestState, fmt: _CompletionFormat | _ChatFormat
-    ) -> web.Response:
+    async def _collect(self, state: RequestState, fmt: _Format) -> web.Response:
         async for batch in state.batches():
             for o in batch:
                 fmt.collect(o)
@@ -528,20 +487,8 @@ class Engine:
             code="admin_disabled",
         )
 
-    def _faults(self) -> dict[str, Any]:
-        now = time.monotonic()
-        core = self.core
-        out: dict[str, Any] = {}
-        if core and core.contention_s:
-            out["slow_cuda"] = {"extra_ms": core.contention_s * 1e3}
-        if core and core.hang_until > now:
-            out["hang"] = {"remaining_s": round(core.hang_until - now, 3)}
-        if self.fail:
-            out["fail"] = self.fail.model_dump(exclude={"kind"})
-        return out
-
     async def get_faults(self, request: web.Request) -> web.Response:
-        return web.json_response(self._faults())
+        return web.json_response(self.faults.describe())
 
     async def post_fault(self, request: web.Request) -> web.Response:
         try:
@@ -551,50 +498,15 @@ class Engine:
         except ValidationError as e:
             msg, param = validation_message(e)
             raise ApiError(400, msg.removeprefix("fault."), param=param) from None
-        assert self.core is not None
         log.warning("fault injected: %s", fault.model_dump())
+        self.faults.apply(fault)
         if fault.kind == "crash":
-            # Answer first so the caller knows it was taken, then die like a real crash.
-            asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGKILL)
             return web.json_response({"accepted": "crash"})
-        if isinstance(fault, SlowCuda):
-            self.core.set_contention(fault.extra_ms / 1e3)
-            self._expire(
-                "slow_cuda",
-                fault.duration_s,
-                lambda: self.core.set_contention(0.0) if self.core else None,
-            )
-        elif isinstance(fault, Hang):
-            self.core.hang_until = time.monotonic() + fault.duration_s
-        elif isinstance(fault, Fail):
-            self.fail = fault
-            self._expire("fail", fault.duration_s, lambda: setattr(self, "fail", None))
-        self.metrics.faults.labels(fault.kind).set(1)
-        return web.json_response({"accepted": fault.kind, "active": self._faults()})
-
-    def _expire(self, kind: str, after: float | None, clear: Callable[[], object]) -> None:
-        if (h := self._fault_timers.pop(kind, None)) is not None:
-            h.cancel()
-        if after is None:
-            return
-
-        def done() -> None:
-            clear()
-            self.metrics.faults.labels(kind).set(0)
-            self._fault_timers.pop(kind, None)
-
-        self._fault_timers[kind] = asyncio.get_running_loop().call_later(after, done)
+        return web.json_response({"accepted": fault.kind, "active": self.faults.describe()})
 
     async def clear_faults(self, request: web.Request) -> web.Response:
-        assert self.core is not None
-        for h in self._fault_timers.values():
-            h.cancel()
-        self._fault_timers.clear()
-        self.core.set_contention(0.0)
-        self.core.hang_until = 0.0
-        self.fail = None
-        for kind in ("slow_cuda", "hang", "fail"):
-            self.metrics.faults.labels(kind).set(0)
+        self.faults.clear()
+        log.warning("faults cleared")
         return web.json_response({"cleared": True})
 
     async def post_config(self, request: web.Request) -> web.Response:
@@ -636,7 +548,7 @@ class Engine:
                     "bytes": w.bytes,
                     "seconds": w.seconds,
                 },
-                "faults": self._faults(),
+                "faults": self.faults.describe(),
                 "draining": self.draining,
             }
         )
@@ -652,200 +564,6 @@ class Engine:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
             log.warning("shutdown timeout: aborting %d request(s)", len(self.states))
-
-
-class _Format:
-    """What completions and chat streams share: usage options, the response envelope and the
-    usage chunk."""
-
-    chunk_object = ""
-    full_object = ""
-
-    def __init__(
-        self,
-        req: CompletionRequest | ChatRequest,
-        state: RequestState,
-        model: str,
-        prompt_tokens: int,
-    ) -> None:
-        self.state, self.model = state, model
-        self.prompt_tokens = prompt_tokens  # counted once, by the handler
-        self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
-        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-
-    def _usage(self) -> dict[str, int]:
-        p, c = self.prompt_tokens, sum(self.state.tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _envelope(
-        self, choices: list[dict[str, Any]], *, usage: bool, full: bool = False
-    ) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "id": self.state.request_id,
-            "object": self.full_object if full else self.chunk_object,
-            "created": self.state.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if usage:
-            obj["usage"] = self._usage()
-        return obj
-
-    def usage_chunk(self) -> bytes | None:
-        if not self.usage_on:
-            return None
-        return encode_json(self._envelope([], usage=True))
-
-
-class _CompletionFormat(_Format):
-    chunk_object = full_object = "text_completion"
-
-    def __init__(
-        self,
-        req: CompletionRequest,
-        state: RequestState,
-        model: str,
-        prompts: list[str],
-        prompt_tokens: int,
-    ) -> None:
-        super().__init__(req, state, model, prompt_tokens)
-        self.req, self.prompts = req, prompts
-        self.offsets = [0] * state.n
-        self.echoed = [False] * state.n
-        self.lp: list[dict[str, list[Any]]] = [
-            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            for _ in range(state.n)
-        ]
-
-    def _prefix(self, i: int) -> str:
-        if self.req.echo and not self.echoed[i]:
-            self.echoed[i] = True
-            return self.prompts[i // self.req.n]
-        return ""
-
-    def _logprobs(self, o: Output) -> dict[str, Any] | None:
-        if self.req.logprobs is None or o.logprob is None:
-            return None
-        i = o.seq.index
-        d = {
-            "tokens": [o.text],
-            "token_logprobs": [o.logprob],
-            "top_logprobs": [{o.text: o.logprob}] if self.req.logprobs else None,
-            "text_offset": [self.offsets[i]],
-        }
-        self.offsets[i] += len(o.text)
-        return d
-
-    def head(self) -> bytes:
-        return b""
-
-    def chunk(self, o: Output) -> bytes:
-        text = self._prefix(o.seq.index) + o.text
-        if not text and o.finish_reason is None:
-            return b""
-        choice = {
-            "index": o.seq.index,
-            "text": text,
-            "logprobs": self._logprobs(o),
-            "finish_reason": o.finish_reason,
-            "stop_reason": None,
-        }
-        return encode_json(self._envelope([choice], usage=self.continuous))
-
-    def collect(self, o: Output) -> None:
-        i = o.seq.index
-        self.state.texts[i].append(self._prefix(i) + o.text)
-        if (lp := self._logprobs(o)) is not None:
-            for k, v in lp.items():
-                self.lp[i][k].extend(v or [])
-
-    def full(self) -> dict[str, Any]:
-        st = self.state
-        choices = [
-            {
-                "index": i,
-                "text": "".join(st.texts[i]),
-                "logprobs": self.lp[i] if self.req.logprobs is not None else None,
-                "finish_reason": st.finish[i],
-                "stop_reason": None,
-            }
-            for i in range(st.n)
-        ]
-        return self._envelope(choices, usage=True, full=True)
-
-
-class _ChatFormat(_Format):
-    chunk_object = "chat.completion.chunk"
-    full_object = "chat.completion"
-
-    def __init__(
-        self, req: ChatRequest, state: RequestState, model: str, prompt_tokens: int
-    ) -> None:
-        super().__init__(req, state, model, prompt_tokens)
-        self.req = req
-        self.lp: list[list[dict[str, Any]]] = [[] for _ in range(state.n)]
-
-    def _logprobs(self, o: Output) -> dict[str, Any] | None:
-        if not self.req.logprobs or o.logprob is None:
-            return None
-        entry = {"token": o.text, "logprob": o.logprob, "bytes": list(o.text.encode())}
-        top = [dict(entry)] if self.req.top_logprobs else []
-        return {"content": [{**entry, "top_logprobs": top}]}
-
-    def head(self) -> bytes:
-        return b"".join(
-            encode_json(
-                self._envelope(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    usage=self.continuous,
-                )
-            )
-            for i in range(self.state.n)
-        )
-
-    def chunk(self, o: Output) -> bytes:
-        if not o.text and o.finish_reason is None:
-            return b""
-        delta = {"content": o.text} if o.text or o.finish_reason is None else {}
-        return encode_json(
-            self._envelope(
-                [
-                    {
-                        "index": o.seq.index,
-                        "delta": delta,
-                        "logprobs": self._logprobs(o),
-                        "finish_reason": o.finish_reason,
-                    }
-                ],
-                usage=self.continuous,
-            )
-        )
-
-    def collect(self, o: Output) -> None:
-        self.state.texts[o.seq.index].append(o.text)
-        if (lp := self._logprobs(o)) is not None:
-            self.lp[o.seq.index].extend(lp["content"])
-
-    def full(self) -> dict[str, Any]:
-        st = self.state
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(st.texts[i])},
-                "logprobs": {"content": self.lp[i]} if self.req.logprobs else None,
-                "finish_reason": st.finish[i],
-                "stop_reason": None,
-            }
-            for i in range(st.n)
-        ]
-        return self._envelope(choices, usage=True, full=True)
 
 
 async def serve(cfg: EngineConfig) -> None:
