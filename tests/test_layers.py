@@ -17,6 +17,7 @@ ALLOWED = {
     "gateway": {"wire", "config"},
     "agent": {"wire", "config"},
     "prewarm": set(),
+    "controller": {"wire", "config", "clients"},
     "pipeline": {"wire", "config", "clients", "engine", "prewarm"},
     "bench": {"wire", "config", "clients", "engine", "prewarm", "pipeline"},
     "cli": {
@@ -29,6 +30,7 @@ ALLOWED = {
         "prewarm",
         "pipeline",
         "bench",
+        "controller",
     },
 }
 

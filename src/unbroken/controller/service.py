@@ -1,0 +1,438 @@
+"""The controller process: a loop that reads the signals every `interval_s`, classifies each
+endpoint, and acts through the gateway's admin API; plus a small HTTP server with /metrics,
+/health, /state and /decisions.
+
+It learns of contention only from measured signals (the agent's uprobe histograms, the
+engines' vLLM metrics): it never asks an engine what fault it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from unbroken.clients import AdminError, GatewayAdmin
+from unbroken.config.spec import ControllerSettings
+from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
+from unbroken.controller.classify import CONDITIONS, Detector, Transition
+from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
+
+__all__ = ["Controller", "ControllerConfig", "run_controller", "serve"]
+
+log = logging.getLogger("unbroken.controller")
+
+DETECTION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class ControllerConfig:
+    settings: ControllerSettings
+    admin_url: str
+    admin_token: str
+    tiers: Tiers
+    agent_url: str | None = None
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.condition = Gauge(
+            "unbroken_controller_condition",
+            "1 for the endpoint's current condition.",
+            ["endpoint", "condition"],
+            registry=r,
+        )
+        self.transitions = Counter(
+            "unbroken_controller_transitions",
+            "Condition changes.",
+            ["endpoint", "from", "to"],
+            registry=r,
+        )
+        self.detection = Histogram(
+            "unbroken_controller_detection_latency_seconds",
+            "From the first window past the enter threshold to the condition change "
+            "(the onset-to-action latency is measured by benchmarks/controller.py).",
+            buckets=DETECTION_BUCKETS,
+            registry=r,
+        )
+        self.ratio = Gauge(
+            "unbroken_controller_signal_ratio",
+            "Last window's signal over the endpoint's learned baseline.",
+            ["endpoint", "source"],
+            registry=r,
+        )
+        self.baseline = Gauge(
+            "unbroken_controller_baseline_seconds",
+            "Learned baseline of the signal the endpoint is judged by.",
+            ["endpoint", "source"],
+            registry=r,
+        )
+        self.slow_clients = Gauge(
+            "unbroken_controller_slow_clients",
+            "Streams whose client reads slower than the engine writes (reported, not acted on).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.actions = Counter(
+            "unbroken_controller_actions",
+            "Actions applied through admin APIs.",
+            ["action"],
+            registry=r,
+        )
+        for a in ("lower cap", "raise cap", "restore cap", "route to degraded", "restore routes"):
+            self.actions.labels(a)
+        self.poll = Histogram(
+            "unbroken_controller_poll_seconds",
+            "Time to read every signal once.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.agent_live = Gauge(
+            "unbroken_controller_agent_live",
+            "1 while the agent's eBPF signals are being read.",
+            registry=r,
+        )
+        self.errors = Counter(
+            "unbroken_controller_read_errors",
+            "Signal reads that failed, by source.",
+            ["source"],
+            registry=r,
+        )
+        for s in ("gateway", "agent", "engine", "apply"):
+            self.errors.labels(s)
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig) -> None:
+        self.cfg = cfg
+        self.s = cfg.settings
+        self.admin = GatewayAdmin(cfg.admin_url, cfg.admin_token, timeout=2.0)
+        self.actuator = Actuator(self.s, cfg.tiers)
+        self.detectors: dict[str, Detector] = {}
+        self.views: dict[str, EndpointView] = {}
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=2000)
+        self.metrics = _Metrics()
+        self._agent_deltas = HistogramDelta()
+        self._engine_deltas: dict[str, HistogramDelta] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self.agent_state = "off" if not cfg.agent_url else "unknown"
+        self._routes_applied: dict[str, list[str]] | None = None
+        self._stop = asyncio.Event()
+        self.polls = 0
+
+    # -- reading ------------------------------------------------------------------------------
+    async def _get(self, url: str) -> str:
+        assert self._session is not None
+        async with self._session.get(url) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+            return await r.text()
+
+    async def _read_agent(self) -> dict[str, Any] | None:
+        if not self.cfg.agent_url:
+            return None
+        try:
+            text = await self._get(self.cfg.agent_url.rstrip("/") + "/metrics")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self.metrics.errors.labels("agent").inc()
+            self._agent_now("unreachable", f"agent at {self.cfg.agent_url} unreachable: {e}")
+            return None
+        windows, ebpf = agent_windows(text, self._agent_deltas)
+        if not ebpf:
+            self._agent_now(
+                "no-ebpf", "the agent runs without eBPF (not root or no BTF): no CUDA signal"
+            )
+            return None
+        self._agent_now("live", f"reading CUDA call latency from the agent at {self.cfg.agent_url}")
+        return windows
+
+    def _agent_now(self, state: str, message: str) -> None:
+        if state != self.agent_state:
+            (log.info if state == "live" else log.warning)(
+                "%s%s",
+                message,
+                "" if state == "live" else "; judging endpoints by engine and gateway signals",
+            )
+            self.agent_state = state
+        self.metrics.agent_live.set(1 if state == "live" else 0)
+
+    async def _read_engine(self, v: EndpointView) -> Any:
+        deltas = self._engine_deltas.setdefault(v.name, HistogramDelta())
+        try:
+            return engine_window(await self._get(v.url + "/metrics"), deltas)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            self.metrics.errors.labels("engine").inc()
+            return None
+
+    # -- one window ---------------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        t0 = time.monotonic()
+        try:
+            listing = await self.admin.endpoints()
+        except AdminError as e:
+            self.metrics.errors.labels("gateway").inc()
+            log.debug("gateway admin unreachable: %s", e)
+            return
+        views = {
+            v.name: v
+            for v in map(EndpointView.from_admin, listing)
+            if v.state in ("ready", "draining")
+        }
+        agent, engines = await asyncio.gather(
+            self._read_agent(), asyncio.gather(*(self._read_engine(v) for v in views.values()))
+        )
+        self.metrics.poll.observe(time.monotonic() - t0)
+        self.views = views
+        for gone in set(self.detectors) - set(views):
+            self._forget(gone)
+        mono, now = time.monotonic(), time.time()
+        for v, ew in zip(views.values(), engines, strict=True):
+            det = self.detectors.get(v.name)
+            if det is None:
+                det = self.detectors[v.name] = Detector(v.name, self.s, since=mono)
+            cw = (agent or {}).get(v.name)
+            cuda = cw.quantile(self.s.cuda_quantile) if cw is not None and cw.count >= 3 else None
+            win = self.s.interval_s
+            reading = det.read(
+                mono,
+                cuda_latency=cuda,
+                itl=ew.itl_mean if ew is not None and ew.itl_count >= 3 else None,
+                running=ew.running if ew is not None else float(v.inflight),
+                backpressure=(cw.backpressure_s / win) if cw is not None else 0.0,
+            )
+            if reading.ratio is not None and reading.source is not None:
+                self.metrics.ratio.labels(v.name, reading.source).set(reading.ratio)
+            if reading.baseline is not None and reading.source is not None:
+                self.metrics.baseline.labels(v.name, reading.source).set(reading.baseline)
+            self.metrics.slow_clients.labels(v.name).set(v.slow_clients)
+            tr = det.step(reading)
+            if tr is not None:
+                self._transition(tr, v, reading.running, now)
+            if det.condition == "recovering":
+                decisions, restored = self.actuator.step_up(v.name, v, mono, now)
+                self._record(decisions)
+                if restored and (tr2 := det.recovered(mono)) is not None:
+                    self._transition(tr2, v, reading.running, now)
+        await self._apply(now)
+        self.polls += 1
+
+    def _transition(self, tr: Transition, v: EndpointView, running: float, now: float) -> None:
+        self.metrics.transitions.labels(tr.endpoint, tr.old, tr.new).inc()
+        if tr.detection_s is not None:
+            self.metrics.detection.observe(tr.detection_s)
+        self._record(self.actuator.on_transition(tr, v, running, now))
+
+    def _record(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            self.decisions.append(d)
+            if d.action in ("lower cap", "raise cap", "restore cap"):
+                self.metrics.actions.labels(d.action).inc()
+            log.info("%s: %s (%s)", d.endpoint, d.action, d.reason)
+
+    def _forget(self, name: str) -> None:
+        self.detectors.pop(name, None)
+        self._engine_deltas.pop(name, None)
+        self.actuator.caps.pop(name, None)
+        for c in CONDITIONS:
+            try:
+                self.metrics.condition.remove(name, c)
+            except KeyError:
+                pass
+
+    # -- acting -------------------------------------------------------------------------------
+    async def _apply(self, now: float) -> None:
+        """Make the gateway match what we want: condition and cap override per endpoint, and
+        the routes override. Compared with what the gateway reports, so a restarted gateway is
+        brought back in line on the next window."""
+        for name, det in self.detectors.items():
+            v = self.views.get(name)
+            if v is None:
+                continue
+            for c in CONDITIONS:
+                self.metrics.condition.labels(name, c).set(1 if det.condition == c else 0)
+            want_cap = self.actuator.caps.get(name)
+            patch: dict[str, Any] = {}
+            if v.condition != det.condition:
+                patch["condition"] = det.condition
+            if v.cap_override != want_cap:
+                patch["cap_override"] = want_cap
+            if patch:
+                try:
+                    await self.admin.patch(name=name, **patch)
+                except AdminError as e:
+                    self.metrics.errors.labels("apply").inc()
+                    log.warning("could not update %s on the gateway: %s", name, e)
+        conditions = {n: d.condition for n, d in self.detectors.items()}
+        pools = {n: v.pool for n, v in self.views.items()}
+        want = self.actuator.routes(conditions, pools)
+        if want == self._routes_applied:
+            return
+        try:
+            if want:
+                await self.admin.set_routes_override(routes=want)
+            else:
+                await self.admin.clear_routes_override()
+        except AdminError as e:
+            self.metrics.errors.labels("apply").inc()
+            log.warning("could not update the gateway's routes: %s", e)
+            return
+        first = self._routes_applied is None
+        self._routes_applied = want
+        if want:
+            self.metrics.actions.labels("route to degraded").inc()
+            self._record(
+                [
+                    Decision(
+                        now,
+                        "*",
+                        "route to degraded",
+                        "a full-precision endpoint is contended: critical stays on "
+                        f"{', '.join(self.cfg.tiers.full)}; standard and sheddable go to "
+                        f"{', '.join(self.cfg.tiers.degraded)} first",
+                        {"routes": want},
+                    )
+                ]
+            )
+        elif not first:
+            self.metrics.actions.labels("restore routes").inc()
+            self._record(
+                [Decision(now, "*", "restore routes", "no full-precision endpoint is contended")]
+            )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=max(0.2, self.s.interval_s * 0.8)),
+            connector=aiohttp.TCPConnector(limit=64),
+        )
+        log.info(
+            "controller: every %.0f ms; tiers full=%s degraded=%s; agent %s",
+            self.s.interval_s * 1e3,
+            ",".join(self.cfg.tiers.full) or "-",
+            ",".join(self.cfg.tiers.degraded) or "-",
+            self.cfg.agent_url or "off (engine and gateway signals only)",
+        )
+        if not self.cfg.agent_url:
+            log.warning("no agent configured: judging endpoints by engine and gateway signals")
+        try:
+            next_t = time.monotonic()
+            while not self._stop.is_set():
+                try:
+                    await self.poll_once()
+                except Exception:  # one bad window must not end the loop
+                    log.exception("controller window failed")
+                next_t += self.s.interval_s
+                delay = next_t - time.monotonic()
+                if delay < 0:  # fell behind: skip, don't burst
+                    next_t, delay = time.monotonic(), 0
+                try:
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                except TimeoutError:
+                    pass
+        finally:
+            await self._session.close()
+            await self.admin.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def state(self) -> dict[str, Any]:
+        eps = {}
+        for name, d in self.detectors.items():
+            r = d.last
+            eps[name] = {
+                "condition": d.condition,
+                "pool": self.views[name].pool if name in self.views else None,
+                "source": r.source if r else None,
+                "ratio": None if r is None or r.ratio is None else round(r.ratio, 3),
+                "signal_s": None if r is None else r.value,
+                "baseline_s": None if r is None else r.baseline,
+                "backpressure": None if r is None else round(r.backpressure, 3),
+                "cap_override": self.actuator.caps.get(name),
+                "slow_clients": self.views[name].slow_clients if name in self.views else 0,
+            }
+        return {
+            "agent": self.agent_state,
+            "interval_s": self.s.interval_s,
+            "polls": self.polls,
+            "routes_override": self._routes_applied or {},
+            "endpoints": eps,
+        }
+
+
+def _json(obj: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+def build_app(c: Controller) -> web.Application:
+    app = web.Application()
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(c.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return _json({"status": "ok", "agent": c.agent_state, "polls": c.polls})
+
+    async def state(request: web.Request) -> web.Response:
+        return _json(c.state())
+
+    async def decisions(request: web.Request) -> web.Response:
+        since = request.query.get("since")
+        try:
+            t = float(since) if since is not None else -math.inf
+        except ValueError:
+            from unbroken.wire.errors import ApiError
+
+            raise ApiError(400, "since must be a unix time", param="since") from None
+        return _json({"decisions": [d.as_dict() for d in c.decisions if d.t > t]})
+
+    from unbroken.wire.http import error_middleware
+
+    app.middlewares.append(error_middleware)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/state", state)
+    app.router.add_get("/decisions", decisions)
+    return app
+
+
+async def serve(cfg: ControllerConfig) -> None:
+    import signal
+
+    from unbroken.wire.http import start_site
+
+    c = Controller(cfg)
+    runner = await start_site(build_app(c), cfg.settings.host, cfg.settings.port)
+    log.info("controller API on http://%s:%d", cfg.settings.host, cfg.settings.port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, c.stop)
+    try:
+        await c.run()
+    finally:
+        await runner.cleanup()
+
+
+def run_controller(cfg: ControllerConfig) -> None:
+    import uvloop
+
+    uvloop.run(serve(cfg))
