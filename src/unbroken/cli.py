@@ -149,6 +149,26 @@ def gateway(
         float | None, typer.Option(help="Seconds a request may wait for a slot [30].")
     ] = None,
     no_warmup: Annotated[bool, typer.Option(help="Skip the warm-up completion (stage 2).")] = False,
+    k8s_service: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Discover a pool from a Service's EndpointSlices: POOL=NAMESPACE/SERVICE[:PORT]."
+        ),
+    ] = None,
+    k8s_peers: Annotated[
+        str | None,
+        typer.Option(help="This gateway's own Service (NAMESPACE/SERVICE): replicas share caps."),
+    ] = None,
+    pool_cap: Annotated[
+        list[str] | None,
+        typer.Option(help="In-flight cap per engine of a pool, all replicas together: POOL=N."),
+    ] = None,
+    pod_name: Annotated[
+        str | None, typer.Option(envvar="POD_NAME", help="This pod's name (with --k8s-peers).")
+    ] = None,
+    pod_namespace: Annotated[
+        str | None, typer.Option(envvar="POD_NAMESPACE", help="This pod's namespace.")
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
@@ -182,7 +202,17 @@ def gateway(
         _fail(f"cannot read {config}: {e}")
     except ValidationError as e:
         _fail(str(e))
-    run_gateway(cfg, admin_token, static, warmup=not no_warmup)
+    k8s = None
+    if k8s_service or k8s_peers:
+        from unbroken.k8s.discovery import gateway_settings
+
+        try:
+            k8s = gateway_settings(
+                k8s_service or [], k8s_peers, pool_cap or [], pod_name, pod_namespace
+            )
+        except ValueError as e:
+            _fail(str(e))
+    run_gateway(cfg, admin_token, static, warmup=not no_warmup, k8s=k8s)
 
 
 @app.command()
@@ -300,6 +330,129 @@ def drain(
     )
 
 
+_FAULT_PARAMS = {
+    "slow_cuda": {"duration_s", "extra_ms", "factor", "jitter_ms", "onset_s", "ramp_s"},
+    "hang": {"duration_s"},
+    "fail": {"duration_s", "fraction", "after_tokens"},
+    "crash": set(),
+    "clear": set(),
+    "show": set(),
+}
+
+
+@app.command()
+def fault(
+    target: Annotated[
+        str, typer.Argument(help="Endpoint name as `unbroken status` shows it (with --all: KIND).")
+    ],
+    kind: Annotated[
+        str | None, typer.Argument(help="slow_cuda, hang, fail, crash; or clear, show.")
+    ] = None,
+    all_: Annotated[
+        bool, typer.Option("--all", help="Every engine of the pipeline (a node-wide neighbour).")
+    ] = False,
+    seconds: Annotated[float | None, typer.Option(help="Duration (s).")] = None,
+    extra_ms: Annotated[float | None, typer.Option(help="slow_cuda: ms per CUDA call.")] = None,
+    factor: Annotated[float | None, typer.Option(help="slow_cuda: device time multiplier.")] = None,
+    jitter_ms: Annotated[float | None, typer.Option(help="slow_cuda: 0..X ms per step.")] = None,
+    onset: Annotated[float | None, typer.Option(help="slow_cuda: delay (s).")] = None,
+    ramp: Annotated[float | None, typer.Option(help="slow_cuda: ramp up/down seconds.")] = None,
+    fraction: Annotated[float | None, typer.Option(help="fail: share of requests failed.")] = None,
+    after_tokens: Annotated[int | None, typer.Option(help="fail: after N tokens.")] = None,
+    admin_url: Annotated[
+        str | None, typer.Option(help="Gateway admin URL [from the running pipeline].")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the engines' answers.")] = False,
+) -> None:
+    """Inject a fault (or a contention episode) into engines of the running pipeline."""
+    import asyncio
+    import json
+
+    from rich.markup import escape
+
+    from unbroken.clients import AdminError, AdminRejected, EngineAdmin, GatewayAdmin
+    from unbroken.config.paths import RunInfo, state_dir
+
+    if all_:
+        if kind is not None:
+            _fail("with --all give only KIND (no endpoint name)")
+        kind, target = target, ""
+    if kind not in _FAULT_PARAMS:
+        _fail(f"unknown fault kind {kind!r}: expected {', '.join(_FAULT_PARAMS)}")
+    given = {
+        "duration_s": seconds,
+        "extra_ms": extra_ms,
+        "factor": factor,
+        "jitter_ms": jitter_ms,
+        "onset_s": onset,
+        "ramp_s": ramp,
+        "fraction": fraction,
+        "after_tokens": after_tokens,
+    }
+    params = {k: v for k, v in given.items() if v is not None}
+    if bad := sorted(set(params) - _FAULT_PARAMS[kind]):
+        flag = {"duration_s": "seconds", "onset_s": "onset", "ramp_s": "ramp"}
+        names = ", ".join("--" + flag.get(b, b).replace("_", "-") for b in bad)
+        _fail(f"{names}: not an option of {kind}")
+    state = state_dir()
+    info = RunInfo.read(state)
+    if admin_url is None and info is None:
+        _fail(f"no pipeline running (UNBROKEN_STATE_DIR={state}): start one with `unbroken up`")
+    url = admin_url or (info.admin_url if info else "")
+    token = os.environ.get("UNBROKEN_ADMIN_TOKEN")
+    if not token:
+        try:
+            token = Path(info.token_file if info else state / "admin-token").read_text().strip()
+        except OSError:
+            _fail("no admin token: set UNBROKEN_ADMIN_TOKEN")
+    # Engines take the pipeline's admin token today; a separate engine token wins when present.
+    engine_token = os.environ.get("UNBROKEN_ENGINE_TOKEN")
+    if not engine_token and (state / "engine-token").exists():
+        engine_token = (state / "engine-token").read_text().strip()
+
+    async def one(name: str, engine_url: str) -> tuple[str, object]:
+        async with EngineAdmin(engine_url, engine_token or token) as eng:
+            if kind == "clear":
+                return name, await eng.clear()
+            if kind == "show":
+                return name, await eng.faults()
+            return name, await eng.inject(kind=kind, **params)
+
+    async def go() -> int:
+        try:
+            async with GatewayAdmin(url, token) as gw:
+                eps = await gw.endpoints()
+        except AdminError as e:
+            _console().print(f"[red]error:[/red] cannot list endpoints at {url}: {escape(str(e))}")
+            return 1
+        chosen = eps if all_ else [e for e in eps if e["name"] == target]
+        if not chosen:
+            names = ", ".join(sorted(e["name"] for e in eps)) or "none"
+            msg = f"no endpoint named {target!r} (known: {names})"
+            _console().print(f"[red]error:[/red] {escape(msg)}")
+            return 2
+        results = await asyncio.gather(
+            *(one(e["name"], e["url"]) for e in chosen), return_exceptions=True
+        )
+        rc, out = 0, {}
+        for e, res in zip(chosen, results, strict=True):
+            if isinstance(res, AdminError):
+                code = 2 if isinstance(res, AdminRejected) and res.status == 400 else 1
+                rc = max(rc, code)
+                _console().print(f"[red]error:[/red] {escape(e['name'] + ': ' + str(res))}")
+                continue
+            if isinstance(res, BaseException):
+                raise res
+            out[res[0]] = res[1]
+            if not as_json:
+                print(f"{res[0]}: {json.dumps(res[1])}")
+        if as_json:
+            print(json.dumps(out, indent=1))
+        return rc
+
+    raise typer.Exit(asyncio.run(go()))
+
+
 def _range(text: str, what: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     try:
@@ -335,9 +488,16 @@ def bench(
         bool, typer.Option(help="Check every text against the simulator's expected output.")
     ] = True,
     model: Annotated[str, typer.Option(help="Model name to request.")] = "unbroken-sim",
+    max_error_rate: Annotated[
+        float, typer.Option(help="Exit 1 when more than this share of requests end in an error.")
+    ] = 0.01,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("bench-out"),
 ) -> None:
-    """Load-test an OpenAI endpoint; measure TTFT/ITL/TPOT, dropped and corrupted streams."""
+    """Load-test an OpenAI endpoint; measure TTFT/ITL/TPOT, dropped and corrupted streams.
+
+    --url takes the server root or the SDK-style base URL ending in /v1. Exit 0 when the run
+    passed; 1 when no request succeeded, errors exceeded --max-error-rate, or any stream was
+    dropped or corrupted (the reasons are printed); 2 for bad options."""
     import asyncio
 
     from unbroken.bench.control import PipelineControl, Sampler
@@ -354,6 +514,8 @@ def bench(
             mix[k.strip()] = float(v)
         except ValueError:
             _fail(f"--priority-mix: bad entry {part!r}")
+    if url is not None and not url.startswith(("http://", "https://")):
+        _fail(f"--url {url!r}: expected http(s)://HOST:PORT (a trailing /v1 is fine)")
     info = RunInfo.read(state_dir())
     if url is None:
         url = info.gateway_url if info else "http://127.0.0.1:8080"
@@ -380,7 +542,9 @@ def bench(
         slow_fraction=slow_fraction,
         verify=verify,
     )
-    asyncio.run(
+    if not 0 <= max_error_rate <= 1:
+        _fail("--max-error-rate must be between 0 and 1")
+    result = asyncio.run(
         run_bench(
             cfg,
             scenario=scenario,
@@ -391,8 +555,11 @@ def bench(
             control=control,
             sampler=sampler,
             console=_console(),
+            max_error_rate=max_error_rate,
+            command=" ".join(["unbroken", *sys.argv[1:]]),
         )
     )
+    raise typer.Exit(1 if result["failures"] else 0)
 
 
 @app.command()
@@ -501,6 +668,96 @@ def agent(
 
         raise typer.Exit(run_once(cfg, duration, Console()))
     run_agent(cfg)
+
+
+@app.command()
+def controller(
+    gateway_admin: Annotated[
+        str, typer.Option(help="The gateway's admin API URL.")
+    ] = "http://127.0.0.1:8081",
+    admin_token: Annotated[
+        str | None,
+        typer.Option(envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token of the admin API."),
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="Read the admin token from this file.")
+    ] = None,
+    agent_url: Annotated[
+        str | None,
+        typer.Option("--agent", help="The node agent's URL (omit: engine signals only)."),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="Controller settings (JSON or YAML); flags override.")
+    ] = None,
+    listen: Annotated[
+        str | None, typer.Option(help="HOST:PORT for /metrics, /state, /decisions (8082).")
+    ] = None,
+    interval: Annotated[float | None, typer.Option(help="Seconds between windows.")] = None,
+    full_pool: Annotated[
+        list[str] | None,
+        typer.Option(help="A full-precision pool (critical traffic stays there). Repeat."),
+    ] = None,
+    degraded_pool: Annotated[
+        list[str] | None,
+        typer.Option(help="A degraded-tier (fp8) pool that takes traffic under contention."),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """The adaptive controller: eBPF and engine signals to caps, tier routing and shedding."""
+    import yaml
+    from pydantic import ValidationError
+
+    from unbroken.config.spec import ControllerSettings
+    from unbroken.controller import ControllerConfig, Tiers, run_controller
+
+    _logging(verbose)
+    data: dict[str, object] = {}
+    if config is not None:
+        try:
+            loaded = yaml.safe_load(config.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            _fail(f"--config {config}: {e}")
+        if not isinstance(loaded, dict):
+            _fail(f"--config {config}: expected a mapping")
+        data.update(loaded)
+    if listen is not None:
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            _fail(f"--listen {listen!r}: expected HOST:PORT")
+        data["host"], data["port"] = host, int(port)
+    if interval is not None:
+        data["interval_s"] = interval
+    if full_pool:
+        data["full_pools"] = full_pool
+    if degraded_pool:
+        data["degraded_pools"] = degraded_pool
+    try:
+        settings = ControllerSettings.model_validate(data)
+    except ValidationError as e:
+        _fail(
+            "controller settings: "
+            + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        )
+    token = admin_token
+    if token is None and token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            _fail(f"--token-file {token_file}: {e.strerror}")
+    if not token:
+        _fail("an admin token is needed: --admin-token, UNBROKEN_ADMIN_TOKEN or --token-file")
+    if not gateway_admin.startswith(("http://", "https://")):
+        _fail(f"--gateway-admin {gateway_admin!r}: expected http(s)://HOST:PORT")
+    tiers = Tiers(tuple(settings.full_pools), tuple(settings.degraded_pools))
+    run_controller(
+        ControllerConfig(
+            settings=settings,
+            admin_url=gateway_admin.rstrip("/"),
+            admin_token=token,
+            tiers=tiers,
+            agent_url=agent_url,
+        )
+    )
 
 
 @weights_app.command("make")
