@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from helpers import MODEL, Proc, engine, gateway
-from unbroken.bench.load import LoadConfig, LoadRun, Record
+from unbroken.bench.load import LoadConfig, LoadRun, Record, base_url
 from unbroken.bench.report import write_report
-from unbroken.bench.runner import make_window, window_counts
+from unbroken.bench.runner import error_counts, make_window, verdict, window_counts
 from unbroken.bench.stats import percentile, summarize
 
 
@@ -121,7 +121,7 @@ def test_report_files(tmp_path: Path) -> None:
         assert (tmp_path / name).stat().st_size > 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["records"]) == 51 and data["events"][0]["event"] == "rollout_start"
-    assert 'src="ttft.png"' in path.read_text()
+    assert '<img src="data:image/png;base64,' in path.read_text()  # self-contained
 
 
 def test_bench_cli_steady(target: tuple[Proc, Proc], tmp_path: Path) -> None:
@@ -156,6 +156,69 @@ def test_bench_cli_steady(target: tuple[Proc, Proc], tmp_path: Path) -> None:
         timeout=30,
     )
     assert bad.returncode == 2
+
+
+def test_base_url_accepts_the_sdk_form() -> None:
+    for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/", " http://h:1 "):
+        assert base_url(url) == "http://h:1"
+    assert base_url("http://h:1/prefix/v1") == "http://h:1/prefix"
+
+
+def test_verdict_and_error_counts() -> None:
+    ok = [_rec(i, i + 1, "ok") for i in range(200)]
+    err = _rec(5, 5.1, "error")
+    err.status = 404
+    refused = _rec(6, 6.1, "error")
+    refused.status, refused.detail = 0, "ClientConnectorError: refused"
+    assert error_counts([*ok, err, refused]) == {"HTTP 404": 1, "ClientConnectorError": 1}
+    assert verdict([*ok, err]) == []  # 1 of 201 is under the 1 % default
+    assert "ended in an error" in verdict([*ok, err, err, err])[0]
+    assert verdict([err]) == ["no request succeeded (1 sent; errors: HTTP 404: 1)"]
+    assert verdict([*ok, _rec(3, 4, "dropped")]) == ["1 dropped stream(s)"]
+
+
+def test_bench_cli_base_url_with_v1_and_wrong_url(
+    target: tuple[Proc, Proc], tmp_path: Path
+) -> None:
+    """The SDK-style base URL works; a wrong one fails fast, with few requests (backoff), an
+    error column by status, and exit 1 with the reason."""
+    _e, g = target
+
+    def bench(url: str, out: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "bench",
+                "--url",
+                url,
+                "--users",
+                "10",
+                "--duration",
+                "3",
+                "--max-tokens",
+                "8:16",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    good = bench(g.url + "/v1/", tmp_path / "good")
+    assert good.returncode == 0, good.stderr
+    data = json.loads((tmp_path / "good" / "results.json").read_text())
+    assert data["records"] and {r["outcome"] for r in data["records"]} == {"ok"}
+    bad = bench(g.url + "/v2", tmp_path / "bad")
+    assert bad.returncode == 1, bad.stderr
+    assert "no request succeeded" in bad.stderr and "HTTP 404" in bad.stderr
+    data = json.loads((tmp_path / "bad" / "results.json").read_text())
+    # 10 users backing off from 0.1 s doubling: a handful each in 3 s, not thousands.
+    assert 10 <= len(data["records"]) <= 120
+    assert data["windows"]["whole run"]["errors"] == {"HTTP 404": len(data["records"])}
+    assert data["checks"][0]["ok"] is False
 
 
 def test_demo_end_to_end(tmp_path: Path) -> None:

@@ -75,7 +75,13 @@ class PipelineControl:
 
 
 class Sampler:
-    """Polls the gateway's admin API: in-flight streams per endpoint over time."""
+    """Polls the gateway: in-flight streams per endpoint and queue depth (admin API), and
+    the migrated/dropped stream counters (its /metrics), over time."""
+
+    COUNTERS = {
+        "migrated": "unbroken_gateway_streams_migrated_total",
+        "dropped": "unbroken_gateway_streams_dropped_total",
+    }
 
     def __init__(self, admin_url: str, token: str, interval: float = 0.5) -> None:
         self.admin = GatewayAdmin(admin_url, token, timeout=5)
@@ -86,26 +92,51 @@ class Sampler:
     def start(self, t0: float) -> None:
         self._task = asyncio.create_task(self._loop(t0))
 
+    async def _counters(self, session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            async with session.get(url) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            return {}
+        want = {v.removesuffix("_total"): k for k, v in self.COUNTERS.items()}
+        out = dict.fromkeys(self.COUNTERS, 0.0)
+        for fam in text_string_to_metric_families(text):
+            if fam.name in want:
+                out[want[fam.name]] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        return out
+
     async def _loop(self, t0: float) -> None:
-        while True:
-            try:
-                eps = await self.admin.endpoints()
-                self.samples.append(
-                    {
+        metrics_url = None
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    st = await self.admin.status()
+                    if metrics_url is None and st.get("listen"):
+                        metrics_url = (
+                            st["listen"].replace("//0.0.0.0:", "//127.0.0.1:") + "/metrics"
+                        )
+                    sample: dict[str, Any] = {
                         "t": round(time.monotonic() - t0, 3),
                         "endpoints": {
                             e["name"]: {
                                 "inflight": e["inflight"],
                                 "state": e["state"],
                                 "pool": e["pool"],
+                                **({"condition": e["condition"]} if "condition" in e else {}),
                             }
-                            for e in eps
+                            for e in st.get("endpoints", [])
                         },
+                        "queue": dict(st.get("queue") or {}),
                     }
-                )
-            except AdminError:
-                pass
-            await asyncio.sleep(self.interval)
+                    if metrics_url is not None:
+                        sample["counters"] = await self._counters(session, metrics_url)
+                    self.samples.append(sample)
+                except AdminError:
+                    pass
+                await asyncio.sleep(self.interval)
 
     async def stop(self) -> None:
         if self._task is not None:

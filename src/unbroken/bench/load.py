@@ -8,7 +8,10 @@ start, TTFT, every inter-token gap, end, tokens, outcome. Outcomes:
 - dropped: it ended without its finish (reset, truncated, error event);
 - corrupted: it finished, but the text differs from what the simulator must produce;
 - rejected: 429/503 (shed, queue timeout, no capacity);
-- error: any other HTTP error.
+- error: any other HTTP status, or no response at all (refused, reset before the headers).
+
+A user backs off after an error (exponentially, 0.1 s to 5 s) and after a rejection
+(Retry-After when given), so a wrong URL costs a few requests, not a flood.
 """
 
 from __future__ import annotations
@@ -26,7 +29,25 @@ import orjson
 from unbroken.engine.textmodel import VOCAB, expected_chat, expected_completion
 from unbroken.wire.sse import SSEDecoder
 
-__all__ = ["LoadConfig", "LoadRun", "Record"]
+__all__ = ["LoadConfig", "LoadRun", "Record", "base_url", "error_key"]
+
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+
+
+def base_url(url: str) -> str:
+    """The server root from any form a user gives: `http://h:p`, `http://h:p/` or the
+    OpenAI SDK's base URL `http://h:p/v1` (requests go to `/v1/...` below it)."""
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def error_key(r: Record) -> str:
+    """How an error is counted in the error column: its status, or the exception name."""
+    if r.status:
+        return f"HTTP {r.status}"
+    return (r.detail or "no response").split(":", 1)[0]
 
 
 @dataclass
@@ -86,6 +107,7 @@ class Record:
 class LoadRun:
     def __init__(self, cfg: LoadConfig) -> None:
         self.cfg = cfg
+        self.base = base_url(cfg.url)
         self.records: list[Record] = []
         self.events: list[dict[str, Any]] = []
         self.t0 = 0.0
@@ -147,10 +169,27 @@ class LoadRun:
 
     async def _user(self, session: aiohttp.ClientSession, user: int) -> None:
         slow = self._rng.random() < self.cfg.slow_fraction
+        failures = 0
         while not self._stop.is_set():
-            await self._one(session, user, slow)
+            rec, retry_after = await self._one(session, user, slow)
+            if rec.outcome == "error":
+                failures += 1
+                pause = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (failures - 1))
+                pause *= 0.5 + self._rng.random()  # jitter: users do not retry in lockstep
+            elif rec.outcome == "rejected":
+                failures = 0
+                pause = retry_after if retry_after is not None else 0.5
+            else:
+                failures = 0
+                continue
+            try:
+                await asyncio.wait_for(self._stop.wait(), min(pause, BACKOFF_MAX_S))
+            except TimeoutError:
+                pass
 
-    async def _one(self, session: aiohttp.ClientSession, user: int, slow: bool) -> None:
+    async def _one(
+        self, session: aiohttp.ClientSession, user: int, slow: bool
+    ) -> tuple[Record, float | None]:
         cfg = self.cfg
         chat = self._rng.random() < cfg.chat_fraction
         prompt = self._prompt()
@@ -185,17 +224,22 @@ class LoadRun:
         texts: list[str] = []
         finish = None
         done = error = False
+        retry_after: float | None = None
         try:
-            async with session.post(cfg.url + path, data=orjson.dumps(body), headers=headers) as r:
+            async with session.post(
+                self.base + path, data=orjson.dumps(body), headers=headers
+            ) as r:
                 rec.status = r.status
                 rec.endpoint = r.headers.get("X-Unbroken-Endpoint")
                 if r.status != 200:
                     await r.read()
                     rec.outcome = "rejected" if r.status in (429, 503) else "error"
                     rec.detail = f"HTTP {r.status}"
-                    if rec.outcome == "rejected":
-                        await asyncio.sleep(0.5)  # honour Retry-After-ish pacing
-                    return
+                    try:
+                        retry_after = float(r.headers.get("Retry-After", ""))
+                    except ValueError:
+                        retry_after = None
+                    return rec, retry_after
                 dec = SSEDecoder()
                 last = None
                 async for chunk in r.content.iter_any():
@@ -230,6 +274,8 @@ class LoadRun:
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
             rec.detail = f"{type(e).__name__}: {e}"[:200]
             done = False
+            if not rec.status:
+                rec.outcome = "error"  # never got a response: not a stream that broke
         finally:
             self.active -= 1
             rec.end = rec.start + (time.monotonic() - t0)
@@ -239,6 +285,7 @@ class LoadRun:
                 )
             self.records.append(rec)
             self.outcomes[rec.outcome] += 1
+        return rec, retry_after
 
     def _judge(
         self,

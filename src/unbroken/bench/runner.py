@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import platform
+import sys
+import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -12,11 +16,54 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from unbroken.bench.control import PipelineControl, Sampler
-from unbroken.bench.load import LoadConfig, LoadRun, Record
-from unbroken.bench.report import fmt_ms, write_report
+from unbroken.bench.load import LoadConfig, LoadRun, Record, base_url, error_key
+from unbroken.bench.report import Marker, Span, fmt_ms, run_metadata, write_report
 from unbroken.bench.stats import summarize
 
-__all__ = ["live_progress", "make_window", "markdown_table", "run_bench", "window_counts"]
+__all__ = [
+    "error_counts",
+    "live_progress",
+    "make_window",
+    "markdown_table",
+    "run_bench",
+    "verdict",
+    "window_counts",
+]
+
+MAX_ERROR_RATE = 0.01  # default share of requests that may end in an error before exit 1
+
+
+def error_counts(
+    records: list[Record], start: float = 0.0, end: float = math.inf
+) -> dict[str, int]:
+    """Errors of the requests started in [start, end), by status code (or exception)."""
+    c = Counter(error_key(r) for r in records if r.outcome == "error" and start <= r.start < end)
+    return dict(c.most_common())
+
+
+def fmt_errors(errors: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "0"
+
+
+def verdict(records: list[Record], max_error_rate: float = MAX_ERROR_RATE) -> list[str]:
+    """Why the run failed (empty when it passed): no request succeeded, errors above
+    `max_error_rate` of the requests, or any dropped or corrupted stream."""
+    n = len(records)
+    outcomes = Counter(r.outcome for r in records)
+    errors = error_counts(records)
+    why = []
+    if outcomes["ok"] == 0:
+        detail = f"; errors: {fmt_errors(errors)}" if errors else ""
+        why.append(f"no request succeeded ({n} sent{detail})")
+    elif n and outcomes["error"] / n > max_error_rate:
+        why.append(
+            f"{outcomes['error']} of {n} requests ended in an error "
+            f"({outcomes['error'] / n:.1%} > {max_error_rate:.1%}): {fmt_errors(errors)}"
+        )
+    for bad in ("dropped", "corrupted"):
+        if outcomes[bad]:
+            why.append(f"{outcomes[bad]} {bad} stream(s)")
+    return why
 
 
 def window_counts(records: list[Record], start: float, end: float) -> dict[str, int]:
@@ -30,9 +77,9 @@ def window_counts(records: list[Record], start: float, end: float) -> dict[str, 
 
 def markdown_table(windows: dict[str, dict[str, Any]], records: list[Record]) -> str:
     rows = [
-        "| window | requests | ok | dropped | corrupted | rejected | TTFT p50 | TTFT p99 | "
-        "TTFT p99.9 | ITL p50 | ITL p99 | TPOT p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| window | requests | ok | dropped | corrupted | rejected | errors | TTFT p50 | "
+        "TTFT p99 | TTFT p99.9 | ITL p50 | ITL p99 | TPOT p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, w in windows.items():
         s = w["summary"]
@@ -40,14 +87,16 @@ def markdown_table(windows: dict[str, dict[str, Any]], records: list[Record]) ->
         rows.append(
             f"| {name} ({w['start']:.0f}-{w['end']:.0f} s) | {s['requests']} | {o.get('ok', 0)} | "
             f"{w['open']['dropped']} | {w['open']['corrupted']} | {o.get('rejected', 0)} | "
-            f"{fmt_ms(s['ttft']['p50'])} | {fmt_ms(s['ttft']['p99'])} | "
+            f"{fmt_errors(w.get('errors') or {})} | {fmt_ms(s['ttft']['p50'])} | "
+            f"{fmt_ms(s['ttft']['p99'])} | "
             f"{fmt_ms(s['ttft']['p99.9'])} | {fmt_ms(s['itl']['p50'])} | "
             f"{fmt_ms(s['itl']['p99'])} | {fmt_ms(s['tpot']['p50'])} |"
         )
     rows.append("")
     rows.append(
-        "Requests and latencies: requests started in the window. Dropped and corrupted: "
-        "streams open at any time in the window."
+        "Requests, errors and latencies: requests started in the window. Dropped and "
+        "corrupted: streams open at any time in the window. ITL: every gap between tokens; "
+        "TPOT: a request's mean gap (what guidellm and aiperf call ITL)."
     )
     return "\n".join(rows)
 
@@ -58,6 +107,7 @@ def make_window(records: list[Record], start: float, end: float) -> dict[str, An
         "start": start,
         "end": end,
         "summary": summarize(records, start, end),
+        "errors": error_counts(records, start, end),
         "open": {
             "dropped": open_.get("dropped", 0),
             "corrupted": open_.get("corrupted", 0),
@@ -88,8 +138,13 @@ async def run_bench(
     control: PipelineControl | None,
     sampler: Sampler | None,
     console: Console,
+    max_error_rate: float = MAX_ERROR_RATE,
+    command: str | None = None,
 ) -> dict[str, Any]:
+    """Run the load (and the scenario), write the report; the result's `failures` says why
+    the run failed (empty when it passed)."""
     load = LoadRun(cfg)
+    started = time.time()
     scenario_window: tuple[float, float] | None = None
     with live_progress(console) as prog:
         task_id = prog.add_task(f"bench {scenario}", total=cfg.duration, stats="")
@@ -129,10 +184,24 @@ async def run_bench(
     records = load.records
     end = max((r.end or r.start) for r in records) if records else 0.0
     windows = {"whole run": make_window(records, 0.0, end + 1)}
+    spans: list[Span] = []
     if scenario_window is not None:
-        windows["before " + scenario] = make_window(records, min(10.0, at / 2), scenario_window[0])
+        before = (min(10.0, at / 2), scenario_window[0])
+        windows["before " + scenario] = make_window(records, *before)
         windows[scenario] = make_window(records, *scenario_window)
+        spans = [Span("steady", *before), Span(scenario, *scenario_window)]
+    failures = verdict(records, max_error_rate)
+    if "HTTP 404" in error_counts(records):
+        failures.append(
+            f"404 from {base_url(cfg.url)}/v1/(chat/)completions: is --url the server's root "
+            "or its /v1 base URL?"
+        )
     md = markdown_table(windows, records)
+    meta = run_metadata(
+        command=command or " ".join(sys.argv),
+        started=started,
+        extra={"target": base_url(cfg.url), "scenario": scenario, "machine": platform.node()},
+    )
     report = write_report(
         out,
         title=f"unbroken bench: {scenario}",
@@ -142,7 +211,25 @@ async def run_bench(
         samples=sampler.samples if sampler else [],
         windows=windows,
         markdown=md,
+        spans=spans,
+        markers=[Marker(e["t"], e["event"]) for e in load.events],
+        checks=[
+            {
+                "metric": "requests answered without error, drop or corruption",
+                "measured": load.status(),
+                "target": f"errors <= {max_error_rate:.1%}, 0 dropped, 0 corrupted",
+                "ok": not failures,
+            }
+        ],
+        meta=meta,
     )
-    console.print(md)
-    console.print(f"report: {report}")
-    return {"windows": windows, "report": str(report), "events": load.events}
+    console.print(md, markup=False, highlight=False)
+    console.print(f"report: {report}", markup=False, highlight=False)
+    for why in failures:
+        console.print(f"FAIL: {why}", markup=False, highlight=False)
+    return {
+        "windows": windows,
+        "report": str(report),
+        "events": load.events,
+        "failures": failures,
+    }
