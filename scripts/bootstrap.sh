@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-APT_PKGS=(gcc libc6-dev binutils util-linux vmtouch clang libbpf-dev bpftool bpftrace)
+# chromium: the report's browser test; prometheus: promtool for the exporters' check.
+APT_PKGS=(gcc libc6-dev binutils util-linux vmtouch clang libbpf-dev bpftool bpftrace chromium prometheus)
 
 need=()
 if command -v dpkg-query >/dev/null 2>&1; then
