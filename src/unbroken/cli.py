@@ -14,14 +14,42 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
+# Plain help (rich_markup_mode=None): rich markup would eat bracketed defaults like [8080]
+# and cut long option names at 80 columns. Sub-apps need the same setting.
+HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings=HELP,
     help="unbroken: serve LLMs with zero dropped token streams.",
 )
-weights_app = typer.Typer(no_args_is_help=True, help="Weight files for the engine simulator.")
+weights_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings=HELP,
+    help="Weight files for the engine simulator.",
+)
 app.add_typer(weights_app, name="weights")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from unbroken import __version__
+
+        typer.echo(f"unbroken {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """unbroken: serve LLMs with zero dropped token streams."""
 
 
 @functools.cache
@@ -73,7 +101,9 @@ def engine(
             envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for /admin (faults, config)."
         ),
     ] = None,
-    no_cuda_stub: Annotated[bool, typer.Option(help="Time steps in pure Python.")] = False,
+    no_cuda_stub: Annotated[
+        bool, typer.Option("--no-cuda-stub", help="Time steps in pure Python.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the vLLM-compatible engine simulator."""
@@ -148,7 +178,9 @@ def gateway(
     queue_timeout: Annotated[
         float | None, typer.Option(help="Seconds a request may wait for a slot [30].")
     ] = None,
-    no_warmup: Annotated[bool, typer.Option(help="Skip the warm-up completion (stage 2).")] = False,
+    no_warmup: Annotated[
+        bool, typer.Option("--no-warmup", help="Skip the warm-up completion (stage 2).")
+    ] = False,
     k8s_service: Annotated[
         list[str] | None,
         typer.Option(
@@ -565,30 +597,47 @@ def bench(
 @app.command()
 def demo(
     users: Annotated[int, typer.Option(help="Streaming users.")] = 200,
-    steady: Annotated[float, typer.Option(help="Seconds of the steady window.")] = 30.0,
+    steady: Annotated[float, typer.Option(help="Seconds of the steady window.")] = 20.0,
+    contention: Annotated[
+        float, typer.Option(help="Seconds of the bus-contention episode (slow_cuda).")
+    ] = 15.0,
+    contention_extra_ms: Annotated[
+        float, typer.Option(help="Contention severity: ms added to each CUDA call.")
+    ] = 30.0,
     deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
     weights_size: Annotated[str, typer.Option(help="Weights per pool (generated once).")] = "1GiB",
     max_ttft_ratio: Annotated[
-        float, typer.Option(help="Pass when rollout p99.9 TTFT <= this x steady.")
+        float, typer.Option(help="Pass when p99.9 TTFT (rollout, contention) <= this x steady.")
     ] = 1.5,
+    stall_ms: Annotated[
+        float, typer.Option(help="An inter-token gap above this is a stall spike.")
+    ] = 150.0,
+    storage_mbps: Annotated[
+        float, typer.Option(help="Read cap on the weights' disk for both passes (MB/s).")
+    ] = 300.0,
+    baseline: Annotated[bool, typer.Option(help="Also run the standard deployment's pass.")] = True,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
 ) -> None:
-    """The main job: default pipeline, 200 users, rolling upgrade, SIGKILL; measured."""
-    from unbroken.bench.demo import run_demo
+    """The main job: the seed's results table, a standard deployment vs unbroken, measured."""
+    from unbroken.bench.demo import DemoSettings, run_demo
+    from unbroken.bench.passes import Contention, Phases
 
     _logging(False)
     logging.getLogger().setLevel(logging.WARNING)
-    raise typer.Exit(
-        run_demo(
-            out=out,
-            users=users,
+    settings = DemoSettings(
+        users=users,
+        phases=Phases(
             steady_s=steady,
+            contention=Contention(seconds=contention, extra_ms=contention_extra_ms),
             deadline_s=deadline,
-            weights_size=weights_size,
-            max_ratio=max_ttft_ratio,
-            console=_console(),
-        )
+        ),
+        weights_size=weights_size,
+        max_ratio=max_ttft_ratio,
+        stall_ms=stall_ms,
+        baseline=baseline,
+        storage_bps=int(storage_mbps * 1e6),
     )
+    raise typer.Exit(run_demo(out=out, settings=settings, console=_console()))
 
 
 @app.command()
@@ -641,7 +690,9 @@ def agent(
     allow_slow_probes: Annotated[
         bool, typer.Option(help="Also attach where the probe would be single-stepped (slow).")
     ] = False,
-    no_ebpf: Annotated[bool, typer.Option(help="Use the sock_diag fallback only.")] = False,
+    no_ebpf: Annotated[
+        bool, typer.Option("--no-ebpf", help="Use the sock_diag fallback only.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """eBPF node agent: CUDA call latency (uprobes) and TCP backpressure, per process/pod."""

@@ -8,12 +8,12 @@ failures to one exception tree:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import orjson
 
-__all__ = ["AdminError", "AdminRejected", "AdminUnreachable", "GatewayAdmin"]
+__all__ = ["AdminError", "AdminRejected", "AdminUnreachable", "EngineAdmin", "GatewayAdmin"]
 
 
 class AdminError(Exception):
@@ -31,8 +31,8 @@ class AdminRejected(AdminError):
         self.message = message
 
 
-class GatewayAdmin:
-    """Client of a gateway's admin API."""
+class _AdminClient:
+    """Bearer-authenticated JSON calls with the exception tree above."""
 
     def __init__(self, base_url: str, token: str, *, timeout: float = 10.0) -> None:
         self.base = base_url.rstrip("/")
@@ -40,7 +40,7 @@ class GatewayAdmin:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> GatewayAdmin:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -69,6 +69,10 @@ class GatewayAdmin:
                 return orjson.loads(raw) if raw else None
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             raise AdminUnreachable(f"{self.base}: {type(e).__name__}: {e}") from None
+
+
+class GatewayAdmin(_AdminClient):
+    """Client of a gateway's admin API."""
 
     async def endpoints(self) -> list[dict[str, Any]]:
         return (await self._call("GET", "/admin/endpoints"))["endpoints"]
@@ -115,3 +119,24 @@ class GatewayAdmin:
 
     async def clear_routes_override(self) -> dict[str, Any]:
         return await self._call("DELETE", "/admin/routes/override")
+
+
+class EngineAdmin(_AdminClient):
+    """Client of the engine simulator's admin API (faults, runtime config, state). vLLM has
+    no such API: against a real engine these calls fail with AdminRejected (404)."""
+
+    async def faults(self) -> dict[str, Any]:
+        return await self._call("GET", "/admin/faults")
+
+    async def inject(self, *, kind: str, **params: Any) -> dict[str, Any]:
+        """e.g. inject(kind="slow_cuda", extra_ms=15, onset_s=2, duration_s=10)."""
+        return await self._call("POST", "/admin/faults", {"kind": kind, **params})
+
+    async def clear(self) -> dict[str, Any]:
+        return await self._call("DELETE", "/admin/faults")
+
+    async def set_max_num_seqs(self, *, max_num_seqs: int) -> dict[str, Any]:
+        return await self._call("POST", "/admin/config", {"max_num_seqs": max_num_seqs})
+
+    async def state(self) -> dict[str, Any]:
+        return await self._call("GET", "/admin/state")

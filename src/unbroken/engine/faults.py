@@ -29,7 +29,7 @@ _DAY = 86_400
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SlowCuda(_Strict):
