@@ -14,9 +14,10 @@ ALLOWED = {
     "config": set(),
     "clients": {"wire"},
     "engine": {"wire", "config"},
-    "gateway": {"wire", "config"},
+    "gateway": {"wire", "config", "k8s"},  # k8s: EndpointSlice discovery (gateway/_discovery)
     "agent": {"wire", "config"},
     "prewarm": set(),
+    "k8s": {"wire", "config"},  # the one place that imports lightkube
     "controller": {"wire", "config", "clients"},
     "pipeline": {"wire", "config", "clients", "engine", "prewarm"},
     "bench": {"wire", "config", "clients", "engine", "prewarm", "pipeline"},
@@ -31,6 +32,7 @@ ALLOWED = {
         "pipeline",
         "bench",
         "controller",
+        "k8s",
     },
 }
 

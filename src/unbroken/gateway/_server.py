@@ -8,6 +8,7 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,7 +20,16 @@ from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
 from unbroken.gateway._proxy import Proxy
-from unbroken.wire.http import client_session, error_middleware, start_site
+from unbroken.wire.http import (
+    ServerLimits,
+    body_middleware,
+    client_session,
+    error_middleware,
+    start_site,
+)
+
+if TYPE_CHECKING:
+    from unbroken.gateway._discovery import Discovery, K8sSettings
 
 __all__ = ["Gateway", "GatewayConfig", "StaticEndpoint", "run_gateway"]
 
@@ -41,7 +51,12 @@ class Gateway:
         self.admin_token = admin_token
         self.pool = Pool(cfg.default_cap)
         self.pool.routes = {k: list(v) for k, v in cfg.routes.items()}
-        self.admission = Admission(self.pool, queue_timeout=cfg.queue_timeout_s)
+        self.admission = Admission(
+            self.pool,
+            queue_timeout=cfg.queue_timeout_s,
+            max_queue=cfg.max_queue,
+            max_queue_bytes=cfg.max_queue_bytes,
+        )
         self.proxy = Proxy(cfg, self.pool, self.admission, None, self._after_release)
         self.metrics = GatewayMetrics(self.pool, self.admission, self.proxy.sinks)
         self.proxy.metrics = self.metrics
@@ -51,6 +66,7 @@ class Gateway:
         self.admin_port = cfg.admin_port
         self._runners: list[web.AppRunner] = []
         self._drain_timers: dict[str, asyncio.TimerHandle] = {}
+        self.discovery: Discovery | None = None
 
     # -- endpoint lifecycle (called by the admin API and at start) ------------------------
     def add_endpoint(
@@ -110,7 +126,8 @@ class Gateway:
     # -- HTTP ---------------------------------------------------------------------------------
     def public_app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.cfg.max_body_bytes, middlewares=[error_middleware]
+            client_max_size=self.cfg.max_body_bytes,
+            middlewares=[error_middleware, body_middleware(self.cfg.body_timeout_s)],
         )
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
@@ -129,7 +146,11 @@ class Gateway:
         )
 
     async def start(
-        self, static: list[StaticEndpoint] | None = None, *, warmup: bool = True
+        self,
+        static: list[StaticEndpoint] | None = None,
+        *,
+        warmup: bool = True,
+        k8s: K8sSettings | None = None,
     ) -> None:
         cfg = self.cfg
         session = client_session(connect_timeout=cfg.connect_timeout_s)
@@ -140,7 +161,9 @@ class Gateway:
             fail_threshold=cfg.health_fail_threshold,
             warmup_timeout=cfg.warmup_timeout_s,
             on_change=self._on_change,
+            headers_for=lambda ep: self.proxy.upstream_headers({}, ep),
         )
+        self.proxy.on_hang = self.prober.suspect
         for s in static or []:
             self.add_endpoint(
                 s.url,
@@ -148,8 +171,19 @@ class Gateway:
                 pool_name=s.pool,
                 warmup=warmup,
             )
-        public = await start_site(self.public_app(), cfg.host, cfg.port)
-        admin = await start_site(admin_app(self, self.admin_token), cfg.admin_host, cfg.admin_port)
+        if k8s is not None:  # lightkube is imported only when discovery is on
+            from unbroken.gateway._discovery import Discovery
+
+            self.discovery = Discovery(self, k8s)
+            self.discovery.start()
+        limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
+        public = await start_site(self.public_app(), cfg.host, cfg.port, limits=limits)
+        admin = await start_site(
+            admin_app(self, self.admin_token),
+            cfg.admin_host,
+            cfg.admin_port,
+            limits=ServerLimits(cfg.header_timeout_s),
+        )
         self._runners = [public, admin]
         self.port = _bound_port(public) or cfg.port
         self.admin_port = _bound_port(admin) or cfg.admin_port
@@ -162,6 +196,8 @@ class Gateway:
         )
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         for r in self._runners:
             await r.cleanup()
         if self.prober is not None:
@@ -179,13 +215,17 @@ def _bound_port(runner: web.AppRunner) -> int | None:
 
 
 async def serve(
-    cfg: GatewayConfig, admin_token: str | None, static: list[StaticEndpoint], warmup: bool = True
+    cfg: GatewayConfig,
+    admin_token: str | None,
+    static: list[StaticEndpoint],
+    warmup: bool = True,
+    k8s: K8sSettings | None = None,
 ) -> None:
     token = admin_token or secrets.token_urlsafe(24)
     if not admin_token:
         log.warning("no admin token given: generated one for this run: %s", token)
     gw = Gateway(cfg, token)
-    await gw.start(static, warmup=warmup)
+    await gw.start(static, warmup=warmup, k8s=k8s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -196,8 +236,12 @@ async def serve(
 
 
 def run_gateway(
-    cfg: GatewayConfig, admin_token: str | None, static: list[StaticEndpoint], warmup: bool = True
+    cfg: GatewayConfig,
+    admin_token: str | None,
+    static: list[StaticEndpoint],
+    warmup: bool = True,
+    k8s: K8sSettings | None = None,
 ) -> None:
     import uvloop
 
-    uvloop.run(serve(cfg, admin_token, static, warmup))
+    uvloop.run(serve(cfg, admin_token, static, warmup, k8s))

@@ -1,0 +1,752 @@
+"""The Kubernetes objects of a pipeline, as plain dicts, one builder per component.
+
+Numbers that depend on each other are computed here, never typed in twice: the engine's
+`terminationGracePeriodSeconds` follows `grace_period()`, the preStop drain's deadline is the
+gateway's drain deadline, the gateway's per-engine caps follow the pool caps.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.k8s.monitoring import dashboard, prometheus_rule
+
+__all__ = [
+    "AGENT_CAPABILITIES",
+    "GRACE_MARGIN_S",
+    "HOOK_MARGIN_S",
+    "RenderOptions",
+    "build",
+    "grace_period",
+]
+
+Obj = dict[str, Any]
+
+# The preStop drain returns this long after the drain deadline at the latest: the streams
+# still there at the deadline are migrated (continuation requests to other engines) and the
+# gateway drops the endpoint once they have left, which takes well under a second; the rest
+# covers the hook's 0.25 s polling and exec start-up.
+HOOK_MARGIN_S = 5
+# Kubelet and runtime latency between the end of the preStop hook and SIGTERM, and between
+# the engine's exit and the pod's end.
+GRACE_MARGIN_S = 10
+
+# The agent's capabilities, each for a reason (see docs/kubernetes.md):
+#   BPF         load programs, create maps (bpf(2) without CAP_SYS_ADMIN, kernel >= 5.8)
+#   PERFMON     tracing programs, perf_event_open for uprobes and tp_btf (kernel >= 5.8)
+#   SYS_PTRACE  read /proc/PID/maps and open /proc/PID/root/... of the engine processes,
+#               which run as root with more capabilities than the agent (ptrace access
+#               check, PTRACE_MODE_READ_FSCREDS), and /proc/PID/fd for the socket owners
+# Not SYS_ADMIN, not privileged. Kernels before 5.11 also need SYS_RESOURCE (maps were
+# charged to RLIMIT_MEMLOCK before memcg accounting): RenderOptions.agent_old_kernel.
+AGENT_CAPABILITIES = ("BPF", "PERFMON", "SYS_PTRACE")
+
+ENGINE_PORT = 8000
+GATEWAY_PORT = 8080
+ADMIN_PORT = 8081
+CONTROLLER_PORT = 8082
+AGENT_PORT = 9101
+HOOKS_DIR = "/opt/unbroken"
+MODELS_DIR = "/models"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    namespace: str = "unbroken"
+    image: str = "ghcr.io/unbroken-dev/unbroken:0.1.0"
+    agent_image: str = "ghcr.io/unbroken-dev/unbroken-agent:0.1.0"
+    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    engine: str = "vllm"  # or "simulator": the same objects without GPUs (kind, k3s, CI)
+    gateway_replicas: int = 2
+    gpu_resource: str = "nvidia.com/gpu"
+    gpus_per_engine: int = 1
+    model_cache_size: str = "200Gi"
+    ready_budget_ms: int = 5000
+    agent_old_kernel: bool = False
+    admin_token: str | None = None  # None: a fresh random token per render
+    prefix: str = "unbroken"
+
+    @property
+    def agent_ns(self) -> str:
+        """The agent's own namespace: it alone needs more than the "baseline" pod security
+        level (hostPID, capabilities), and pod security levels are set per namespace."""
+        return f"{self.namespace}-agent"
+
+
+def grace_period(drain_deadline_s: float, shutdown_timeout_s: float) -> int:
+    """terminationGracePeriodSeconds of an engine pod: the preStop drain (deadline plus the
+    migration margin), then the engine's own shutdown after SIGTERM, plus kubelet latency."""
+    return math.ceil(drain_deadline_s + HOOK_MARGIN_S + shutdown_timeout_s + GRACE_MARGIN_S)
+
+
+def _meta(o: RenderOptions, name: str, component: str, **extra: str) -> Obj:
+    return {
+        "name": name,
+        "namespace": o.agent_ns if component == "agent" else o.namespace,
+        "labels": {
+            "app.kubernetes.io/name": "unbroken",
+            "app.kubernetes.io/part-of": o.prefix,
+            "app.kubernetes.io/component": component,
+            **extra,
+        },
+    }
+
+
+def _selector(o: RenderOptions, component: str, **extra: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/part-of": o.prefix,
+        "app.kubernetes.io/component": component,
+        **extra,
+    }
+
+
+def _env_pod() -> list[Obj]:
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+
+
+def _env_token(o: RenderOptions) -> Obj:
+    return {
+        "name": "UNBROKEN_ADMIN_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": f"{o.prefix}-admin-token", "key": "token"}},
+    }
+
+
+def _restricted(read_only: bool = True) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": read_only,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _http_probe(path: str, port: int | str, period: int, failures: int, timeout: int = 2) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _admin_host(o: RenderOptions) -> str:
+    return f"{o.prefix}-gateway-admin.{o.namespace}.svc:{ADMIN_PORT}"
+
+
+# -- engines ---------------------------------------------------------------------------------
+def _engine_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
+    """vLLM's own flags from the pool; the pool's simulator overrides map onto the vLLM flags
+    of the same name where vLLM has one."""
+    e = pool.engine
+    model = str(pool.weights) if pool.weights else spec.model
+    args = ["serve", model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
+    args += ["--served-model-name", spec.model]
+    if pool.precision == "fp8":
+        args += ["--quantization", "fp8"]
+    if e.overrides.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(e.overrides.max_num_seqs)]
+    else:
+        args += ["--max-num-seqs", "256"]
+    if e.overrides.max_model_len is not None:
+        args += ["--max-model-len", str(e.overrides.max_model_len)]
+    args += ["--shutdown-timeout", str(math.ceil(e.shutdown_timeout_s))]
+    return args
+
+
+def _simulator_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
+    e = pool.engine
+    return [
+        "engine",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--model",
+        spec.model,
+        "--profile",
+        e.profile,
+        "--seed",
+        str(e.seed),
+        "--weights",
+        f"{MODELS_DIR}/{pool.name}",
+        "--shutdown-timeout",
+        str(e.shutdown_timeout_s),
+        "--no-cuda-stub",
+        *e.overrides.args(),
+    ]
+
+
+def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list[Obj]:
+    name = f"{o.prefix}-{pool.name}"
+    sim = o.engine == "simulator"
+    drain_s = spec.gateway.drain_deadline_s
+    grace = grace_period(drain_s, pool.engine.shutdown_timeout_s)
+    hook = ["python3", f"{HOOKS_DIR}/hooks.py"]
+    pool_labels = {"unbroken.dev/pool": pool.name}
+    if sim:
+        weights = f"{MODELS_DIR}/{pool.name}"
+        prewarm = (
+            f"[ -d {weights} ] || unbroken weights make {weights} --size {pool.weights_size}; "
+            f"exec unbroken prewarm {weights}"
+        )
+    else:
+        # First start on an empty cache: vLLM downloads the weights, nothing to pre-warm yet.
+        prewarm = (
+            f"if find {MODELS_DIR} -name '*.safetensors' -print -quit | grep -q .; "
+            f"then exec unbroken prewarm {MODELS_DIR}; "
+            "else echo 'no weights in the cache yet: vLLM downloads them'; fi"
+        )
+    init_sc = {**_restricted(), "runAsNonRoot": True, "runAsUser": 10001}
+    init = [
+        {
+            "name": "hooks",
+            "image": o.image,
+            "command": ["python3", "-m", "unbroken.k8s.hooks", "install", HOOKS_DIR],
+            "volumeMounts": [{"name": "hooks", "mountPath": HOOKS_DIR}],
+            "resources": {
+                "requests": {"cpu": "50m", "memory": "64Mi"},
+                "limits": {"memory": "128Mi"},
+            },
+            "securityContext": init_sc,
+        },
+        {
+            "name": "prewarm",
+            "image": o.image,
+            "command": ["sh", "-c", prewarm],
+            "volumeMounts": [{"name": "model-cache", "mountPath": MODELS_DIR}],
+            # Page-cache pages are charged to the pod that reads them first; the limit only
+            # bounds the reader's own buffers, the cache itself is reclaimable.
+            "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+            "securityContext": init_sc,
+        },
+    ]
+    ready_cmd = [*hook, "ready", "--url", f"http://127.0.0.1:{ENGINE_PORT}"]
+    ready_cmd += ["--budget-ms", str(o.ready_budget_ms)]
+    drain_cmd = [*hook, "drain", "--admin", _admin_host(o), "--every-address"]
+    drain_cmd += ["--deadline", f"{drain_s:g}", "--timeout", f"{drain_s + HOOK_MARGIN_S:g}"]
+    container: Obj = {
+        "name": "engine",
+        "image": o.image if sim else o.vllm_image,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": [
+            *_env_pod(),
+            _env_token(o),
+            {"name": "HF_HOME", "value": f"{MODELS_DIR}/hf"},
+        ],
+        "volumeMounts": [
+            {"name": "hooks", "mountPath": HOOKS_DIR, "readOnly": True},
+            {"name": "model-cache", "mountPath": MODELS_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        # Model loading and CUDA graph capture take minutes: the startup probe holds the
+        # liveness probe off until /health answers.
+        "startupProbe": _http_probe("/health", "http", 10, 180),
+        "readinessProbe": {
+            "exec": {"command": ready_cmd},
+            "periodSeconds": 10,
+            "timeoutSeconds": math.ceil(o.ready_budget_ms / 1000) + 10,
+            "failureThreshold": 2,
+            "successThreshold": 1,
+        },
+        "livenessProbe": _http_probe("/health", "http", 10, 3, timeout=5),
+        "lifecycle": {"preStop": {"exec": {"command": drain_cmd}}},
+        "securityContext": _restricted(read_only=False),
+    }
+    if sim:
+        container["command"] = ["unbroken"]
+        container["args"] = _simulator_args(spec, pool)
+        container["resources"] = {
+            "requests": {"cpu": "500m", "memory": "512Mi"},
+            "limits": {"memory": "1Gi"},
+        }
+        container["securityContext"] = {**_restricted(), "runAsNonRoot": True, "runAsUser": 10001}
+    else:
+        container["command"] = ["vllm"]
+        container["args"] = _engine_args(spec, pool)
+        gpus = str(o.gpus_per_engine)
+        container["resources"] = {
+            "requests": {"cpu": "4", "memory": "32Gi", o.gpu_resource: gpus},
+            "limits": {"memory": "64Gi", o.gpu_resource: gpus},
+        }
+    volumes: list[Obj] = [
+        {"name": "hooks", "emptyDir": {"sizeLimit": "16Mi"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi" if sim else "16Gi"}},
+    ]
+    if sim:
+        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": "4Gi"}})
+    else:
+        volumes.append(
+            {
+                "name": "model-cache",
+                "persistentVolumeClaim": {"claimName": f"{o.prefix}-model-cache"},
+            }
+        )
+    pod_spec: Obj = {
+        "terminationGracePeriodSeconds": grace,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "initContainers": init,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if sim:
+        pod_spec["securityContext"] |= {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}
+    else:
+        pod_spec["tolerations"] = [
+            {"key": o.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    deployment: Obj = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            **_meta(o, name, "engine", **pool_labels),
+            "annotations": {
+                "unbroken.dev/grace-rule": (
+                    f"{drain_s:g} s drain + {HOOK_MARGIN_S} s migration + "
+                    f"{pool.engine.shutdown_timeout_s:g} s engine shutdown + "
+                    f"{GRACE_MARGIN_S} s margin, rounded up = {grace} s"
+                ),
+                "unbroken.dev/precision": pool.precision,
+            },
+        },
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": _selector(o, "engine", **pool_labels)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {"labels": {**_meta(o, name, "engine", **pool_labels)["labels"]}},
+                "spec": pod_spec,
+            },
+        },
+    }
+    service: Obj = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(o, name, "engine", **pool_labels),
+        "spec": {
+            "selector": _selector(o, "engine", **pool_labels),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http"}],
+        },
+    }
+    return [deployment, service]
+
+
+def model_cache(o: RenderOptions) -> Obj:
+    """Shared by every engine pod: ReadWriteMany, since a surge pod may land on another node
+    while the old one still runs."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(o, f"{o.prefix}-model-cache", "engine"),
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": o.model_cache_size}},
+        },
+    }
+
+
+# -- gateway ---------------------------------------------------------------------------------
+def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
+    name = f"{o.prefix}-gateway"
+    settings = spec.gateway.model_dump(mode="json")
+    settings |= {"host": "0.0.0.0", "port": GATEWAY_PORT}
+    settings |= {"admin_host": "0.0.0.0", "admin_port": ADMIN_PORT}
+    args = ["gateway", "--config", "/etc/unbroken/gateway.yaml"]
+    for pool in spec.pools:
+        args += ["--k8s-service", f"{pool.name}={o.namespace}/{o.prefix}-{pool.name}:http"]
+        args += ["--pool-cap", f"{pool.name}={pool.cap or spec.gateway.default_cap}"]
+    args += ["--k8s-peers", f"{o.namespace}/{o.prefix}-gateway-admin:admin"]
+    sel = _selector(o, "gateway")
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(o, name, "gateway")}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(o, name, "gateway"),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+    binding = _binding(o, name, "gateway", "Role")
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(o, f"{name}-config", "gateway"),
+        "data": {"gateway.yaml": yaml.safe_dump(settings, sort_keys=True)},
+    }
+    token = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(o, f"{o.prefix}-admin-token", "gateway"),
+        "type": "Opaque",
+        "stringData": {"token": o.admin_token or secrets.token_urlsafe(32)},
+    }
+    drain_s = spec.gateway.drain_deadline_s
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(o, name, "gateway"),
+        "spec": {
+            "replicas": o.gateway_replicas,
+            "selector": {"matchLabels": sel},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {"labels": _meta(o, name, "gateway")["labels"]},
+                "spec": {
+                    "serviceAccountName": name,
+                    "terminationGracePeriodSeconds": math.ceil(drain_s + GRACE_MARGIN_S),
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 10001,
+                        "runAsGroup": 10001,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "affinity": _spread(sel),
+                    "containers": [
+                        {
+                            "name": "gateway",
+                            "image": o.image,
+                            "command": ["unbroken"],
+                            "args": args,
+                            "env": [*_env_pod(), _env_token(o)],
+                            "ports": [
+                                {"name": "http", "containerPort": GATEWAY_PORT},
+                                {"name": "admin", "containerPort": ADMIN_PORT},
+                            ],
+                            "readinessProbe": _http_probe("/health", "http", 5, 2),
+                            "livenessProbe": _http_probe("/health", "http", 10, 3),
+                            # Let the Service's endpoints drop this pod before SIGTERM.
+                            "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+                            "resources": {
+                                "requests": {"cpu": "1", "memory": "512Mi"},
+                                "limits": {"memory": "2Gi"},
+                            },
+                            "securityContext": _restricted(),
+                            "volumeMounts": [
+                                {"name": "config", "mountPath": "/etc/unbroken", "readOnly": True},
+                                {"name": "tmp", "mountPath": "/tmp"},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": f"{name}-config"}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                    ],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(o, name, "gateway"),
+        "spec": {
+            "selector": sel,
+            "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+        },
+    }
+    # Headless: its DNS name resolves to every ready gateway pod (the engines' preStop drains
+    # on each), and its EndpointSlices are how replicas count each other for cap shares.
+    admin = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(o, f"{name}-admin", "gateway"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": sel,
+            "ports": [{"name": "admin", "port": ADMIN_PORT, "targetPort": "admin"}],
+        },
+    }
+    pdb = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(o, name, "gateway"),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": sel}},
+    }
+    return [sa, role, binding, config, token, deployment, service, admin, pdb]
+
+
+def _spread(sel: dict[str, str]) -> Obj:
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": sel},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
+
+
+def _binding(o: RenderOptions, name: str, component: str, kind: str) -> Obj:
+    cluster = kind == "ClusterRole"
+    meta = _meta(o, name, component)
+    meta_ns = meta["namespace"]
+    if cluster:
+        meta = {k: v for k, v in meta.items() if k != "namespace"}
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding" if cluster else "RoleBinding",
+        "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": meta_ns}],
+    }
+
+
+# -- controller ------------------------------------------------------------------------------
+def controller_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
+    name = f"{o.prefix}-controller"
+    engines = [f"{o.prefix}-{p.name}" for p in spec.pools]
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(o, name, "controller")}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(o, name, "controller"),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            },
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            # Only the engine Deployments it converts between fp16 and fp8, and nothing else:
+            # no create, no delete, no other Deployment.
+            {
+                "apiGroups": ["apps"],
+                "resources": ["deployments"],
+                "resourceNames": engines,
+                "verbs": ["get", "patch"],
+            },
+        ],
+    }
+    args = ["controller", "--gateway-admin", f"http://{_admin_host(o)}"]
+    args += ["--listen", f"0.0.0.0:{CONTROLLER_PORT}"]
+    for p in spec.pools:
+        args += ["--degraded-pool" if p.precision == "fp8" else "--full-pool", p.name]
+    sel = _selector(o, "controller")
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(o, name, "controller"),
+        "spec": {
+            # One decision maker: two would fight over the same caps.
+            "replicas": 1,
+            "selector": {"matchLabels": sel},
+            "strategy": {"type": "Recreate"},
+            "template": {
+                "metadata": {"labels": _meta(o, name, "controller")["labels"]},
+                "spec": {
+                    "serviceAccountName": name,
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 10001,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [
+                        {
+                            "name": "controller",
+                            "image": o.image,
+                            "command": ["unbroken"],
+                            "args": args,
+                            "env": [_env_token(o)],
+                            "ports": [{"name": "http", "containerPort": CONTROLLER_PORT}],
+                            "readinessProbe": _http_probe("/metrics", "http", 10, 3),
+                            "livenessProbe": _http_probe("/metrics", "http", 20, 3),
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "128Mi"},
+                                "limits": {"memory": "512Mi"},
+                            },
+                            "securityContext": _restricted(),
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    return [sa, role, _binding(o, name, "controller", "Role"), deployment]
+
+
+# -- agent -----------------------------------------------------------------------------------
+def agent_objects(o: RenderOptions) -> list[Obj]:
+    name = f"{o.prefix}-agent"
+    caps = [*AGENT_CAPABILITIES, *(["SYS_RESOURCE"] if o.agent_old_kernel else [])]
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(o, name, "agent")}
+    meta = {k: v for k, v in _meta(o, name, "agent").items() if k != "namespace"}
+    # The kubelet authorizes GET /pods as nodes/proxy: the agent maps container ids to pods
+    # with it. Read-only, but nodes/proxy is broad: see docs/kubernetes.md.
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": meta,
+        "rules": [{"apiGroups": [""], "resources": ["nodes/proxy"], "verbs": ["get"]}],
+    }
+    sel = _selector(o, "agent")
+    daemonset = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(o, name, "agent"),
+        "spec": {
+            "selector": {"matchLabels": sel},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": _meta(o, name, "agent")["labels"]},
+                "spec": {
+                    "serviceAccountName": name,
+                    # hostPID: the engines run in other pods, so in other PID namespaces. The
+                    # agent finds them by the CUDA libraries in /proc/PID/maps, attaches its
+                    # uprobes through /proc/PID/root, and maps sockets to processes through
+                    # /proc/PID/fd: none of that is visible from the pod's own PID namespace.
+                    "hostPID": True,
+                    "enableServiceLinks": False,
+                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                    "tolerations": [
+                        {"key": o.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}
+                    ],
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "image": o.agent_image,
+                            "command": ["unbroken"],
+                            "args": ["agent", "--listen", f"0.0.0.0:{AGENT_PORT}"],
+                            "env": [
+                                {
+                                    "name": "NODE_IP",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}},
+                                },
+                                {"name": "UNBROKEN_CACHE_DIR", "value": "/var/cache/unbroken"},
+                            ],
+                            "ports": [{"name": "metrics", "containerPort": AGENT_PORT}],
+                            "readinessProbe": _http_probe("/metrics", "metrics", 10, 3),
+                            "livenessProbe": _http_probe("/metrics", "metrics", 20, 3),
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "128Mi"},
+                                "limits": {"memory": "512Mi"},
+                            },
+                            "securityContext": {
+                                # Root in the host user namespace, but only these capabilities.
+                                "runAsUser": 0,
+                                "privileged": False,
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"], "add": caps},
+                            },
+                            "volumeMounts": [
+                                {"name": "cache", "mountPath": "/var/cache/unbroken"},
+                                {"name": "btf", "mountPath": "/sys/kernel/btf", "readOnly": True},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "cache", "emptyDir": {"sizeLimit": "64Mi"}},
+                        {
+                            "name": "btf",
+                            "hostPath": {"path": "/sys/kernel/btf", "type": "Directory"},
+                        },
+                    ],
+                },
+            },
+        },
+    }
+    return [sa, role, _binding(o, name, "agent", "ClusterRole"), daemonset]
+
+
+# -- monitoring ------------------------------------------------------------------------------
+def monitoring_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
+    def pod_monitor(name: str, component: str, port: str) -> Obj:
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": _meta(o, f"{o.prefix}-{name}", component),
+            "spec": {
+                "selector": {"matchLabels": _selector(o, component)},
+                # The agent's histograms are cumulative in-kernel; the controller reads them
+                # every 250 ms itself. 5 s here is for dashboards.
+                "podMetricsEndpoints": [{"port": port, "path": "/metrics", "interval": "5s"}],
+            },
+        }
+
+    return [
+        pod_monitor("gateway", "gateway", "http"),
+        pod_monitor("engines", "engine", "http"),
+        pod_monitor("agent", "agent", "metrics"),
+        pod_monitor("controller", "controller", "http"),
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PrometheusRule",
+            "metadata": _meta(o, o.prefix, "monitoring"),
+            "spec": prometheus_rule(spec.gateway.drain_deadline_s),
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                **_meta(o, f"{o.prefix}-dashboard", "monitoring"),
+                "labels": {**_meta(o, "", "monitoring")["labels"], "grafana_dashboard": "1"},
+            },
+            "data": {"unbroken.json": dashboard()},
+        },
+    ]
+
+
+def namespaces(o: RenderOptions) -> list[Obj]:
+    """The pipeline's namespace enforces the "baseline" pod security level (vLLM runs as root,
+    so not "restricted"; a warning names what is not). Only the agent's namespace allows
+    more, for hostPID and its three capabilities; still no privileged container."""
+
+    def ns(name: str, enforce: str) -> Obj:
+        return {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "pod-security.kubernetes.io/enforce": enforce,
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            },
+        }
+
+    return [ns(o.namespace, "baseline"), ns(o.agent_ns, "privileged")]
+
+
+def build(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
+    """Every object of the pipeline, namespace first."""
+    if o.engine not in ("vllm", "simulator"):
+        raise ValueError(f"engine must be vllm or simulator, not {o.engine!r}")
+    if o.gateway_replicas < 2:
+        raise ValueError("the gateway needs 2 or more replicas (its PodDisruptionBudget keeps 1)")
+    objs = namespaces(o)
+    if o.engine == "vllm":
+        objs.append(model_cache(o))
+    for pool in spec.pools:
+        objs += engine_objects(spec, pool, o)
+    objs += gateway_objects(spec, o)
+    objs += controller_objects(spec, o)
+    objs += agent_objects(o)
+    objs += monitoring_objects(spec, o)
+    return objs

@@ -1,0 +1,47 @@
+"""`unbroken render k8s`: write a pipeline's objects as plain YAML, one file per object,
+numbered so that `kubectl apply -f DIR` creates namespaces first. Objects of the Prometheus
+Operator's kinds go to `DIR/monitoring/`, to apply once the operator's CRDs exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from unbroken.config.spec import PipelineSpec
+from unbroken.k8s.manifests import RenderOptions, build
+from unbroken.k8s.policy import check
+
+__all__ = ["PolicyError", "render", "write"]
+
+CRD_GROUPS = ("monitoring.coreos.com/",)
+
+
+class PolicyError(ValueError):
+    """The objects break a rule of k8s.policy; the message lists each."""
+
+
+def render(spec: PipelineSpec, opts: RenderOptions) -> list[dict[str, Any]]:
+    objs = build(spec, opts)
+    bad = check(objs)
+    if bad:
+        raise PolicyError("rendered objects break policy:\n  " + "\n  ".join(bad))
+    return objs
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.-]+", "-", text.lower())
+
+
+def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, o in enumerate(objs):
+        sub = out / "monitoring" if o["apiVersion"].startswith(CRD_GROUPS) else out
+        sub.mkdir(exist_ok=True)
+        path = sub / f"{i:02d}-{_slug(o['kind'])}-{_slug(o['metadata']['name'])}.yaml"
+        path.write_text(yaml.safe_dump(o, sort_keys=False, width=100))
+        paths.append(path)
+    return paths
