@@ -1,15 +1,34 @@
-"""Where a local pipeline keeps its state: run info, the admin token, logs, the control
-socket. `UNBROKEN_STATE_DIR` overrides the default (XDG state home)."""
+"""Where a local pipeline keeps its state: run info, the admin tokens, logs, the control
+socket, the lock. `UNBROKEN_STATE_DIR` overrides the default (XDG state home).
+
+The directory is private (0700) and its secrets 0600. Two tokens live there: the gateway's
+admin token (`admin-token`) and the engines' own admin token (`engine-token`, what fault
+injection on a local engine needs; see `engine_token_path`), so one leaked secret does not
+open both. One pipeline per directory: the supervisor holds an exclusive `flock` on `lock`
+for its whole life (`lock_state_dir`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["RunInfo", "admin_token", "cache_dir", "state_dir"]
+__all__ = [
+    "RunInfo",
+    "StateDirBusy",
+    "admin_token",
+    "cache_dir",
+    "engine_token",
+    "engine_token_path",
+    "ensure_state_dir",
+    "lock_state_dir",
+    "state_dir",
+]
 
 
 def state_dir() -> Path:
@@ -24,6 +43,47 @@ def cache_dir() -> Path:
     return Path(os.environ.get("UNBROKEN_CACHE_DIR", Path.home() / ".cache" / "unbroken"))
 
 
+class StateDirBusy(RuntimeError):
+    """Another live pipeline holds the state directory."""
+
+
+def ensure_state_dir(directory: Path) -> Path:
+    """Create the directory if needed and make it private (0700)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    return directory
+
+
+def lock_state_dir(directory: Path) -> int:
+    """An exclusive lock on `directory` for as long as the returned descriptor stays open
+    (the kernel drops it when the process dies, however it dies). StateDirBusy if another
+    process holds it."""
+    ensure_state_dir(directory)
+    path = directory / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        with contextlib.suppress(OSError, ValueError):
+            holder = f" (pid {int(os.pread(fd, 32, 0).split()[0])})"
+        os.close(fd)
+        raise StateDirBusy(
+            f"another pipeline{holder} is running with the state directory {directory}; "
+            "stop it, or set UNBROKEN_STATE_DIR to another directory to run a second one"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _write_secret(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+
+
 def admin_token(directory: Path) -> tuple[str, Path, bool]:
     """(token, file, generated). `UNBROKEN_ADMIN_TOKEN` wins; else the file's token is reused
     or a new one is generated and written readable by the user only."""
@@ -35,12 +95,28 @@ def admin_token(directory: Path) -> tuple[str, Path, bool]:
         return path.read_text().strip(), path, False
     else:
         token, generated = secrets.token_urlsafe(24), True
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
+    ensure_state_dir(directory)
+    _write_secret(path, token)
     return token, path, generated
+
+
+def engine_token_path(directory: Path | None = None) -> Path:
+    """Where a local pipeline keeps its engines' admin token (`unbroken fault` reads it)."""
+    return (directory or state_dir()) / "engine-token"
+
+
+def engine_token(directory: Path) -> str:
+    """The engines' admin token: reused from the file, or generated (0600). Never the
+    gateway's token."""
+    path = engine_token_path(directory)
+    with contextlib.suppress(OSError):
+        token = path.read_text().strip()
+        if token:
+            return token
+    token = secrets.token_urlsafe(24)
+    ensure_state_dir(directory)
+    _write_secret(path, token)
+    return token
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """Admission: per-endpoint in-flight caps, a priority queue for requests over the caps, and
 shedding.
 
-A request takes a slot on an endpoint (`acquire`) and gives it back (`release`). When no
-endpoint allowed for its priority has room, critical and standard requests wait (critical
-first, FIFO within a class) up to the queue timeout; sheddable requests get 429 at once.
+A request takes slots on an endpoint (`acquire`) and gives them back (`release`): one slot
+per sequence it makes the engine run (prompts times max(n, best_of)), never more than the
+endpoint's cap, so a fan-out request weighs what it costs. When no endpoint allowed for its
+priority has room, critical and standard requests wait (critical first, FIFO within a class)
+up to the queue timeout; sheddable requests get 429 at once. The queue is bounded by count
+and by the request bytes its waiters hold: beyond either, 429 at once.
 """
 
 from __future__ import annotations
@@ -31,33 +34,69 @@ class _Waiter:
     model: str = field(compare=False)
     priority: str = field(compare=False)
     exclude: tuple[Endpoint, ...] = field(compare=False)
-    future: asyncio.Future[Endpoint] = field(compare=False)
+    future: asyncio.Future[tuple[Endpoint, int]] = field(compare=False)
+    weight: int = field(compare=False, default=1)
+    size: int = field(compare=False, default=0)
 
 
 class Admission:
-    def __init__(self, pool: Pool, *, queue_timeout: float, retry_after: int = 1) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        queue_timeout: float,
+        retry_after: int = 1,
+        max_queue: int | None = None,
+        max_queue_bytes: int | None = None,
+    ) -> None:
         self.pool = pool
         self.queue_timeout = queue_timeout
         self.retry_after = retry_after
+        self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self.depth = dict.fromkeys(PRIORITIES, 0)
+        self.queued_bytes = 0
 
-    def _take(self, ep: Endpoint) -> Endpoint:
-        ep.inflight += 1
+    def _take(self, ep: Endpoint, weight: int) -> tuple[Endpoint, int]:
+        n = min(weight, ep.effective_cap(self.pool.default_cap))
+        ep.inflight += max(n, 1)
         ep.served += 1
-        return ep
+        return ep, max(n, 1)
+
+    def _pick(
+        self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
+    ) -> Endpoint | None:
+        """The pool's pick, among endpoints with room for `weight` sequences (at most their
+        whole cap: a request heavier than a cap needs the endpoint to itself)."""
+        if weight <= 1:
+            return self.pool.pick(model, priority, exclude)
+        skip = list(exclude)
+        while (ep := self.pool.pick(model, priority, skip)) is not None:
+            cap = ep.effective_cap(self.pool.default_cap)
+            if ep.inflight + min(weight, cap) <= cap:
+                return ep
+            skip.append(ep)
+        return None
 
     async def acquire(
-        self, model: str, priority: str, exclude: Iterable[Endpoint] = ()
-    ) -> tuple[Endpoint, float]:
-        """A slot on an endpoint, and the seconds spent queued for it."""
+        self,
+        model: str,
+        priority: str,
+        exclude: Iterable[Endpoint] = (),
+        *,
+        weight: int = 1,
+        size: int = 0,
+    ) -> tuple[Endpoint, int, float]:
+        """Slots on an endpoint: (endpoint, slots taken, seconds spent queued). `size` is
+        what the request holds in memory while it waits (its body)."""
         exclude = tuple(exclude)
-        ep = self.pool.pick(model, priority, exclude)
+        ep = self._pick(model, priority, exclude, weight)
         if ep is not None and not self._heap:
-            return self._take(ep), 0.0
+            return *self._take(ep, weight), 0.0
         if ep is not None and not any(w.rank <= _RANK[priority] for w in self._heap):
-            return self._take(ep), 0.0
+            return *self._take(ep, weight), 0.0
         if priority == "sheddable":
             raise ApiError(
                 429,
@@ -65,19 +104,39 @@ class Admission:
                 code="shed",
                 headers={"Retry-After": str(self.retry_after)},
             )
+        if (self.max_queue is not None and len(self._heap) >= self.max_queue) or (
+            self.max_queue_bytes is not None
+            and self.queued_bytes + size > self.max_queue_bytes
+            and self._heap
+        ):
+            raise ApiError(
+                429,
+                f"the service is at capacity and its queue is full ({len(self._heap)} "
+                f"request(s), {self.queued_bytes} bytes waiting)",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after)},
+            )
         loop = asyncio.get_running_loop()
         w = _Waiter(
-            _RANK[priority], next(self._seq), model, priority, exclude, loop.create_future()
+            _RANK[priority],
+            next(self._seq),
+            model,
+            priority,
+            exclude,
+            loop.create_future(),
+            weight,
+            size,
         )
         heapq.heappush(self._heap, w)
         self.depth[priority] += 1
+        self.queued_bytes += size
         t0 = time.monotonic()
         granted = False
         try:
             self.wake()
-            ep = await asyncio.wait_for(asyncio.shield(w.future), self.queue_timeout)
+            ep, n = await asyncio.wait_for(asyncio.shield(w.future), self.queue_timeout)
             granted = True
-            return ep, time.monotonic() - t0
+            return ep, n, time.monotonic() - t0
         except TimeoutError:
             raise ApiError(
                 429,
@@ -89,7 +148,7 @@ class Admission:
             if not w.future.done():
                 w.future.cancel()
             elif not granted and not w.future.cancelled():
-                self.release(w.future.result())  # a slot arrived as we were cancelled
+                self.release(*w.future.result())  # a slot arrived as we were cancelled
             self._forget(w)
 
     def _forget(self, w: _Waiter) -> None:
@@ -97,11 +156,12 @@ class Admission:
             self._heap.remove(w)
             heapq.heapify(self._heap)
             self.depth[w.priority] -= 1
+            self.queued_bytes -= w.size
         except ValueError:
             pass
 
-    def release(self, ep: Endpoint) -> None:
-        ep.inflight -= 1
+    def release(self, ep: Endpoint, n: int = 1) -> None:
+        ep.inflight -= n
         if self._heap:
             self.wake()
 
@@ -114,10 +174,10 @@ class Admission:
             if w.future.done():
                 served.append(w)
                 continue
-            ep = self.pool.pick(w.model, w.priority, w.exclude)
+            ep = self._pick(w.model, w.priority, w.exclude, w.weight)
             if ep is None:
                 continue
-            w.future.set_result(self._take(ep))
+            w.future.set_result(self._take(ep, w.weight))
             served.append(w)
         for w in served:
             self._forget(w)

@@ -4,6 +4,9 @@ starting --/health 200--> warming --warm-up completion within budget--> ready.
 Ready endpoints keep being checked: consecutive failures take one out of rotation (it stays
 ready, marked unhealthy) until it answers again; `vllm:num_requests_waiting`,
 `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` feed the load score.
+An endpoint the proxy caught hanging (`suspect`: no first byte in time, a stalled stream, a
+request past its timeout) may well keep a green /health: it stays out of rotation until a
+real completion succeeds again.
 """
 
 from __future__ import annotations
@@ -56,18 +59,32 @@ class Prober:
         fail_threshold: int,
         warmup_timeout: float,
         on_change: Callable[[Endpoint], None],
+        headers_for: Callable[[Endpoint], dict[str, str]] | None = None,
     ) -> None:
         self.session = session
         self.interval = interval
         self.fail_threshold = fail_threshold
         self.warmup_timeout = warmup_timeout
         self.on_change = on_change
+        self.headers_for = headers_for or (lambda _ep: {})
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.suspects: set[str] = set()
+
+    def suspect(self, ep: Endpoint) -> None:
+        """Out of rotation until a completion succeeds (see the module docstring)."""
+        if ep.name in self.suspects:
+            return
+        self.suspects.add(ep.name)
+        if ep.healthy:
+            ep.healthy = False
+            log.warning("%s out of rotation: it hangs (%s)", ep.name, ep.last_error)
+            self.on_change(ep)
 
     def watch(self, ep: Endpoint) -> None:
         self.tasks[ep.name] = asyncio.create_task(self._loop(ep), name=f"probe-{ep.name}")
 
     def forget(self, name: str) -> None:
+        self.suspects.discard(name)
         if (t := self.tasks.pop(name, None)) is not None:
             t.cancel()
 
@@ -79,7 +96,9 @@ class Prober:
 
     async def _get(self, ep: Endpoint, path: str, timeout: float) -> tuple[int, bytes]:
         async with self.session.get(
-            ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)
+            ep.url + path,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            headers=self.headers_for(ep),
         ) as r:
             return r.status, await r.read()
 
@@ -115,6 +134,14 @@ class Prober:
         if ep.state == State.WARMING:
             await self._warm(ep)
             return
+        if ep.name in self.suspects:
+            try:
+                took = await self._complete(ep, sorted(ep.models)[0] if ep.models else "")
+            except (aiohttp.ClientError, TimeoutError, ConnectionError, RuntimeError) as e:
+                ep.last_error = f"hang check: {type(e).__name__}: {e}"
+                return
+            self.suspects.discard(ep.name)
+            log.info("%s served a completion again (%.0f ms)", ep.name, took * 1e3)
         if not ep.healthy:
             ep.healthy = True
             log.info("%s back in rotation", ep.name)
@@ -135,21 +162,8 @@ class Prober:
         try:
             await self._models(ep)
             if ep.warmup:
-                model = sorted(ep.models)[0]
-                t0 = time.monotonic()
-                async with self.session.post(
-                    ep.url + "/v1/completions",
-                    json={"model": model, "prompt": "warm up", "max_tokens": 1, "temperature": 0},
-                    timeout=aiohttp.ClientTimeout(total=self.warmup_timeout),
-                ) as r:
-                    await r.read()
-                    if r.status != 200:
-                        raise RuntimeError(f"warm-up completion answered {r.status}")
-                log.info(
-                    "%s: stage 2 passed (warm-up in %.0f ms)",
-                    ep.name,
-                    (time.monotonic() - t0) * 1e3,
-                )
+                took = await self._complete(ep, sorted(ep.models)[0])
+                log.info("%s: stage 2 passed (warm-up in %.0f ms)", ep.name, took * 1e3)
         except (
             aiohttp.ClientError,
             TimeoutError,
@@ -168,6 +182,20 @@ class Prober:
             ep.set_state(State.READY)
             log.info("%s ready (pool %s)", ep.name, ep.pool)
             self.on_change(ep)
+
+    async def _complete(self, ep: Endpoint, model: str) -> float:
+        """One real completion within the warm-up budget; its seconds."""
+        t0 = time.monotonic()
+        async with self.session.post(
+            ep.url + "/v1/completions",
+            json={"model": model, "prompt": "warm up", "max_tokens": 1, "temperature": 0},
+            timeout=aiohttp.ClientTimeout(total=self.warmup_timeout),
+            headers=self.headers_for(ep),
+        ) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"completion answered {r.status}")
+        return time.monotonic() - t0
 
     async def _scrape(self, ep: Endpoint) -> None:
         try:

@@ -5,7 +5,9 @@ that keeps a slow client from ever slowing the upstream read.
 stream ended with its finish, and it is what mid-stream continuation builds on.
 `ClientSink` writes straight to the client while its socket keeps up; once the socket backs
 up, events queue in memory (up to a bound) and a writer task feeds the client at its pace
-while the upstream keeps being read at engine speed.
+while the upstream keeps being read at engine speed. All sinks share one `BufferBudget`:
+when the bytes queued for slow clients exceed it, the stream with the most queued is ended
+first, with an SSE error event saying why.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import contextlib
 from collections import deque
 from typing import Any
 
+import orjson
 from aiohttp import web
 
-__all__ = ["ClientGone", "ClientSink", "SlowClient", "StreamTracker"]
+__all__ = ["BufferBudget", "ClientGone", "ClientSink", "SlowClient", "StreamTracker"]
 
 # Direct writes only while the socket's own buffer is below this: aiohttp's write() then
 # never waits on the transport, so the upstream read loop never blocks on the client.
@@ -32,29 +35,69 @@ class SlowClient(Exception):
     """The client fell behind by more than the per-stream buffer."""
 
 
+class BufferBudget:
+    """The bytes all streams together may queue for clients that read slowly."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.sinks: set[ClientSink] = set()
+        self.evicted = 0
+
+    def grow(self, sink: ClientSink, n: int) -> None:
+        self.used += n
+        while self.used > self.limit and self.sinks:
+            victim = max(self.sinks, key=lambda k: k.buffered)
+            if victim.buffered == 0:
+                break
+            self.evicted += 1
+            victim.evict(
+                "the gateway's stream buffer budget is exhausted and this client reads the "
+                "slowest; its stream was ended"
+            )
+
+    def shrink(self, n: int) -> None:
+        self.used -= n
+
+
+def _error_event(message: str) -> bytes:
+    err = {"message": message, "type": "server_error", "param": None, "code": "slow_client"}
+    return b"data: " + orjson.dumps({"error": err}) + b"\n\ndata: [DONE]\n\n"
+
+
 class ClientSink:
     __slots__ = (
         "_can_frame",
         "_error",
+        "_evicted",
         "_framed",
         "_pending",
         "_pending_bytes",
         "_writer",
+        "budget",
         "limit",
         "resp",
         "transport",
     )
 
     def __init__(
-        self, resp: web.StreamResponse, transport: asyncio.Transport | None, limit: int
+        self,
+        resp: web.StreamResponse,
+        transport: asyncio.Transport | None,
+        limit: int,
+        budget: BufferBudget | None = None,
     ) -> None:
         self.resp = resp
         self.transport = transport
         self.limit = limit
+        self.budget = budget
         self._pending: deque[bytes] = deque()
         self._pending_bytes = 0
         self._writer: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
+        self._evicted: str | None = None
+        if budget is not None:
+            budget.sinks.add(self)
         # Chunked and uncompressed: once aiohttp has sent the (buffered) headers with the
         # first write, later chunks may be framed here.
         self._framed = False
@@ -68,6 +111,8 @@ class ClientSink:
         return self._pending_bytes
 
     async def send(self, data: bytes) -> None:
+        if self._evicted is not None:
+            raise SlowClient(self._evicted)
         if self._error is not None:
             raise ClientGone() from self._error
         t = self.transport
@@ -91,7 +136,13 @@ class ClientSink:
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._pending_bytes > self.limit:
-            raise SlowClient()
+            why = f"the client fell more than {self.limit} bytes behind; its stream was ended"
+            self.evict(why)
+            raise SlowClient(why)
+        if self.budget is not None:
+            self.budget.grow(self, len(data))
+            if self._evicted is not None:
+                raise SlowClient(self._evicted)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
 
@@ -100,17 +151,53 @@ class ClientSink:
             while self._pending:
                 data = b"".join(self._pending)
                 self._pending.clear()
+                if self.budget is not None:
+                    self.budget.shrink(self._pending_bytes)
                 self._pending_bytes = 0
                 await self.resp.write(data)
         except (ConnectionError, RuntimeError) as e:
             self._error = e
+
+    def evict(self, why: str) -> None:
+        """End this stream for being too slow: drop what is queued, send an error event
+        behind what the socket already holds, and close once that is flushed."""
+        if self._evicted is not None:
+            return
+        self._evicted = why
+        if self.budget is not None:
+            self.budget.shrink(self._pending_bytes)
+            self.budget.sinks.discard(self)
+        self._pending.clear()
+        self._pending_bytes = 0
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()  # a chunk is written whole before its drain is awaited
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        ev = _error_event(why)
+        with contextlib.suppress(Exception):
+            t.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(ev), ev) if self._can_frame else ev)
+            t.close()  # close() flushes what is buffered first; abort() would not
+
+    def detach(self) -> None:
+        """The stream is over: stop counting against the budget."""
+        if self.budget is not None:
+            self.budget.shrink(self._pending_bytes)
+            self.budget.sinks.discard(self)
+            self._pending_bytes = 0
 
     async def finish(self, tail: bytes = b"") -> None:
         """Send what is queued (at the client's pace) and end the response."""
         if tail:
             await self.send(tail)
         if self._writer is not None:
-            await self._writer
+            try:
+                await self._writer
+            except asyncio.CancelledError:
+                if self._evicted is None or not self._writer.cancelled():
+                    raise
+        if self._evicted is not None:
+            raise SlowClient(self._evicted)
         if self._error is not None:
             raise ClientGone() from self._error
         try:
@@ -119,6 +206,7 @@ class ClientSink:
             raise ClientGone() from e
 
     def abort(self) -> None:
+        self.detach()
         if self._writer is not None and not self._writer.done():
             self._writer.cancel()
         if self.transport is not None:

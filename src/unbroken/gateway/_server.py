@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -127,7 +126,11 @@ class Gateway:
     def public_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.cfg.max_body_bytes,
-            middlewares=[error_middleware, body_middleware(self.cfg.body_timeout_s)],
+            middlewares=[
+                error_middleware,
+                body_middleware(self.cfg.body_timeout_s),
+                self.metrics.count_unknown_routes(),
+            ],
         )
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
@@ -137,7 +140,22 @@ class Gateway:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return web.Response(text=self.readiness() + "\n")
+
+    def readiness(self) -> str:
+        """The gateway is up either way (200); the text says whether it can serve."""
+        eps = list(self.pool.endpoints.values())
+        if not eps:
+            return (
+                "ok, but no endpoints: requests get 503 until one is added "
+                "(--endpoint, POST /admin/endpoints or discovery)"
+            )
+        ready = [e for e in eps if e.state == State.READY and e.healthy]
+        if not ready:
+            return "ok, but no endpoint is ready: " + "; ".join(
+                f"{e.name} {e.state}" + (f" ({e.last_error})" if e.last_error else "") for e in eps
+            )
+        return f"ok: {len(ready)} of {len(eps)} endpoint(s) ready"
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -221,11 +239,24 @@ async def serve(
     warmup: bool = True,
     k8s: K8sSettings | None = None,
 ) -> None:
-    token = admin_token or secrets.token_urlsafe(24)
-    if not admin_token:
-        log.warning("no admin token given: generated one for this run: %s", token)
+    token = admin_token
+    if not token:  # say where the token is, never what it is
+        from unbroken.config.paths import admin_token as stored_token
+        from unbroken.config.paths import state_dir
+
+        token, path, _ = stored_token(state_dir())
+        log.warning("no admin token given: the admin API takes the one in %s", path)
     gw = Gateway(cfg, token)
-    await gw.start(static, warmup=warmup, k8s=k8s)
+    try:
+        await gw.start(static, warmup=warmup, k8s=k8s)
+    except OSError:
+        await gw.stop()  # e.g. a port in use: close what was opened, then report it
+        raise
+    if not static and k8s is None:
+        log.warning("no endpoints: requests get 503 until one is added (POST /admin/endpoints)")
+    else:
+        # Engines that never answer (wrong URL, not started) are worth a line in the log.
+        asyncio.get_running_loop().call_later(10.0, _warn_unready, gw)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -233,6 +264,12 @@ async def serve(
     await stop.wait()
     log.info("gateway stopping")
     await gw.stop()
+
+
+def _warn_unready(gw: Gateway) -> None:
+    text = gw.readiness()
+    if text.startswith("ok, but"):
+        log.warning("%s", text.removeprefix("ok, but "))
 
 
 def run_gateway(

@@ -1,6 +1,8 @@
 """One client stream, relayed from one or more upstream legs.
 
-Leg 0 is the original request. When a leg breaks after the client has received something
+Leg 0 is the original request. A leg whose first event does not come within the endpoint's
+time-to-first-byte limit is cut; for leg 0 nothing has reached the client yet, so the request
+is retried elsewhere. When a leg breaks after the client has received something
 (connection reset, engine crash, no event for `stall_timeout_s`, an error event, a stream cut
 short, or the drain deadline of its endpoint), the stream continues on another ready endpoint
 (see `_continuation`) and the new leg is spliced in: same id and created time, no second role
@@ -50,17 +52,20 @@ class StreamRelay:
         request: web.Request,
         *,
         path: str,
-        raw: dict[str, Any],
+        body: bytes,
         chat: bool,
         model: str,
         priority: str,
         headers: dict[str, str],
         t0: float,
+        weight: int = 1,
     ) -> None:
         self.p = proxy
         self.request = request
         self.path = path
-        self.raw = raw
+        self.body = body
+        self._raw: dict[str, Any] | None = None
+        self.weight = weight
         self.chat = chat
         self.model = model
         self.priority = priority
@@ -79,6 +84,14 @@ class StreamRelay:
         self._itl: Any = None
         self._detail: str | None = None
 
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The request as a dict, parsed only when a migration needs it (a stream keeps its
+        body's bytes, not a second, larger copy of it)."""
+        if self._raw is None:
+            self._raw = orjson.loads(self.body)
+        return self._raw
+
     # -- called by the gateway ------------------------------------------------------------
     def interrupt(self, reason: str) -> None:
         """Cut the current leg now (drain deadline); the stream continues elsewhere."""
@@ -88,12 +101,14 @@ class StreamRelay:
                 self.up.close()
 
     # -- the stream -----------------------------------------------------------------------
-    async def run(self, up: aiohttp.ClientResponse, ep: Endpoint) -> web.StreamResponse:
-        """Relay leg 0 (whose slot on `ep` the caller has taken) and whatever follows.
+    async def run(
+        self, up: aiohttp.ClientResponse, ep: Endpoint, n: int = 1
+    ) -> web.StreamResponse:
+        """Relay leg 0 (whose `n` slots on `ep` the caller has taken) and whatever follows.
         Raises Retry when leg 0 breaks before anything reached the client."""
         m = self.p.metrics
         try:
-            reason = await self._leg(up, ep, rewrite=False)
+            reason = await self._leg(up, ep, n, rewrite=False)
             if reason is not None and self.sink is None:
                 raise Retry(reason, f"stream from {ep.name} broke before its first event")
             while reason is not None:
@@ -136,10 +151,7 @@ class StreamRelay:
             m.client_disconnects.inc()
         except SlowClient:
             m.slow_clients.inc()
-            log.warning(
-                "a client fell %d bytes behind; cutting its stream",
-                self.sink.buffered if self.sink else 0,
-            )
+            log.warning("stream %s ended for a slow client", self.tracker.id)
             if self.sink is not None:
                 self.sink.abort()
         except asyncio.CancelledError:
@@ -149,6 +161,7 @@ class StreamRelay:
             raise
         finally:
             if self.sink is not None:
+                self.sink.detach()
                 self.p.sinks.discard(self.sink)
         return self._response()
 
@@ -156,57 +169,76 @@ class StreamRelay:
         assert self.resp is not None
         return self.resp
 
-    async def _open(self, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Endpoint] | None:
-        """A slot on another endpoint and its upstream response, or None."""
+    async def _open(
+        self, body: dict[str, Any]
+    ) -> tuple[aiohttp.ClientResponse, Endpoint, int] | None:
+        """Slots on another endpoint and its upstream response, or None."""
         p = self.p
         assert p.session is not None
         data = orjson.dumps(body)
         for _ in range(p.cfg.max_attempts):
             if not p.pool.could_serve(self.model, self.priority, self.failed):
                 return None
-            ep, _waited = await p.admission.acquire(self.model, self.priority, self.failed)
+            ep, n, _waited = await p.admission.acquire(
+                self.model, self.priority, self.failed, weight=self.weight
+            )
+            tmo = asyncio.timeout(p.ttfb_limit(ep))
             try:
-                up = await p.session.post(ep.url + self.path, data=data, headers=self.headers)
+                async with tmo:
+                    up = await p.session.post(
+                        ep.url + self.path, data=data, headers=p.upstream_headers(self.headers, ep)
+                    )
             except UPSTREAM_ERRORS as e:
-                p.upstream_failed(ep, "connect", f"{type(e).__name__}: {e}")
+                kind = "ttfb" if tmo.expired() else "connect"
+                p.upstream_failed(ep, kind, f"{type(e).__name__}: {e}")
                 self.failed.append(ep)
-                p.release(ep)
+                p.release(ep, n)
                 continue
             if up.status != 200:
                 up.close()
                 p.upstream_failed(ep, f"status_{up.status}", "continuation refused")
                 self.failed.append(ep)
-                p.release(ep)
+                p.release(ep, n)
                 continue
-            return up, ep
+            return up, ep, n
         return None
 
-    async def _leg(self, up: aiohttp.ClientResponse, ep: Endpoint, *, rewrite: bool) -> str | None:
+    async def _leg(
+        self, up: aiohttp.ClientResponse, ep: Endpoint, n: int, *, rewrite: bool
+    ) -> str | None:
         """One leg, and the one place its failure is put on the endpoint's record (a break
         we caused ourselves, the drain deadline, is not the endpoint's failure)."""
         self._detail = None
-        reason = await self._pump(up, ep, rewrite=rewrite)
+        reason = await self._pump(up, ep, n, rewrite=rewrite)
         if reason is not None and reason != self.interrupted:
             self.p.upstream_failed(ep, reason, self._detail or f"stream {reason}")
         return reason
 
-    async def _pump(self, up: aiohttp.ClientResponse, ep: Endpoint, *, rewrite: bool) -> str | None:
+    async def _pump(
+        self, up: aiohttp.ClientResponse, ep: Endpoint, n: int, *, rewrite: bool
+    ) -> str | None:
         """Pump one upstream leg into the client. None: the stream is complete; otherwise
-        why the leg broke. Releases the leg's slot."""
+        why the leg broke. Releases the leg's slots."""
         self.up, self.ep = up, ep
         ep.relays.add(self)
         stall = self.p.cfg.stall_timeout_s
         loop = asyncio.get_running_loop()
         dec = SSEDecoder()
         finished_read = False
+        started = loop.time()
+        first = True
         try:
-            async with asyncio.timeout(None) as tmo:
+            # Until the first event: the endpoint's time-to-first-byte limit.
+            async with asyncio.timeout_at(started + self.p.ttfb_limit(ep)) as tmo:
                 armed = 0.0
                 async for chunk in up.content.iter_any():
                     events = dec.feed(chunk)
                     if not events:
                         continue
                     now = loop.time()
+                    if first:
+                        first = False
+                        self.p.observe_ttfb(ep, now - started)
                     if now - armed > stall / 4:  # re-arm sparingly: a timer per chunk costs
                         tmo.reschedule(now + stall)
                         armed = now
@@ -226,7 +258,7 @@ class StreamRelay:
                 return None
             return "truncated"
         except TimeoutError:
-            return self.interrupted or "stall"
+            return self.interrupted or ("ttfb" if first else "stall")
         except UPSTREAM_ERRORS as e:
             self._detail = f"{type(e).__name__}: {e}"
             return self.interrupted or "reset"
@@ -237,7 +269,7 @@ class StreamRelay:
                 up.release()
             else:
                 up.close()  # the engine sees the disconnect and frees the slot
-            self.p.release(ep)
+            self.p.release(ep, n)
 
     async def _take(self, events: list[SSEEvent], rewrite: bool) -> str | None:
         """Forward a batch of events; "done" at a proper end, a reason at a break."""
@@ -294,11 +326,14 @@ class StreamRelay:
         if self.sink is None:
             assert self.ep is not None
             self.resp = web.StreamResponse(
-                headers={**SSE_HEADERS, "X-Unbroken-Endpoint": self.ep.name}
+                headers={**SSE_HEADERS, **self.p.response_headers(self.headers, self.ep)}
             )
             await self.resp.prepare(self.request)
             self.sink = ClientSink(
-                self.resp, self.request.transport, self.p.cfg.stream_buffer_bytes
+                self.resp,
+                self.request.transport,
+                self.p.cfg.stream_buffer_bytes,
+                self.p.buffer_budget,
             )
             self.p.sinks.add(self.sink)
         await self.sink.send(data)

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
-from unbroken.wire.errors import ApiError, error_response
+from unbroken.wire.errors import ApiError, error_body, error_response
 
 __all__ = [
     "SSE_HEADERS",
+    "ServerLimits",
     "bearer_auth_middleware",
+    "body_middleware",
     "client_session",
     "error_middleware",
     "free_port",
@@ -45,6 +51,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return e.response()
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, f"request body too large: {e.text}", code="body_too_large")
+    except web.RequestPayloadError as e:
+        # A body that cannot be read as sent (bad gzip, chunking cut short): the client's fault.
+        resp = error_response(400, f"unreadable request body: {e}", code="invalid_body")
+        resp.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -62,7 +73,9 @@ def bearer_auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResp
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
+        # Header values arrive as text that may hold undecodable bytes (surrogates):
+        # encode them back as they came instead of failing on them.
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(got, expected):
             raise ApiError(
                 401,
@@ -75,10 +88,184 @@ def bearer_auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResp
     return auth
 
 
+def body_middleware(timeout: float) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Read the whole request body within `timeout` seconds before the handler runs (a body
+    shorter than its Content-Length would otherwise hold the connection forever); the
+    handler's own `read()` then returns the cached bytes."""
+
+    @web.middleware
+    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout):
+                    await request.read()
+            except TimeoutError:
+                resp = error_response(
+                    408, f"the request body did not arrive within {timeout:g} s", code="timeout"
+                )
+                resp.force_close()
+                # Sent and closed here: aiohttp would otherwise linger reading the rest.
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await resp.prepare(request)
+                    await resp.write_eof()
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+        return await handler(request)
+
+    return read_body
+
+
 async def prepare_sse(request: web.Request, status: int = 200) -> web.StreamResponse:
     resp = web.StreamResponse(status=status, headers=SSE_HEADERS)
     await resp.prepare(request)
     return resp
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Connection-level limits aiohttp itself does not offer. `header_timeout_s`: a request's
+    headers must be complete this long after its first byte (or after the connection opens),
+    else the connection is closed with 408 (slowloris). `max_connections_per_client`: open
+    connections per client address beyond this get 429 and are closed."""
+
+    header_timeout_s: float | None = None
+    max_connections_per_client: int | None = None
+
+
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error response for a connection no request handler owns."""
+    body = orjson.dumps(error_body(message, type=_error_type(status), code=code))
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+def _error_type(status: int) -> str:
+    return ApiError(status, "").type
+
+
+class _Handler(RequestHandler):
+    """aiohttp's protocol with OpenAI-format bodies for the parser's own errors, a header
+    timeout and a per-address connection cap."""
+
+    _limits: ServerLimits
+    _per_client: dict[str, int]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        srv = self._manager
+        self._limits = getattr(srv, "limits", ServerLimits())
+        self._per_client = getattr(srv, "per_client", {})
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._client: str | None = None
+        peer = transport.get_extra_info("peername")
+        if self._limits.max_connections_per_client is not None and peer:
+            host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            n = self._per_client.get(host, 0) + 1
+            self._per_client[host] = n
+            self._client = host
+            if n > self._limits.max_connections_per_client:
+                log.warning("refusing connection %d from %s (over the per-client cap)", n, host)
+                cap = self._limits.max_connections_per_client
+                t = transport
+                assert isinstance(t, asyncio.Transport)
+                t.write(
+                    _raw_error(
+                        429,
+                        "Too Many Requests",
+                        f"too many open connections from this address (limit {cap})",
+                        "too_many_connections",
+                    )
+                )
+                t.close()
+                return
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._limits.header_timeout_s is not None and self._header_timer is None:
+            self._header_timer = self._loop.call_later(
+                self._limits.header_timeout_s, self._header_timeout
+            )
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        t = self.transport
+        if t is None or t.is_closing() or self._current_request is not None:
+            return
+        t.write(
+            _raw_error(
+                408,
+                "Request Timeout",
+                f"request headers not received within {self._limits.header_timeout_s:g} s",
+                "timeout",
+            )
+        )
+        t.close()
+
+    def data_received(self, data: bytes) -> None:
+        before = self._request_count
+        super().data_received(data)
+        if not hasattr(self, "_limits"):
+            return
+        if self._request_count != before:
+            if self._header_timer is not None:  # a request's headers are complete
+                self._header_timer.cancel()
+                self._header_timer = None
+        elif self._current_request is None:
+            self._arm_header_timer()  # the first bytes of the next request's headers
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()  # type: ignore[union-attr]
+            self._header_timer = None
+        if getattr(self, "_client", None) is not None:
+            host = self._client
+            assert host is not None
+            left = self._per_client.get(host, 1) - 1
+            if left > 0:
+                self._per_client[host] = left
+            else:
+                self._per_client.pop(host, None)
+            self._client = None
+        super().connection_lost(exc)
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """Errors raised before any handler runs (the HTTP parser's): an OpenAI error body
+        instead of aiohttp's plain text."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error")
+        log.debug("bad request from %s: %s", request.remote, exc or message)
+        if status >= 500:
+            text = "internal error"
+            code = "internal_error"
+        else:
+            detail = str(message or exc or "bad request").strip().splitlines()[0][:200]
+            text = f"malformed HTTP request: {detail}"
+            code = "bad_http_request"
+        resp = error_response(status, text, code=code, headers={"Server": "unbroken"})
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    limits: ServerLimits
+    per_client: dict[str, int]
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+async def _server_header(request: web.Request, resp: web.StreamResponse) -> None:
+    # aiohttp would add its own (with its and Python's versions); set first, it is kept.
+    resp.headers["Server"] = "unbroken"
 
 
 async def start_site(
@@ -88,13 +275,21 @@ async def start_site(
     *,
     sock: socket.socket | None = None,
     shutdown_timeout: float = 2.0,
+    limits: ServerLimits | None = None,
 ) -> web.AppRunner:
     """Start serving; `handler_cancellation` makes a client disconnect cancel its handler,
     which is how an engine frees a slot while a request is still queued or prefilling."""
+    if not app.frozen:
+        app.on_response_prepare.append(_server_header)
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
     )
     await runner.setup()
+    server = runner.server
+    assert server is not None
+    server.__class__ = _Server  # the same object, making our protocol subclass
+    server.limits = limits or ServerLimits()  # type: ignore[attr-defined]
+    server.per_client = {}  # type: ignore[attr-defined]
     site: web.BaseSite
     if sock is not None:
         site = web.SockSite(runner, sock)
