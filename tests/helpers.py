@@ -237,10 +237,17 @@ def stream_text(events: list[Any], chat: bool) -> str:
 
 class Up:
     def __init__(
-        self, tmp: Path, spec: Path | None = None, env: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        spec: Path | None = None,
+        env: dict[str, str] | None = None,
+        agent: bool = False,
     ) -> None:
+        """`agent`: start the eBPF agent too (as root); off by default, since one agent per
+        pipeline test would attach to every engine on the machine."""
         self.state = tmp / "state"
         self.port, self.admin_port = free_port(), free_port()
+        self.controller_port, self.agent_port = free_port(), free_port()
         self.env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state), **(env or {})}
         self.env.pop("UNBROKEN_ADMIN_TOKEN", None) if env is None else None
         argv = [
@@ -252,6 +259,11 @@ class Up:
             str(self.port),
             "--admin-port",
             str(self.admin_port),
+            "--controller-port",
+            str(self.controller_port),
+            "--agent-port",
+            str(self.agent_port),
+            *([] if agent else ["--no-agent"]),
         ]
         if spec is not None:
             argv.append(str(spec))

@@ -4,6 +4,11 @@ It runs the gateway and every engine replica as child processes (own session, ki
 the supervisor through PR_SET_PDEATHSIG, so nothing is orphaned), registers each engine with
 the gateway's admin API once `/health` answers (the gateway then warms it up: stage 2), and
 replaces a replica that dies. A small control API on a Unix socket serves `unbroken status`.
+
+It holds an exclusive lock on its state directory for its whole life (one pipeline per
+directory), keeps that directory private, and gives the engines their own admin token. A
+replica that cannot be replaced is retried with backoff until it can, and so is a gateway
+that crashes; a gateway that exits 0 was stopped on purpose, and the pipeline stops with it.
 """
 
 from __future__ import annotations
@@ -27,8 +32,18 @@ import aiohttp
 from aiohttp import web
 
 from unbroken.clients import AdminError, GatewayAdmin
-from unbroken.config.paths import RunInfo, cache_dir
+from unbroken.config.paths import (
+    RunInfo,
+    StateDirBusy,
+    cache_dir,
+    engine_token,
+    ensure_state_dir,
+    lock_state_dir,
+)
 from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.pipeline.backend import ReplicaHandle
+from unbroken.pipeline.companions import Companions
+from unbroken.pipeline.rollout import RolloutError, RolloutRequest, run_rollout
 from unbroken.wire.http import free_port, wait_ok
 
 __all__ = ["Replica", "StartupError", "Supervisor"]
@@ -38,6 +53,15 @@ log = logging.getLogger("unbroken.pipeline")
 
 class StartupError(RuntimeError):
     pass
+
+
+# Retry delays for replacing a replica or restarting the gateway: doubling, capped.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+
+
+def _backoff(attempt: int) -> float:
+    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempt - 1)))
 
 
 def _die_with_parent() -> None:
@@ -65,6 +89,10 @@ class Replica:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -113,14 +141,19 @@ class Supervisor:
         self._control: web.AppRunner | None = None
         self.events: list[dict[str, Any]] = []
         self._rollout_lock = asyncio.Lock()
+        self.companions = Companions(spec, state, self.admin_url, token)
+        self._lock_fd: int | None = None
+        self.engine_token: str | None = None
+        self.stopped = asyncio.Event()  # set when the pipeline should end (gateway exit 0)
+        self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
 
     # -- processes ----------------------------------------------------------------------------
     async def _spawn(
         self, name: str, argv: list[str], env: dict[str, str] | None = None
     ) -> tuple[asyncio.subprocess.Process, Path]:
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.logs / f"{name}.log"
-        out = open(path, "ab")
+        out = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -131,9 +164,18 @@ class Supervisor:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+        except (FileNotFoundError, PermissionError) as e:
+            raise StartupError(f"cannot start {name}: {argv[0]}: {e.strerror}") from None
         finally:
             out.close()
         return proc, path
+
+    def _gateway_env(self) -> dict[str, str]:
+        env = {"UNBROKEN_ADMIN_TOKEN": self.token}
+        for pool in self.spec.pools:
+            if (key := _pool_key(pool)) is not None:
+                env[_key_var(pool.name)] = key
+        return env
 
     def _gateway_argv(self) -> list[str]:
         cfg = self.state / "gateway.json"
@@ -143,7 +185,12 @@ class Supervisor:
             # Unrouted priorities prefer pools in spec order (primary first, then fallback),
             # not in the order their engines happened to become ready.
             settings.routes.setdefault(prio, order)  # type: ignore[call-overload]
-        cfg.write_text(settings.model_dump_json(indent=1))
+        for pool in self.spec.pools:
+            if _pool_key(pool) is not None:  # the key itself travels in the environment
+                settings.upstream_key_env[pool.name] = _key_var(pool.name)
+        fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(settings.model_dump_json(indent=1))
         return [sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)]
 
     def weights_for(self, pool: PoolSpec) -> Path | None:
@@ -226,7 +273,11 @@ class Supervisor:
         name = f"{pool.name}-{next(self._serial[pool.name])}"
         port = free_port()
         r = Replica(name=name, pool=pool, port=port)
-        env = {"UNBROKEN_ADMIN_TOKEN": self.token, **pool.engine.env}
+        # The engines' own admin token, never the gateway's; vLLM reads its API key from
+        # VLLM_API_KEY.
+        env = {"UNBROKEN_ADMIN_TOKEN": self.engine_token or "", **pool.engine.env}
+        if (key := _pool_key(pool)) is not None:
+            env.setdefault("VLLM_API_KEY", key)
         r.proc, r.log_path = await self._spawn(name, self.engine_argv(pool, r.host, port), env)
         r.started_at = time.time()
         self.replicas[name] = r
@@ -256,11 +307,37 @@ class Supervisor:
         await self.admin.add(url=r.url, name=r.name, pool=r.pool.name, cap=r.pool.cap)
 
     async def bring_up(self, pool: PoolSpec) -> Replica:
+        """Start, stage 1, register, watch. A replica that fails on the way is stopped and
+        forgotten (never left behind as a dead entry)."""
         r = await self.start_replica(pool)
-        await self.wait_health(r)
-        await self.register(r)
+        try:
+            await self.wait_health(r)
+            await self.register(r)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.stop_replica(r, timeout=5)
+            raise
         self.watch(r)
         return r
+
+    # -- the rollout's Backend ---------------------------------------------------------------
+    def replicas_of(self, pool: str) -> list[ReplicaHandle]:
+        return [
+            r
+            for r in sorted(self.replicas.values(), key=lambda r: r.started_at)
+            if r.pool.name == pool and not r.stopping
+        ]
+
+    def adopt(self, r: ReplicaHandle) -> None:
+        assert isinstance(r, Replica)
+        self.watch(r)
+
+    def set_pool(self, pool: PoolSpec) -> None:
+        idx = next(i for i, p in enumerate(self.spec.pools) if p.name == pool.name)
+        self.spec.pools[idx] = pool
+
+    def pool_spec(self, name: str) -> PoolSpec | None:
+        return next((p for p in self.spec.pools if p.name == name), None)
 
     def watch(self, r: Replica) -> None:
         self._track(asyncio.create_task(self._on_exit(r), name=f"watch-{r.name}"))
@@ -277,13 +354,41 @@ class Supervisor:
             await self.admin.remove(name=r.name)
         if not self.restart:
             return
-        self.restarts += 1
+        await self._replace(r)
+
+    async def _replace(self, r: Replica) -> None:
+        """Bring up a successor of `r`, retrying with backoff until one serves (the pool
+        stays at its declared size in the end, whatever failed on the way)."""
+        attempt = 0
+        self.replacing[r.name] = "starting"
         try:
-            new = await self.bring_up(r.pool)
-            self.record("replica_replaced", replica=r.name, by=new.name, pid=new.pid)
-            log.info("%s replaced by %s", r.name, new.name)
-        except (StartupError, AdminError) as e:
-            log.error("could not replace %s: %s", r.name, e)
+            while not self._stopping:
+                attempt += 1
+                self.restarts += 1
+                pool = self.pool_spec(r.pool.name) or r.pool  # a rollout may have changed it
+                try:
+                    new = await self.bring_up(pool)
+                except (StartupError, AdminError, OSError) as e:
+                    delay = _backoff(attempt)
+                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    self.replacing[r.name] = why
+                    log.error(
+                        "could not replace %s (attempt %d): %s; retrying in %.0f s",
+                        r.name,
+                        attempt,
+                        why,
+                        delay,
+                    )
+                    self.record(
+                        "replace_failed", replica=r.name, attempt=attempt, error=why, retry_s=delay
+                    )
+                    await asyncio.sleep(delay)
+                    continue
+                self.record("replica_replaced", replica=r.name, by=new.name, pid=new.pid)
+                log.info("%s replaced by %s", r.name, new.name)
+                return
+        finally:
+            self.replacing.pop(r.name, None)
 
     async def stop_replica(self, r: Replica, *, timeout: float = 30.0) -> int | None:
         """SIGTERM (the engine finishes its requests), SIGKILL after `timeout`."""
@@ -305,13 +410,28 @@ class Supervisor:
         self.events.append({"t": time.time(), "event": kind, **data})
 
     # -- whole pipeline ------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the state directory (StartupError if another pipeline has it)."""
+        if self._lock_fd is None:
+            try:
+                self._lock_fd = lock_state_dir(self.state)
+            except StateDirBusy as e:
+                raise StartupError(str(e)) from None
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     async def start(self, progress: Callable[[str], None] | None = None) -> None:
         say = progress or (lambda _m: None)
-        self.state.mkdir(parents=True, exist_ok=True)
+        ensure_state_dir(self.state)
+        self.lock()
+        self.engine_token = engine_token(self.state)
         await asyncio.get_running_loop().run_in_executor(None, self.prepare_weights, say)
         say("starting the gateway")
         self.gateway_proc, gw_log = await self._spawn(
-            "gateway", self._gateway_argv(), {"UNBROKEN_ADMIN_TOKEN": self.token}
+            "gateway", self._gateway_argv(), self._gateway_env()
         )
         await self._wait_gateway(gw_log)
         say(f"starting {sum(p.replicas for p in self.spec.pools)} engine replica(s)")
@@ -322,6 +442,7 @@ class Supervisor:
         await self.wait_ready()
         self._track(asyncio.create_task(self._watch_gateway(), name="watch-gateway"))
         await self._start_control()
+        await self.companions.start(self._spawn, say)
         RunInfo(
             pid=os.getpid(),
             gateway_url=self.gateway_url,
@@ -337,31 +458,53 @@ class Supervisor:
 
     async def _watch_gateway(self) -> None:
         """A gateway that dies is restarted on the same ports and given every live engine
-        again (its streams are gone with it; new requests are served again in seconds)."""
+        again (its streams are gone with it; new requests are served again in seconds).
+        Failed restarts back off; a gateway that exits 0 was stopped on purpose (SIGTERM),
+        which ends the pipeline instead."""
+        failures = 0
+        up_since = time.monotonic()
         while not self._stopping:
             assert self.gateway_proc is not None
             code = await self.gateway_proc.wait()
             if self._stopping:
                 return
-            log.warning(
-                "the gateway (pid %s) exited unexpectedly with %s; restarting it",
-                self.gateway_proc.pid,
-                code,
-            )
-            self.record("gateway_died", pid=self.gateway_proc.pid, code=code)
-            self.restarts += 1
-            try:
-                self.gateway_proc, gw_log = await self._spawn(
-                    "gateway", self._gateway_argv(), {"UNBROKEN_ADMIN_TOKEN": self.token}
-                )
-                await self._wait_gateway(gw_log)
-                for r in list(self.replicas.values()):
-                    if r.proc is not None and r.proc.returncode is None and not r.stopping:
-                        await self.register(r)
-                self.record("gateway_restarted", pid=self.gateway_proc.pid)
-            except (StartupError, AdminError) as e:
-                log.error("could not restart the gateway: %s", e)
-                await asyncio.sleep(1.0)
+            pid = self.gateway_proc.pid
+            if code == 0:
+                log.warning("the gateway (pid %s) stopped (exit 0); stopping the pipeline", pid)
+                self.record("gateway_stopped", pid=pid, code=code)
+                self.stopped.set()
+                return
+            if time.monotonic() - up_since > 60:
+                failures = 0  # it ran fine for a while: this is a new incident
+            log.warning("the gateway (pid %s) exited unexpectedly with %s", pid, code)
+            self.record("gateway_died", pid=pid, code=code)
+            while not self._stopping:
+                if failures:
+                    delay = _backoff(failures)
+                    log.info("restarting the gateway in %.0f s", delay)
+                    await asyncio.sleep(delay)
+                self.restarts += 1
+                try:
+                    self.gateway_proc, gw_log = await self._spawn(
+                        "gateway", self._gateway_argv(), self._gateway_env()
+                    )
+                    await self._wait_gateway(gw_log)
+                    for r in list(self.replicas.values()):
+                        if r.alive and not r.stopping:
+                            await self.register(r)
+                    self.record("gateway_restarted", pid=self.gateway_proc.pid)
+                    up_since = time.monotonic()
+                    failures += 1
+                    break
+                except (StartupError, AdminError) as e:
+                    failures += 1
+                    why = str(e).splitlines()[0]
+                    log.error("could not restart the gateway: %s", why)
+                    self.record("gateway_restart_failed", error=why, attempt=failures)
+                    if self.gateway_proc is not None and self.gateway_proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            self.gateway_proc.kill()
+                        await self.gateway_proc.wait()
 
     async def _wait_gateway(self, gw_log: Path) -> None:
         deadline = time.monotonic() + 30
@@ -406,9 +549,18 @@ class Supervisor:
             "admin_url": self.admin_url,
             "gateway_pid": self.gateway_proc.pid if self.gateway_proc else None,
             "replicas": [r.as_dict() for r in self.replicas.values()],
+            "pools": {
+                p.name: {
+                    "declared": p.replicas,
+                    "live": sum(1 for r in self.replicas_of(p.name) if r.alive),
+                }
+                for p in self.spec.pools
+            },
+            "replacing": dict(self.replacing),
             "restarts": self.restarts,
             "gateway": gw,
             "events": self.events[-50:],
+            **await self.companions.status(),
         }
 
     async def _start_control(self) -> None:
@@ -423,8 +575,6 @@ class Supervisor:
 
         async def rollout(request: web.Request) -> web.StreamResponse:
             from pydantic import ValidationError
-
-            from unbroken.pipeline.rollout import RolloutError, RolloutRequest, run_rollout
 
             try:
                 req = RolloutRequest.model_validate_json(await request.read())
@@ -444,6 +594,13 @@ class Supervisor:
                     summary = await run_rollout(self, req, progress)
                 except RolloutError as e:
                     summary = {"ok": False, "error": str(e), "steps": []}
+                except Exception as e:  # the caller gets a summary, whatever happened
+                    log.exception("rollout of %s failed", req.pool)
+                    summary = {
+                        "ok": False,
+                        "error": f"the rollout failed unexpectedly: {type(e).__name__}: {e}",
+                        "steps": [],
+                    }
             await progress({"event": "summary", **summary})
             await resp.write_eof()
             return resp
@@ -463,6 +620,7 @@ class Supervisor:
     async def stop(self) -> None:
         """Engines first (they finish what they hold), then the gateway."""
         self._stopping = True
+        await self.companions.stop()  # the controller first: it must not react to the stop
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(
@@ -479,9 +637,24 @@ class Supervisor:
                 await self.gateway_proc.wait()
         if self._control is not None:
             await self._control.cleanup()
-        with contextlib.suppress(FileNotFoundError):
-            (self.state / "run.json").unlink()
+        if self._lock_fd is not None:  # run.json is ours only if the directory was
+            with contextlib.suppress(FileNotFoundError):
+                (self.state / "run.json").unlink()
         await self.admin.close()
+        self.unlock()
+
+
+def _pool_key(pool: PoolSpec) -> str | None:
+    """The pool's upstream API key, from the spec or the environment variable it names."""
+    if pool.api_key:
+        return pool.api_key
+    if pool.api_key_env:
+        return os.environ.get(pool.api_key_env) or None
+    return None
+
+
+def _key_var(pool: str) -> str:
+    return "UNBROKEN_POOL_KEY_" + pool.upper().replace("-", "_")
 
 
 def _tail(path: Path | None, lines: int = 15) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import aiohttp
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from unbroken.clients import AdminError
@@ -22,7 +24,14 @@ __all__ = ["run_up", "show_status"]
 
 
 def run_up(
-    spec_path: Path | None, *, port: int | None, admin_port: int | None, console: Console
+    spec_path: Path | None,
+    *,
+    port: int | None,
+    admin_port: int | None,
+    console: Console,
+    controller_port: int | None = None,
+    agent_port: int | None = None,
+    agent: bool | None = None,
 ) -> int:
     try:
         spec = load_spec(spec_path)
@@ -33,6 +42,12 @@ def run_up(
         spec.gateway.port = port
     if admin_port is not None:
         spec.gateway.admin_port = admin_port
+    if controller_port is not None:
+        spec.controller.port = controller_port
+    if agent_port is not None:
+        spec.agent.port = agent_port
+    if agent is not None:
+        spec.agent.enabled = agent
     state = state_dir()
     running = RunInfo.read(state)
     if running is not None:
@@ -43,7 +58,7 @@ def run_up(
         return 1
     token, token_file, generated = admin_token(state)
     if generated:
-        console.print(f"admin token (also in {token_file}, mode 600): [bold]{token}[/bold]")
+        console.print(f"admin token generated: {token_file} (mode 600)", markup=False)
     sup = Supervisor(spec, state=state, token=token, token_file=token_file)
     return asyncio.run(_main(sup, console))
 
@@ -65,10 +80,15 @@ async def _main(sup: Supervisor, console: Console) -> int:
                 return 130
             waiter.cancel()
             starting.result()
-        console.print(_table(await sup.status()))
+        status = await sup.status()
+        width = console.width if console.is_terminal else None
         console.print(
-            f"gateway: [bold]{sup.gateway_url}/v1[/bold]   admin: {sup.admin_url} "
-            f"(bearer token in {sup.token_file})   logs: {sup.logs}"
+            render_table(status_rows(status), STATUS_COLUMNS, width), markup=False, highlight=False
+        )
+        console.print(
+            f"gateway: {sup.gateway_url}/v1   admin: {sup.admin_url} "
+            f"(bearer token in {sup.token_file})   logs: {sup.logs}",
+            markup=False,
         )
         console.print("Ctrl-C to stop")
         await stop.wait()
@@ -81,36 +101,108 @@ async def _main(sup: Supervisor, console: Console) -> int:
     return code
 
 
-def _table(status: dict[str, Any]) -> Table:
+STATUS_COLUMNS = (
+    "pool",
+    "endpoint",
+    "url",
+    "pid",
+    "state",
+    "condition",
+    "healthy",
+    "in-flight",
+    "start→health",
+)
+# Dropped in this order when a terminal is too narrow; endpoint and url never are, and
+# nothing is ever cut: `unbroken drain NAME` and `grep` need whole names.
+DROPPABLE = ("start→health", "pid", "healthy", "pool", "condition")
+
+
+def status_rows(status: dict[str, Any]) -> list[dict[str, str]]:
+    """One row per endpoint or replica, every column as text."""
     eps = {e["name"]: e for e in (status.get("gateway") or {}).get("endpoints", [])}
-    t = Table(title="unbroken pipeline")
-    for col in ("pool", "endpoint", "url", "pid", "state", "healthy", "in-flight", "start→health"):
-        t.add_column(col)
-    names = [r["name"] for r in status["replicas"]] + [
-        n for n in eps if n not in {r["name"] for r in status["replicas"]}
-    ]
-    reps = {r["name"]: r for r in status["replicas"]}
-    for name in sorted(names):
+    reps = {r["name"]: r for r in status.get("replicas", [])}
+    rows = []
+    for name in sorted(set(eps) | set(reps)):
         r, e = reps.get(name, {}), eps.get(name, {})
         sth = r.get("start_to_health_s")
-        t.add_row(
-            e.get("pool") or r.get("pool", "?"),
-            name,
-            e.get("url") or r.get("url", ""),
-            str(r.get("pid") or "-"),
-            e.get("state", "unregistered"),
-            "yes" if e.get("healthy") else "no",
-            f"{e.get('inflight', 0)}/{e.get('cap', '-')}",
-            f"{sth:.2f} s" if sth is not None else "-",
+        rows.append(
+            {
+                "pool": str(e.get("pool") or r.get("pool", "?")),
+                "endpoint": name,
+                "url": str(e.get("url") or r.get("url", "")),
+                "pid": str(r.get("pid") or "-"),
+                "state": str(e.get("state", "unregistered")),
+                "condition": str(e.get("condition") or "-"),
+                "healthy": "yes" if e.get("healthy") else "no",
+                "in-flight": f"{e.get('inflight', 0)}/{e.get('cap', '-')}",
+                "start→health": f"{sth:.2f} s" if sth is not None else "-",
+            }
         )
-    return t
+    return rows
+
+
+def render_table(rows: list[dict[str, str]], columns: tuple[str, ...], width: int | None) -> str:
+    """Plain aligned text. With a `width` (a terminal), less important columns are dropped
+    until the lines fit; names and URLs are never shortened."""
+    cols = list(columns)
+
+    def widths() -> dict[str, int]:
+        return {c: max([len(c), *(len(r[c]) for r in rows)]) for c in cols}
+
+    if width is not None:
+        for c in DROPPABLE:
+            if sum(widths().values()) + 2 * (len(cols) - 1) <= width:
+                break
+            if c in cols:
+                cols.remove(c)
+    w = widths()
+    lines = ["  ".join(c.ljust(w[c]) for c in cols).rstrip()]
+    lines += ["  ".join(r[c].ljust(w[c]) for c in cols).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """The lines under the table: gateway, queue, restarts, agent and controller."""
+    gw = status.get("gateway") or {}
+    queue = gw.get("queue") or {}
+    q = ", ".join(f"{k} {v}" for k, v in queue.items()) or "-"
+    out = [
+        f"gateway {status.get('gateway_url', '-')}  admin {status.get('admin_url', '-')}  "
+        f"restarts {status.get('restarts', 0)}",
+        f"queue: {q}",
+    ]
+    if gw.get("error"):
+        out.append(f"gateway admin API: {gw['error']}")
+    for part in ("agent", "controller"):
+        info = status.get(part)
+        if info is None:
+            continue
+        if not isinstance(info, dict):
+            out.append(f"{part}: {info}")
+            continue
+        live = info.get("live")
+        head = "live" if live else "NOT live" if live is not None else ""
+        rest = ", ".join(
+            f"{k} {v}" for k, v in info.items() if k != "live" and not isinstance(v, dict | list)
+        )
+        out.append(f"{part}: {head}{'; ' if head and rest else ''}{rest}".rstrip())
+    return out
+
+
+def _table(status: dict[str, Any]) -> str:
+    return render_table(status_rows(status), STATUS_COLUMNS, None)
 
 
 def show_status(*, as_json: bool) -> int:
-    console = Console()
     info = RunInfo.read(state_dir())
     if info is None:
-        Console(stderr=True).print("no pipeline is running (start one with `unbroken up`)")
+        msg = "no pipeline is running (start one with `unbroken up`)"
+        if as_json:
+            sys.stdout.write(
+                json.dumps({"running": False, "error": msg, "state_dir": str(state_dir())}) + "\n"
+            )
+        else:
+            sys.stderr.write(msg + "\n")
         return 1
 
     async def fetch() -> dict[str, Any]:
@@ -124,17 +216,19 @@ def show_status(*, as_json: bool) -> int:
     try:
         status = asyncio.run(fetch())
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        Console(stderr=True).print(f"[red]error:[/red] cannot reach the supervisor: {e}")
+        msg = f"cannot reach the supervisor at {info.control_socket}: {e}"
+        if as_json:
+            sys.stdout.write(json.dumps({"running": False, "error": msg}) + "\n")
+        else:
+            sys.stderr.write(f"error: {msg}\n")
         return 1
     if as_json:
-        sys.stdout.write(json.dumps(status, indent=1) + "\n")
+        sys.stdout.write(json.dumps({"running": True, **status}, indent=1) + "\n")
         return 0
-    console.print(_table(status))
-    gw = status.get("gateway") or {}
-    console.print(
-        f"gateway {status['gateway_url']}  queue {gw.get('queue', {})}  "
-        f"restarts {status.get('restarts', 0)}"
-    )
+    tty = sys.stdout.isatty()
+    width = shutil.get_terminal_size().columns if tty else None
+    sys.stdout.write(render_table(status_rows(status), STATUS_COLUMNS, width) + "\n")
+    sys.stdout.write("\n".join(status_lines(status)) + "\n")
     return 0
 
 
@@ -178,14 +272,18 @@ def rollout_cli(
                         summary = ev
                         continue
                     text = _describe(ev)
-                    st.update(text)
-                    console.print(f"  {text}")
+                    st.update(escape(text))
+                    console.print(f"  {text}", markup=False, highlight=False)
         return summary
 
     try:
         summary = asyncio.run(go())
     except (aiohttp.ClientError, OSError) as e:
         console.print(f"[red]error:[/red] cannot reach the supervisor: {e}")
+        return 1
+    if not as_json and not summary.get("ok") and not summary.get("steps"):
+        # Refused before any replica changed (no such pool, bad engine, another rollout).
+        console.print(f"[red]error:[/red] {escape(str(summary.get('error')))}")
         return 1
     if not as_json:
         t = Table(title=f"rollout of {pool}: {'done' if summary.get('ok') else 'rolled back'}")
@@ -202,7 +300,7 @@ def rollout_cli(
             )
         console.print(t)
         if not summary.get("ok"):
-            console.print(f"[red]rolled back:[/red] {summary.get('error')}")
+            console.print(f"[red]rolled back:[/red] {escape(str(summary.get('error')))}")
     return 0 if summary.get("ok") else 1
 
 

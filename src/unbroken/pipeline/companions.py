@@ -1,0 +1,175 @@
+"""The processes that run beside a local pipeline's engines and gateway: the node agent (as
+root, unless the spec disables it) and the controller. Each is restarted with backoff if it
+dies; neither is needed for serving, so a failure is logged and never stops the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from unbroken.config.spec import PipelineSpec
+
+__all__ = ["FULL_PRECISIONS", "Companion", "Companions", "controller_settings"]
+
+log = logging.getLogger("unbroken.pipeline")
+
+FULL_PRECISIONS = ("fp16", "bf16")
+
+Spawn = Callable[
+    [str, list[str], dict[str, str] | None], Awaitable[tuple[asyncio.subprocess.Process, Path]]
+]
+
+
+def controller_settings(spec: PipelineSpec) -> dict[str, Any]:
+    """The spec's controller section with tiers filled in from pool precisions when unset."""
+    s = spec.controller.model_dump()
+    if not s["full_pools"]:
+        s["full_pools"] = [p.name for p in spec.pools if p.precision in FULL_PRECISIONS]
+    if not s["degraded_pools"]:
+        s["degraded_pools"] = [p.name for p in spec.pools if p.precision not in FULL_PRECISIONS]
+    return s
+
+
+def agent_wanted(spec: PipelineSpec) -> tuple[bool, str]:
+    enabled = spec.agent.enabled
+    if enabled is False:
+        return False, "disabled in the spec"
+    if os.geteuid() != 0:
+        if enabled is True:
+            return False, "the spec enables it but eBPF needs root; not started"
+        return False, "not root: no eBPF agent (the controller uses engine signals)"
+    if not Path("/sys/kernel/btf/vmlinux").exists():
+        return False, "no kernel BTF: no eBPF agent (the controller uses engine signals)"
+    return True, ""
+
+
+class Companion:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.url = url
+        self.proc: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+            "restarts": self.restarts,
+        }
+
+
+class Companions:
+    def __init__(self, spec: PipelineSpec, state: Path, admin_url: str, token: str) -> None:
+        self.spec = spec
+        self.state = state
+        self.admin_url = admin_url
+        self.token = token
+        self.items: dict[str, Companion] = {}
+        self.agent_note = ""
+        self._stopping = False
+
+    def plan(self) -> list[Companion]:
+        py = [sys.executable, "-m", "unbroken"]
+        env = {"UNBROKEN_STATE_DIR": str(self.state), "UNBROKEN_ADMIN_TOKEN": self.token}
+        out: list[Companion] = []
+        agent_url: str | None = None
+        want, why = agent_wanted(self.spec)
+        self.agent_note = why
+        if want:
+            a = self.spec.agent
+            agent_url = f"http://{a.host}:{a.port}"
+            argv = [*py, "agent", "--listen", f"{a.host}:{a.port}"]
+            out.append(Companion("agent", argv, env, agent_url))
+        c = self.spec.controller
+        if c.enabled:
+            cfg = self.state / "controller.json"
+            cfg.write_text(json.dumps(controller_settings(self.spec), indent=1))
+            argv = [*py, "controller", "--gateway-admin", self.admin_url, "--config", str(cfg)]
+            if agent_url:
+                argv += ["--agent", agent_url]
+            out.append(Companion("controller", argv, env, f"http://{c.host}:{c.port}"))
+        return out
+
+    async def start(self, spawn: Spawn, say: Callable[[str], None]) -> None:
+        for comp in self.plan():
+            self.items[comp.name] = comp
+            comp.task = asyncio.create_task(self._keep(comp, spawn), name=f"keep-{comp.name}")
+        if self.agent_note:
+            say(f"agent: {self.agent_note}")
+        if self.items:
+            say("started " + " and ".join(self.items))
+
+    async def _keep(self, comp: Companion, spawn: Spawn) -> None:
+        backoff = 1.0
+        while not self._stopping:
+            t0 = time.monotonic()
+            try:
+                comp.proc, path = await spawn(comp.name, comp.argv, comp.env)
+            except OSError as e:
+                log.error("could not start the %s: %s", comp.name, e)
+                return
+            code = await comp.proc.wait()
+            if self._stopping:
+                return
+            if time.monotonic() - t0 > 60:
+                backoff = 1.0
+            log.warning(
+                "the %s exited with %s (log: %s); restarting in %.0f s",
+                comp.name,
+                code,
+                path,
+                backoff,
+            )
+            comp.restarts += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    async def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: c.as_dict() for name, c in self.items.items()}
+        if "agent" not in out:
+            out["agent"] = {"url": None, "pid": None, "note": self.agent_note}
+        ctl = self.items.get("controller")
+        if ctl is not None:
+            try:
+                async with (
+                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s,
+                    s.get(ctl.url + "/health") as r,
+                ):
+                    h = await r.json()
+                out["controller"]["live"] = True
+                out["agent"]["signals"] = h.get("agent")
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                out["controller"]["live"] = False
+        return out
+
+    async def stop(self) -> None:
+        self._stopping = True
+        procs = []
+        for c in self.items.values():
+            if c.task is not None:
+                c.task.cancel()
+            if c.proc is not None and c.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGTERM)
+                procs.append(c.proc)
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()

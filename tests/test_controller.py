@@ -1,0 +1,434 @@
+"""The adaptive controller: signal parsing, baselines and hysteresis as in-process table
+tests; then the whole loop on real processes (engines, gateway, controller) where contention is
+injected into one engine and must be detected from measured signals only, acted on, and undone,
+with no stream broken."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, stream, stream_text, wait_for
+from unbroken.config.spec import ControllerSettings
+from unbroken.controller.actions import Actuator, EndpointView, Tiers
+from unbroken.controller.classify import Detector, ItlBaseline, Transition
+from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window, parse_text
+from unbroken.engine.textmodel import expected_completion
+from unbroken.wire.http import free_port
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+# -- pure logic --------------------------------------------------------------------------------
+
+
+def _agent_text(endpoint: str, fn: str, counts: dict[float, int], bp: float = 0.0) -> str:
+    """An agent exposition with one cumulative histogram (bucket → count in it)."""
+    lines = ["# TYPE unbroken_cuda_call_duration_seconds histogram"]
+    cum = 0
+    lab = f'function="{fn}",pid="42",endpoint="{endpoint}",pod="",namespace="",container=""'
+    for le in sorted(counts):
+        cum += counts[le]
+        lines.append(f'unbroken_cuda_call_duration_seconds_bucket{{{lab},le="{le!r}"}} {cum}')
+    lines.append(f'unbroken_cuda_call_duration_seconds_bucket{{{lab},le="+Inf"}} {cum}')
+    lines.append(
+        f'unbroken_socket_backpressure_seconds_total{{pid="42",endpoint="{endpoint}",'
+        f'pod="",namespace="",container="",source="ebpf"}} {bp}'
+    )
+    lines.append("unbroken_agent_ebpf 1.0")
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_text_labels_and_prefixes() -> None:
+    text = (
+        '# HELP x y\nvllm:num_requests_running{model_name="m",engine="0"} 3.0\n'
+        'other_metric 1\nvllm:x{a="q\\"uote",b="2"} 1e-3\n'
+    )
+    got = list(parse_text(text, ("vllm:",)))
+    assert [(s.name, s.value) for s in got] == [
+        ("vllm:num_requests_running", 3.0),
+        ("vllm:x", 0.001),
+    ]
+    assert got[1].label("a") == 'q\\"uote' and got[1].label("b") == "2"
+
+
+def test_agent_windows_difference_per_series_and_quantile() -> None:
+    d = HistogramDelta()
+    le = [2**-18, 2**-17, 2**-16, 2**-9]  # ~3.8 us, 7.6 us, 15 us, 1.95 ms
+    first = _agent_text("p-1", "cuGraphLaunch", {le[0]: 0, le[1]: 100, le[2]: 0, le[3]: 0})
+    w, ebpf = agent_windows(first, d)
+    assert ebpf and w == {}  # first read: nothing to difference yet
+    second = _agent_text("p-1", "cuGraphLaunch", {le[0]: 0, le[1]: 110, le[2]: 0, le[3]: 30}, 1.5)
+    w, _ = agent_windows(second, d)
+    win = w["p-1"]
+    assert win.count == 30 + 10 - 0 + 0 or win.count == 40
+    q = win.quantile(0.5)
+    assert q is not None and le[2] < q <= le[3]  # 30 of 40 new calls were slow
+    assert win.backpressure_s == pytest.approx(1.5)
+    # Synchronize calls grow with load, not contention: never counted.
+    sync = _agent_text("p-1", "cuStreamSynchronize", {le[3]: 500})
+    w, _ = agent_windows(sync, d)
+    assert "p-1" not in w or w["p-1"].count == 0
+
+
+def test_counter_reset_is_not_a_negative_window() -> None:
+    d = HistogramDelta()
+    text = 'vllm:inter_token_latency_seconds_sum{m="a"} 10\nvllm:inter_token_latency_seconds_count{m="a"} 1000\n'  # noqa: E501
+    engine_window(text, d)
+    restarted = 'vllm:inter_token_latency_seconds_sum{m="a"} 0.2\nvllm:inter_token_latency_seconds_count{m="a"} 10\n'  # noqa: E501
+    w = engine_window(restarted, d)
+    assert w.itl_count == 10 and w.itl_mean == pytest.approx(0.02)
+
+
+FAST_SETTINGS = ControllerSettings(
+    enter_dwell_s=0.5, exit_dwell_s=1.0, min_dwell_s=1.0, recover_step_s=0.5, baseline_windows=4
+)
+
+
+def _feed(
+    det: Detector,
+    t: float,
+    cuda: float | None,
+    bp: float = 0.0,
+    itl: float | None = None,
+    running: float = 10,
+) -> Transition | None:
+    return det.step(det.read(t, cuda_latency=cuda, itl=itl, running=running, backpressure=bp))
+
+
+def test_hysteresis_enter_exit_and_dwell() -> None:
+    det = Detector("p-1", FAST_SETTINGS)
+    t = 0.0
+    for _ in range(8):
+        assert _feed(det, t, 200e-6) is None
+        t += 0.25
+    # One slow window is not enough (dwell 0.5 s).
+    assert _feed(det, t, 3e-3) is None
+    t += 0.25
+    assert _feed(det, t, 200e-6) is None
+    trs = []
+    for _ in range(4):
+        t += 0.25
+        if tr := _feed(det, t, 3e-3):
+            trs.append(tr)
+    assert [tr.new for tr in trs] == ["contended"]
+    assert trs[0].detection_s is not None and 0.5 <= trs[0].detection_s <= 0.75
+    assert "cuda" in trs[0].reason and "baseline" in trs[0].reason
+    # Between the thresholds (x2: above exit x1.5, below enter x3): held however long.
+    for _ in range(20):
+        t += 0.25
+        assert _feed(det, t, 400e-6) is None
+    assert det.condition == "contended"
+    trs = []
+    for _ in range(8):
+        t += 0.25
+        if tr := _feed(det, t, 200e-6):
+            trs.append(tr)
+    assert [tr.new for tr in trs] == ["recovering"]
+    # The baseline did not learn the episode.
+    assert det.cuda.value == pytest.approx(200e-6, rel=0.01)
+    assert det.recovered(t) is not None and det.condition == "normal"
+
+
+def test_slow_clients_alone_never_mark_contended() -> None:
+    """High backpressure with normal CUDA latency: reported elsewhere, never contended; and
+    high latency with high backpressure is blamed on the network (the seed's rule)."""
+    det = Detector("p-1", FAST_SETTINGS)
+    t = 0.0
+    for _ in range(8):
+        t += 0.25
+        _feed(det, t, 200e-6)
+    for _ in range(40):
+        t += 0.25
+        assert _feed(det, t, 200e-6, bp=2.0) is None
+        t += 0.25
+        assert _feed(det, t, 3e-3, bp=2.0) is None
+    assert det.condition == "normal"
+
+
+def test_baselines_are_per_endpoint() -> None:
+    """An fp8 replica's launch latency is its own normal; a value normal for fp16 is x4 for
+    a faster replica, and a microsecond-scale excess below min_excess_ms is jitter."""
+    fp16, fp8 = Detector("a", FAST_SETTINGS), Detector("b", FAST_SETTINGS)
+    for i in range(8):
+        _feed(fp16, i * 0.25, 400e-6)
+        _feed(fp8, i * 0.25, 100e-6)
+    assert fp16.read(3, cuda_latency=400e-6, itl=None, running=1, backpressure=0).ratio == (
+        pytest.approx(1.0, rel=0.05)
+    )
+    assert fp8.read(3, cuda_latency=400e-6, itl=None, running=1, backpressure=0).ratio == (
+        pytest.approx(4.0, rel=0.05)
+    )
+    tiny = Detector("c", FAST_SETTINGS)
+    for i in range(8):
+        _feed(tiny, i * 0.25, 4e-6)
+    assert tiny.read(3, cuda_latency=40e-6, itl=None, running=1, backpressure=0).ratio == 1.0
+
+
+def test_itl_baseline_follows_batch_size() -> None:
+    """A continuous-batching step costs base + per-sequence: a busier replica is slower, not
+    contended."""
+    b = ItlBaseline(windows=4)
+    for running in (2, 10, 30, 60, 5, 45, 20):
+        b.learn(running, 0.020 + 0.00015 * running)
+    pred = b.predict(100)
+    assert pred == pytest.approx(0.020 + 0.015, rel=0.05)
+
+
+def test_actuator_lowers_then_restores_step_by_step() -> None:
+    act = Actuator(FAST_SETTINGS, Tiers(("primary",), ("fallback",)))
+    v = EndpointView("p-1", "primary", "http://x", "ready", 40, 256, None, "normal")
+    tr = Transition("p-1", "normal", "contended", 10.0, "why")
+    ds = act.on_transition(tr, v, running=38, now=1e9)
+    assert act.caps["p-1"] == 20 and any(d.action == "lower cap" for d in ds)
+    assert act.routes({"p-1": "contended"}, {"p-1": "primary"}) == {
+        "critical": ["primary"],
+        "standard": ["fallback", "primary"],
+        "sheddable": ["fallback"],
+    }
+    assert act.routes({"p-1": "contended"}, {"p-1": "fallback"}) == {}
+    act.on_transition(Transition("p-1", "contended", "recovering", 20.0, "why"), v, 10, 1e9)
+    assert act.routes({"p-1": "recovering"}, {"p-1": "primary"}) == {}
+    caps, t, done = [], 20.0, False
+    while not done:
+        t += 0.5
+        ds, done = act.step_up("p-1", v, t, 1e9)
+        caps.append(act.caps["p-1"])
+    assert caps == [40, 80, 160, None]
+
+
+# -- the loop on real processes ----------------------------------------------------------------
+
+
+def controller(tmp: Path, g: Proc, *args: str, settings: dict[str, Any]) -> Proc:
+    port = free_port()
+    cfg = tmp / "controller.json"
+    cfg.write_text(json.dumps({**settings, "port": port}))
+    argv = [
+        sys.executable, "-m", "unbroken", "controller",
+        "--gateway-admin", g.admin_url,
+        "--config", str(cfg),
+        *args,
+    ]  # fmt: skip
+    return Proc(argv, port, tmp / f"controller-{port}.log", env={"UNBROKEN_ADMIN_TOKEN": TOKEN})
+
+
+LOOP_SETTINGS = {
+    "interval_s": 0.2,
+    "enter_dwell_s": 0.4,
+    "exit_dwell_s": 1.0,
+    "min_dwell_s": 1.0,
+    "recover_step_s": 0.4,
+    "baseline_windows": 6,
+}
+
+
+class Load:
+    """Streaming users in threads: each records (start, priority, endpoint, ok)."""
+
+    def __init__(self, url: str, users: int, max_tokens: int = 30) -> None:
+        self.url = url
+        self.max_tokens = max_tokens
+        self.records: list[tuple[float, str, str, bool, str]] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._user, args=(i,), daemon=True) for i in range(users)
+        ]
+        self.expected = {
+            i: expected_completion(f"user {i} says", max_tokens).text for i in range(users)
+        }
+
+    def __enter__(self) -> Load:
+        for th in self._threads:
+            th.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join(60)
+
+    def _user(self, i: int) -> None:
+        prio = "critical" if i % 3 == 0 else "standard"
+        while not self._stop.is_set():
+            t0 = time.time()
+            events, r = stream(
+                self.url,
+                "/v1/completions",
+                {"model": MODEL, "prompt": f"user {i} says", "max_tokens": self.max_tokens},
+                headers={"x-unbroken-priority": prio},
+            )
+            ok = r.status_code == 200 and stream_text(events, chat=False) == self.expected[i]
+            ok = ok and events[-1] == "[DONE]"
+            self.records.append(
+                (t0, prio, r.headers.get("x-unbroken-endpoint", ""), ok, str(r.status_code))
+            )
+
+
+@pytest.fixture
+def tiered(tmp_path: Path) -> Iterator[tuple[Proc, dict[str, Proc]]]:
+    """Two fp16 replicas (pool primary) and one fp8 replica (pool fallback) behind a gateway."""
+    engines = {
+        "p-1": engine(tmp_path, name="p-1"),
+        "p-2": engine(tmp_path, name="p-2"),
+        "f-1": engine(tmp_path, "--profile", "fp8", name="f-1"),
+    }
+    g = gateway(tmp_path, *(f"{'primary' if n.startswith('p') else 'fallback'}={p.url}"
+                            for n, p in engines.items()))  # fmt: skip
+    yield g, engines
+    for p in (g, *engines.values()):
+        p.stop()
+
+
+def _name_of(g: Proc, url: str) -> str:
+    eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+    return next(e["name"] for e in eps if e["url"] == url)
+
+
+def _by_name(g: Proc) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+
+
+def test_contention_detected_acted_on_and_undone(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """Engine signals only (no agent): slow CUDA calls on one fp16 replica raise its ITL;
+    the controller marks it contended, lowers its cap, sends standard work to the fp8 pool
+    while critical stays on fp16, and undoes all of it after the episode. No stream breaks."""
+    g, engines = tiered
+    victim = _name_of(g, engines["p-1"].url)
+    c = controller(
+        tmp_path,
+        g,
+        "--full-pool", "primary", "--degraded-pool", "fallback",
+        settings=LOOP_SETTINGS,
+    ).start()  # fmt: skip
+    try:
+        with Load(g.url, users=6) as load:
+            # Baselines need a few windows of traffic (the fp8 pool gets none yet).
+            wait_for(
+                lambda: all(
+                    e.get("ratio") is not None
+                    for e in httpx.get(c.url + "/state").json()["endpoints"].values()
+                    if e["pool"] == "primary"
+                ),
+                timeout=20,
+                what="baselines learned",
+            )
+            t_fault = time.time()
+            r = httpx.post(
+                engines["p-1"].url + "/admin/faults",
+                json={"fault": {"kind": "slow_cuda", "extra_ms": 15, "duration_s": 5}},
+                headers=AUTH,
+            )
+            assert r.status_code == 200, r.text
+            wait_for(
+                lambda: _by_name(g)[victim]["condition"] == "contended",
+                timeout=10,
+                what="contended",
+            )
+            t_detect = time.time()
+            eps = _by_name(g)
+            assert eps[victim]["cap_override"] is not None
+            assert eps[victim]["cap"] == eps[victim]["cap_override"] < eps[victim]["configured_cap"]
+            assert all(e["condition"] == "normal" for n, e in eps.items() if n != victim)
+            routes = admin(g, "GET", "/admin/routes").json()
+            assert routes["routes"]["standard"][0] == "fallback"
+            assert routes["routes"]["critical"] == ["primary"]
+            time.sleep(1.5)
+            t_routed = time.time()
+            time.sleep(1.5)
+            # Episode over: recovering, then every setting back.
+            wait_for(
+                lambda: _by_name(g)[victim]["condition"] == "normal",
+                timeout=25,
+                what="back to normal",
+            )
+            eps = _by_name(g)
+            assert eps[victim]["cap_override"] is None
+            assert admin(g, "GET", "/admin/routes").json()["override"] == {}
+            time.sleep(0.5)
+        decisions = httpx.get(c.url + "/decisions").json()["decisions"]
+    finally:
+        c.stop()
+    assert t_detect - t_fault < 5.0
+    recs = load.records
+    assert recs and all(ok for *_, ok, _st in recs), [r for r in recs if not r[3]][:5]
+    # While routed: standard work went to the fp8 pool, critical stayed on fp16.
+    during = [r for r in recs if t_detect + 0.5 < r[0] < t_routed]
+    std = [r for r in during if r[1] == "standard"]
+    crit = [r for r in during if r[1] == "critical"]
+    fallback = _name_of(g, engines["f-1"].url)
+    assert std and all(r[2] == fallback for r in std), std
+    assert crit and all(r[2] != fallback for r in crit), crit
+    actions = [d["action"] for d in decisions]
+    for a in ("condition normal -> contended", "lower cap", "route to degraded",
+              "condition contended -> recovering", "restore routes", "restore cap",
+              "condition recovering -> normal"):  # fmt: skip
+        assert a in actions, actions
+    assert all(d["reason"] for d in decisions)
+    lowered = next(d for d in decisions if d["action"] == "lower cap")
+    assert lowered["endpoint"] == victim
+    text = httpx.get(c.url + "/metrics").text
+    assert f'unbroken_controller_condition{{condition="normal",endpoint="{victim}"}} 1.0' in text
+    assert "unbroken_controller_detection_latency_seconds_count 1.0" in text
+    gm = httpx.get(g.url + "/metrics").text
+    assert (
+        f'unbroken_gateway_endpoint_condition{{condition="normal",endpoint="{victim}",'
+        'pool="primary"} 1.0' in gm
+    )
+
+
+def test_slow_clients_never_reroute(tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]) -> None:
+    """Clients that stop reading fill the gateway's per-stream buffers; the controller reports
+    them per endpoint and never marks an endpoint contended or re-routes for them."""
+    g, _engines = tiered
+    c = controller(
+        tmp_path,
+        g,
+        "--full-pool", "primary", "--degraded-pool", "fallback",
+        settings=LOOP_SETTINGS,
+    ).start()  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        with Load(g.url, users=3):
+            time.sleep(2.0)
+            body = json.dumps(
+                {"model": MODEL, "prompt": "never read", "max_tokens": 4000, "stream": True}
+            ).encode()
+            for _ in range(4):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", g.port))
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                socks.append(s)
+
+            def slow_seen() -> bool:
+                st = httpx.get(c.url + "/state").json()["endpoints"]
+                return sum(e["slow_clients"] for e in st.values()) >= 1
+
+            wait_for(slow_seen, timeout=20, what="slow clients reported")
+            t_end = time.time() + 4
+            while time.time() < t_end:
+                eps = _by_name(g)
+                assert all(e["condition"] == "normal" for e in eps.values()), eps
+                assert admin(g, "GET", "/admin/routes").json()["override"] == {}
+                time.sleep(0.2)
+        decisions = httpx.get(c.url + "/decisions").json()["decisions"]
+    finally:
+        for s in socks:
+            s.close()
+        c.stop()
+    assert decisions == []
