@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +27,17 @@ from unbroken.agent.discovery import (
     process_info,
     supervisor_endpoints,
 )
-from unbroken.agent.maps import MAX_SLOTS
 from unbroken.agent.tcp import SockDiagSampler, TcpTracer
+from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["Agent", "AgentConfig", "run_agent"]
 
 log = logging.getLogger("unbroken.agent")
-BUCKETS = [2 ** (i + 1) / 1e9 for i in range(MAX_SLOTS)]  # slot i: [2^i, 2^(i+1)) ns
+# Kernel slot i counts calls in [2^i, 2^(i+1)) ns. Exported bounds: 2^10 ns (1 µs, below
+# any real launch) to 2^32 ns (4.3 s, a long synchronize), log2 apart: 23 buckets and +Inf
+# instead of 40. Faster calls land in the first bucket, slower ones only in +Inf.
+FIRST_BOUND_LOG2, LAST_BOUND_LOG2 = 10, 32
+BUCKETS = [2**k / 1e9 for k in range(FIRST_BOUND_LOG2, LAST_BOUND_LOG2 + 1)]
 
 
 @dataclass
@@ -44,6 +48,7 @@ class AgentConfig:
     threshold: float = 0.8
     allow_slow_probes: bool = False
     ebpf: bool = True
+    pid_label: bool = False  # one series per process (high cardinality) instead of per endpoint
 
 
 @dataclass
@@ -128,30 +133,81 @@ class Agent:
             self.tcp = None
 
 
+def _cumulative(slots: Sequence[int]) -> list[int]:
+    """Kernel log2 slots → cumulative counts at each exported bound in BUCKETS."""
+    out, cum, i = [], 0, 0
+    for k in range(FIRST_BOUND_LOG2, LAST_BOUND_LOG2 + 1):
+        while i < len(slots) and i + 1 <= k:  # slot i ends at 2^(i+1) <= 2^k
+            cum += slots[i]
+            i += 1
+        out.append(cum)
+    return out
+
+
+Labels = tuple[str, ...]
+
+
+class _Monotonic:
+    """Adds per-process counter vectors into series without a pid label. A process that
+    exits (or is relabelled) leaves its last counts behind, so every summed counter only
+    grows: a vanishing process must not look like a counter reset to Prometheus."""
+
+    def __init__(self) -> None:
+        self.last: dict[Hashable, tuple[Labels, list[float]]] = {}
+        self.retired: dict[Labels, list[float]] = {}
+
+    def update(
+        self, current: dict[Hashable, tuple[Labels, list[float]]]
+    ) -> dict[Labels, list[float]]:
+        for key, (labels, vec) in self.last.items():
+            now = current.get(key)
+            if now is None or now[0] != labels:
+                self.retired[labels] = _add(self.retired.get(labels), vec)
+        self.last = current
+        out = {labels: list(vec) for labels, vec in self.retired.items()}
+        for labels, vec in current.values():
+            out[labels] = _add(out.get(labels), vec)
+        return out
+
+
+def _add(a: list[float] | None, b: list[float]) -> list[float]:
+    return list(b) if a is None else [x + y for x, y in zip(a, b, strict=True)]
+
+
 class _Collector(Collector):
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self.cuda_sums = _Monotonic()
+        self.tcp_sums = _Monotonic()
+
+    def _who(self, pid: int) -> Labels:
+        p = self.agent.info(pid)
+        who = (p.endpoint, p.pod, p.namespace, p.container)
+        return (str(pid), *who) if self.agent.cfg.pid_label else who
 
     def collect(self) -> Iterator[Any]:
         a = self.agent
-        labels = ["function", "pid", "endpoint", "pod", "namespace", "container"]
+        who = ["endpoint", "pod", "namespace", "container"]
+        if a.cfg.pid_label:
+            who = ["pid", *who]
         if a.cuda is not None:
+            labels = ["function", *who]
             hist = HistogramMetricFamily(
                 "unbroken_cuda_call_duration_seconds",
                 "Host-side duration of CUDA runtime and driver calls (uprobes; log2 buckets).",
                 labels=labels,
             )
             calls = CounterMetricFamily("unbroken_cuda_calls", "CUDA calls seen.", labels=labels)
-            for (pid, fn), st in sorted(a.cuda.read().items()):
-                p = a.info(pid)
-                lv = [fn, str(pid), p.endpoint, p.pod, p.namespace, p.container]
-                cum, buckets = 0, []
-                for le, n in zip(BUCKETS, st.slots, strict=True):
-                    cum += n
-                    buckets.append((repr(le), cum))
-                buckets.append(("+Inf", st.count))
-                hist.add_metric(lv, buckets, st.sum_ns / 1e9)
-                calls.add_metric(lv, st.count)
+            current: dict[Hashable, tuple[Labels, list[float]]] = {}
+            for (pid, fn), st in a.cuda.read().items():
+                vec = [float(st.count), float(st.sum_ns), *map(float, _cumulative(st.slots))]
+                current[(pid, fn)] = ((fn, *self._who(pid)), vec)
+            for lv, vec in sorted(self.cuda_sums.update(current).items()):
+                count, sum_ns, cum = vec[0], vec[1], vec[2:]
+                buckets = [(repr(le), n) for le, n in zip(BUCKETS, cum, strict=True)]
+                buckets.append(("+Inf", count))
+                hist.add_metric(list(lv), buckets, sum_ns / 1e9)
+                calls.add_metric(list(lv), count)
             yield hist
             yield calls
             probes = GaugeMetricFamily(
@@ -169,7 +225,7 @@ class _Collector(Collector):
             yield probes
         if a.tcp is not None:
             src = a.tcp.source
-            tl = ["pid", "endpoint", "pod", "namespace", "container", "source"]
+            tl = [*who, "source"]
             fill = GaugeMetricFamily(
                 "unbroken_socket_send_buffer_fill_ratio",
                 "Latest sk_wmem_queued / sk_sndbuf of the process's TCP sends (0..1).",
@@ -190,16 +246,25 @@ class _Collector(Collector):
                 "Time limited by the peer's receive window (tcpi_rwnd_limited; sock_diag only).",
                 labels=tl,
             )
-            for pid, t in sorted(a.tcp.read().items()):
+            gauges: dict[Labels, tuple[float, float]] = {}
+            counters: dict[Hashable, tuple[Labels, list[float]]] = {}
+            has_rwnd: set[Labels] = set()
+            for pid, t in a.tcp.read().items():
                 if pid not in a.procs and t.peak_ratio < a.cfg.threshold:
                     continue  # unknown and never pressed: keep cardinality low
-                p = a.info(pid)
-                lv = [str(pid), p.endpoint, p.pod, p.namespace, p.container, src]
-                fill.add_metric(lv, t.fill_ratio)
-                peak.add_metric(lv, t.peak_ratio)
-                bp.add_metric(lv, t.backpressure_s)
+                lv = (*self._who(pid), src)
+                f0, p0 = gauges.get(lv, (0.0, 0.0))
+                gauges[lv] = (max(f0, t.fill_ratio), max(p0, t.peak_ratio))
+                counters[pid] = (lv, [t.backpressure_s, t.rwnd_limited_s or 0.0])
                 if t.rwnd_limited_s is not None:
-                    rw.add_metric(lv, t.rwnd_limited_s)
+                    has_rwnd.add(lv)
+            for lv, (bp_s, rw_s) in sorted(self.tcp_sums.update(counters).items()):
+                if lv in gauges:
+                    fill.add_metric(list(lv), gauges[lv][0])
+                    peak.add_metric(list(lv), gauges[lv][1])
+                bp.add_metric(list(lv), bp_s)
+                if lv in has_rwnd or src == "sock_diag":
+                    rw.add_metric(list(lv), rw_s)
             yield from (fill, peak, bp, rw)
         up = GaugeMetricFamily("unbroken_agent_ebpf", "1 when the eBPF tracers are loaded.")
         up.add_metric([], 1 if a.cuda is not None else 0)
@@ -212,6 +277,7 @@ class _Collector(Collector):
 def build_app(agent: Agent) -> web.Application:
     reg = CollectorRegistry()
     reg.register(_Collector(agent))
+    register_standard_metrics(reg, "agent")
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
@@ -252,7 +318,11 @@ async def serve(cfg: AgentConfig) -> None:
 
     agent = Agent(cfg)
     agent.start()
-    runner = await start_site(build_app(agent), cfg.host, cfg.port)
+    try:
+        runner = await start_site(build_app(agent), cfg.host, cfg.port)
+    except OSError:
+        agent.close()  # a port in use: release the BPF programs, then report it
+        raise
     log.info("agent exporter on http://%s:%d/metrics", cfg.host, cfg.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

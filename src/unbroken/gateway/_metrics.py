@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._pool import CONDITIONS, Pool, State
+from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["GatewayMetrics"]
 
@@ -58,6 +60,21 @@ ITL_BUCKETS = (
     10.0,
 )
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# Label values known in advance, exported at 0 from the start so that `increase()` and
+# `rate()` show 0 rather than "no data" (values outside these still appear when they occur).
+SHED_CODES = ("shed", "queue_full", "queue_timeout")
+BREAK_REASONS = ("reset", "truncated", "stall", "drain_deadline")
+UNMIGRATABLE = (
+    "structured_output",
+    "tools",
+    "logprobs",
+    "prompt_form",
+    "suffix",
+    "migration_limit",
+    "no_endpoint",
+)
+STATUSES = ("200", "429", "503")
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 
 
 class _PoolCollector(Collector):
@@ -127,9 +144,24 @@ class _PoolCollector(Collector):
         yield from (inflight, cap, load, state, healthy, condition, slow, depth, buffered, streams)
 
 
+class _PoolLabels(Collector):
+    """Exports nothing; at each scrape it initialises the labelled children of the pools
+    endpoints belong to, so a pool's counters read 0 from its first scrape."""
+
+    def __init__(self, pool: Pool, metrics: GatewayMetrics) -> None:
+        self.pool = pool
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name in {e.pool for e in list(self.pool.endpoints.values())}:
+            self.metrics.for_pool(name)
+        return iter(())
+
+
 class GatewayMetrics:
     def __init__(self, pool: Pool, admission: Admission, sinks: Any = None) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(_PoolLabels(pool, self))  # first: runs before the counters are collected
         self.requests = Counter(
             "unbroken_gateway_requests",
             "Requests answered.",
@@ -205,10 +237,51 @@ class GatewayMetrics:
         )
         r.register(_PoolCollector(pool, admission, sinks))
         self._pool_children: dict[str, tuple[Any, Any]] = {}
+        self.unknown_routes = Counter(
+            "unbroken_gateway_unknown_route_requests",
+            "Requests to paths the gateway does not serve (404), by method: a client with a "
+            "wrong base URL shows here.",
+            ["method"],
+            registry=r,
+        )
+        register_standard_metrics(r, "gateway")
+        self._init_labels()
 
     def for_pool(self, pool: str) -> tuple[Any, Any]:
         """(ttft, itl) histogram children for a pool; cached, since `labels()` is not free."""
         c = self._pool_children.get(pool)
         if c is None:
             c = self._pool_children[pool] = (self.ttft.labels(pool), self.itl.labels(pool))
+            self._init_pool(pool)
         return c
+
+    def _init_labels(self) -> None:
+        for p in PRIORITIES:
+            self.queue_wait.labels(p)
+            for code in SHED_CODES:
+                self.shed.labels(p, code)
+        for reason in BREAK_REASONS:
+            self.migrated.labels(reason)
+        for why in UNMIGRATABLE:
+            self.unmigratable.labels(why)
+        for m in METHODS:
+            self.unknown_routes.labels(m)
+
+    def _init_pool(self, pool: str) -> None:
+        for reason in BREAK_REASONS:
+            self.dropped.labels(pool, reason)
+        for status in STATUSES:
+            for p in PRIORITIES:
+                self.requests.labels(status, p, pool)
+
+    def count_unknown_routes(self) -> Any:
+        """Middleware: count requests that match no route (the router's 404)."""
+
+        @web.middleware
+        async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+            if isinstance(request.match_info.http_exception, web.HTTPNotFound):
+                method = request.method if request.method in METHODS else "other"
+                self.unknown_routes.labels(method).inc()
+            return await handler(request)
+
+        return middleware

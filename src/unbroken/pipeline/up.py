@@ -19,6 +19,7 @@ from unbroken.clients import AdminError
 from unbroken.config.paths import RunInfo, admin_token, state_dir
 from unbroken.config.spec import SpecError, load_spec
 from unbroken.pipeline.supervisor import StartupError, Supervisor
+from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
 __all__ = ["run_up", "show_status"]
 
@@ -80,6 +81,7 @@ async def _main(sup: Supervisor, console: Console) -> int:
                 return 130
             waiter.cancel()
             starting.result()
+        targets = asyncio.create_task(keep_targets(sup, sup.state / "prometheus"))
         status = await sup.status()
         width = console.width if console.is_terminal else None
         console.print(
@@ -90,14 +92,21 @@ async def _main(sup: Supervisor, console: Console) -> int:
             f"(bearer token in {sup.token_file})   logs: {sup.logs}",
             markup=False,
         )
+        console.print(
+            f"prometheus file_sd targets: {sup.state / 'prometheus'}/*.json", markup=False
+        )
         console.print("Ctrl-C to stop")
         await stop.wait()
         console.print("stopping")
+        targets.cancel()
     except (StartupError, AdminError) as e:
         console.print(f"[red]error:[/red] {e}")
         code = 1
     finally:
         await sup.stop()
+        prom = sup.state / "prometheus"
+        if prom.exists():  # a stopped pipeline has nothing to scrape (not "down" targets)
+            write_targets(prom, {j: [] for j in JOBS})
     return code
 
 
@@ -175,18 +184,31 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         out.append(f"gateway admin API: {gw['error']}")
     for part in ("agent", "controller"):
         info = status.get(part)
-        if info is None:
-            continue
-        if not isinstance(info, dict):
-            out.append(f"{part}: {info}")
-            continue
-        live = info.get("live")
-        head = "live" if live else "NOT live" if live is not None else ""
-        rest = ", ".join(
-            f"{k} {v}" for k, v in info.items() if k != "live" and not isinstance(v, dict | list)
-        )
-        out.append(f"{part}: {head}{'; ' if head and rest else ''}{rest}".rstrip())
+        if info is not None:
+            out.append(f"{part}: {_companion(info)}")
     return out
+
+
+def _companion(info: Any) -> str:
+    """agent/controller as `unbroken up` reports them: running or not, and for the agent
+    whether the controller reads live signals from it."""
+    if not isinstance(info, dict):
+        return str(info)
+    if info.get("pid"):
+        head = f"running (pid {info['pid']}, {info.get('url')}"
+        head += f", restarts {info['restarts']})" if info.get("restarts") else ")"
+    else:
+        head = "not running" + (f": {info['note']}" if info.get("note") else "")
+    parts = [head]
+    if "live" in info:
+        parts.append("answering" if info["live"] else "NOT answering")
+    if info.get("signals") is not None:
+        parts.append(f"signals {info['signals']}")
+    shown = {"pid", "url", "restarts", "note", "live", "signals"}
+    parts += [
+        f"{k} {v}" for k, v in info.items() if k not in shown and not isinstance(v, dict | list)
+    ]
+    return "; ".join(parts)
 
 
 def _table(status: dict[str, Any]) -> str:
