@@ -281,6 +281,7 @@ def test_exporter_and_clean_exit(tmp_path: Path) -> None:
             f"127.0.0.1:{port}",
             "--interval",
             "0.5",
+            "--pid-label",  # per-process series are opt-in; this test names the pid
         ],
         stderr=subprocess.PIPE,
         text=True,

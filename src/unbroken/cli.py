@@ -71,8 +71,28 @@ def _logging(verbose: bool) -> None:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    _console().print(f"[red]error:[/red] {message}")
+    from rich.markup import escape
+
+    _console().print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
+
+
+def _bind_error(e: OSError) -> str | None:
+    """One line for a listening socket that could not be opened (port in use, no such
+    address, privileged port), None for any other OSError."""
+    import errno
+    import re
+
+    if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        return None
+    m = re.search(r"\('?([^',]*)'?, (\d+)\)", str(e))
+    where = f"{m[1]}:{m[2]}" if m else "the requested address"
+    why = {
+        errno.EADDRINUSE: "the port is already in use (another process listens there)",
+        errno.EADDRNOTAVAIL: "the address is not on this machine",
+        errno.EACCES: "permission denied (ports below 1024 need root)",
+    }[e.errno]
+    return f"cannot listen on {where}: {why}"
 
 
 @app.command()
@@ -246,7 +266,12 @@ def gateway(
             )
         except ValueError as e:
             _fail(str(e))
-    run_gateway(cfg, admin_token, static, warmup=not no_warmup, k8s=k8s)
+    try:
+        run_gateway(cfg, admin_token, static, warmup=not no_warmup, k8s=k8s)
+    except OSError as e:
+        if (msg := _bind_error(e)) is None:
+            raise
+        _fail(msg)
 
 
 @app.command()
@@ -695,12 +720,25 @@ def agent(
     no_ebpf: Annotated[
         bool, typer.Option("--no-ebpf", help="Use the sock_diag fallback only.")
     ] = False,
+    pid_label: Annotated[
+        bool,
+        typer.Option("--pid-label", help="Label series by pid too (one series set per process)."),
+    ] = False,
+    state_dir_: Annotated[
+        Path | None,
+        typer.Option(
+            "--state-dir",
+            help="State directory of the `unbroken up` whose engines to label "
+            "[UNBROKEN_STATE_DIR; under sudo, the invoking user's].",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """eBPF node agent: CUDA call latency (uprobes) and TCP backpressure, per process/pod."""
     from unbroken.agent.service import AgentConfig, run_agent
 
     _logging(verbose)
+    _agent_state_dir(state_dir_)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         _fail(f"--listen {listen!r}: expected HOST:PORT")
@@ -713,6 +751,7 @@ def agent(
         threshold=threshold,
         allow_slow_probes=allow_slow_probes,
         ebpf=not no_ebpf,
+        pid_label=pid_label,
     )
     if once:
         from rich.console import Console
@@ -720,7 +759,37 @@ def agent(
         from unbroken.agent.snapshot import run_once
 
         raise typer.Exit(run_once(cfg, duration, Console()))
-    run_agent(cfg)
+    try:
+        run_agent(cfg)
+    except OSError as e:
+        if (msg := _bind_error(e)) is None:
+            raise
+        _fail(msg)
+
+
+def _agent_state_dir(explicit: Path | None) -> None:
+    """Point the agent at the pipeline it labels endpoints for. `sudo unbroken agent` runs
+    as root, whose state directory is not the user's: follow SUDO_USER to theirs."""
+    if explicit is not None:
+        os.environ["UNBROKEN_STATE_DIR"] = str(explicit)
+        return
+    user = os.environ.get("SUDO_USER")
+    if os.environ.get("UNBROKEN_STATE_DIR") or not user or os.geteuid() != 0:
+        return
+    import pwd
+
+    from unbroken.config.paths import state_dir
+
+    if (state_dir() / "run.json").exists():
+        return
+    try:
+        home = Path(pwd.getpwnam(user).pw_dir)
+    except KeyError:
+        return
+    theirs = home / ".local" / "state" / "unbroken"
+    if (theirs / "run.json").exists():
+        logging.getLogger("unbroken.agent").info("labelling the pipeline of %s (%s)", user, theirs)
+        os.environ["UNBROKEN_STATE_DIR"] = str(theirs)
 
 
 @app.command()
