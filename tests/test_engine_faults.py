@@ -167,6 +167,7 @@ def test_engine_admin_client(shared_engine: Proc) -> None:
             assert await eng.clear() == {"cleared": True}
             assert await eng.faults() == {}
             assert await eng.set_max_num_seqs(max_num_seqs=9) == {"max_num_seqs": 9}
+            assert await eng.config() == {"max_num_seqs": 9}
             with pytest.raises(AdminRejected) as e:
                 await eng.set_max_num_seqs(max_num_seqs=0)
             assert e.value.status == 400
@@ -298,7 +299,9 @@ def test_unbroken_fault_command_against_a_running_pipeline(tmp_path: Path) -> No
     try:
         wait_for(lambda: len(u.status()["gateway"]["endpoints"]) == 2, timeout=60, interval=0.3)
         eps = {e["name"]: e["url"] for e in u.status()["gateway"]["endpoints"]}
-        token = (u.state / "admin-token").read_text().strip()
+        # The engines' own token where the pipeline has one, else the gateway's.
+        tfile = u.state / "engine-token"
+        token = (tfile if tfile.exists() else u.state / "admin-token").read_text().strip()
         auth = {"Authorization": f"Bearer {token}"}
 
         r = u.run(

@@ -135,6 +135,9 @@ class EngineAdmin(_AdminClient):
     async def clear(self) -> dict[str, Any]:
         return await self._call("DELETE", "/admin/faults")
 
+    async def config(self) -> dict[str, Any]:
+        return await self._call("GET", "/admin/config")
+
     async def set_max_num_seqs(self, *, max_num_seqs: int) -> dict[str, Any]:
         return await self._call("POST", "/admin/config", {"max_num_seqs": max_num_seqs})
 

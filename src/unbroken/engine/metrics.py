@@ -7,15 +7,9 @@ from what it measures (step times, CUDA call latency), as it would on a GPU node
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["EngineMetrics", "FinishedSeq"]
 
@@ -122,10 +116,9 @@ class FinishedSeq:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 16_384, version: str = "") -> None:
+    def __init__(self, model_name: str, max_model_len: int = 16_384) -> None:
         r = self.registry = CollectorRegistry()
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
+        register_standard_metrics(r, "engine")
         labels = ["model_name", "engine"]
         self._lv = (model_name, "0")
         self.running = Gauge(
@@ -236,9 +229,6 @@ class EngineMetrics:
             "1 when steps run inside the stand-in CUDA library.",
             registry=r,
         )
-        Gauge(
-            "unbroken_build_info", "The unbroken release serving.", ["version"], registry=r
-        ).labels(version).set(1)
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(*self._lv, finished_reason).inc()

@@ -79,9 +79,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.model = TextModel(cfg.seed, cfg.eos_rate)
-        from unbroken import __version__
-
-        self.metrics = EngineMetrics(cfg.model_name, cfg.profile.max_model_len, __version__)
+        self.metrics = EngineMetrics(cfg.model_name, cfg.profile.max_model_len)
         self.faults = Faults()
         self.cuda: cuda_mod.CudaStub | None = None
         self.core: EngineCore | None = None
@@ -191,6 +189,7 @@ class Engine:
             admin.router.add_get("/faults", self.get_faults)
             admin.router.add_post("/faults", self.post_fault)
             admin.router.add_delete("/faults", self.clear_faults)
+            admin.router.add_get("/config", self.get_config)
             admin.router.add_post("/config", self.post_config)
             admin.router.add_get("/state", self.get_state)
             app.add_subapp("/admin/", admin)
@@ -509,6 +508,10 @@ class Engine:
         log.warning("faults cleared")
         return web.json_response({"cleared": True})
 
+    async def get_config(self, request: web.Request) -> web.Response:
+        assert self.core is not None
+        return web.json_response({"max_num_seqs": self.core.max_num_seqs})
+
     async def post_config(self, request: web.Request) -> web.Response:
         try:
             cfg = Config.model_validate(orjson.loads(await request.read()))
@@ -596,6 +599,9 @@ async def serve(cfg: EngineConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await engine.drain(cfg.shutdown_timeout)
+    # What drain left is aborted now, as vLLM does: aiohttp's own grace (start_site's 2 s)
+    # would otherwise let short streams finish even with --shutdown-timeout 0.
+    runner._shutdown_timeout = 0.05
     await runner.cleanup()
     if engine.core is not None:
         engine.core.stop()
