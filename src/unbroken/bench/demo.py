@@ -1,58 +1,393 @@
-"""`unbroken demo`: the whole story on one machine, measured.
+"""`unbroken demo`: the seed article's results table, measured side by side in one run.
 
-Measures an engine start with a cold page cache against one after `unbroken prewarm`, then
-starts the default pipeline (two fp16 replicas, one fp8 replica, one gateway), drives 200
-streaming users, and while they stream: a steady window, a rolling upgrade of the primary
-pool, then a SIGKILL of one primary replica (the supervisor replaces it). Every response is
-checked byte for byte against the simulator's deterministic text. Prints the seed article's
-results table with the rows measured here, and writes a report with plots.
+1. An engine start with a cold page cache against one after `unbroken prewarm`, on the bare
+   disk (the unthrottled reference).
+2. Storage is made as slow as the seed's network storage (`throttle`: a cgroup read cap of
+   300 MB/s on the weights' disk for this process and every child it starts).
+3. The same load and events (`passes`) against two deployments of the same engines:
+   - standard: an L4 round-robin Service, no drain, migration, pre-warm or controller, and a
+     `kubectl rollout restart` with vLLM's default SIGTERM (in-flight requests aborted);
+   - unbroken: the default pipeline (gateway, two-stage readiness, drain + migration,
+     pre-warm, controller where the spec runs one).
+   200 streaming users with a mix of priorities; a bus-contention episode on an fp16
+   replica; a rolling upgrade of the primary pool; a SIGKILL of a primary replica. Every
+   response is checked byte for byte against the simulator's deterministic text.
+4. The seed table (`seed_table` in results.json: metric, standard, unbroken, unit), the
+   checks with their targets, PASS or FAIL, and a report with plots (contention shaded,
+   controller decisions as markers). The standard pass's own report is in `standard/`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import shutil
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from unbroken.bench.baseline import StandardDeployment
 from unbroken.bench.coldstart import measure_cold_start
-from unbroken.bench.control import PipelineControl, Sampler
-from unbroken.bench.load import LoadConfig, LoadRun, Record
-from unbroken.bench.report import fmt_ms, write_report
-from unbroken.bench.runner import live_progress, make_window, markdown_table
-from unbroken.config.spec import default_spec
+from unbroken.bench.load import LoadConfig, Record
+from unbroken.bench.passes import (
+    PassResult,
+    Phases,
+    StandardTarget,
+    UnbrokenTarget,
+    run_pass,
+)
+from unbroken.bench.report import Marker, Span, fmt_ms, run_metadata, write_report
+from unbroken.bench.runner import make_window, markdown_table
+from unbroken.bench.stats import percentile
+from unbroken.bench.throttle import SEED_BPS, IoThrottle, ThrottleUnavailable
+from unbroken.config.spec import PipelineSpec, default_spec
 from unbroken.pipeline.supervisor import Supervisor
 from unbroken.wire.http import free_port
 
-__all__ = ["run_demo"]
+__all__ = ["DemoSettings", "run_demo", "seed_rows", "stall_spikes"]
+
+PRIORITIES = {"critical": 0.2, "standard": 0.6, "sheddable": 0.2}
 
 
-async def _demo(
-    console: Console,
-    out: Path,
-    users: int,
-    steady_s: float,
-    deadline_s: float,
-    weights_size: str,
-    max_ratio: float,
-) -> int:
-    state = out / "state"
-    shutil.rmtree(state, ignore_errors=True)
-    state.mkdir(parents=True)
+@dataclass(frozen=True)
+class DemoSettings:
+    users: int = 200
+    phases: Phases = field(default_factory=Phases)
+    weights_size: str = "1GiB"
+    max_ratio: float = 1.5
+    stall_ms: float = 150.0
+    baseline: bool = True
+    storage_bps: int = SEED_BPS
+
+
+def stall_spikes(records: list[Record], start: float, end: float, threshold_s: float) -> int:
+    """Inter-token gaps longer than `threshold_s` that ended in [start, end)."""
+    n = 0
+    for r in records:
+        if r.ttft is None:
+            continue
+        t = r.start + r.ttft
+        for g in r.gaps:
+            t += g
+            if g > threshold_s and start <= t < end:
+                n += 1
+    return n
+
+
+def _windows(p: PassResult) -> dict[str, dict[str, Any]]:
+    m, rs = p.marks, p.records
+    w = {
+        "steady": make_window(rs, m["steady_start"], m["contention_start"]),
+        "contention": make_window(rs, m["contention_start"], m["contention_end"]),
+        "rollout": make_window(rs, m["rollout_start"], m["rollout_end"]),
+        "chaos": make_window(rs, m["chaos_start"], m["chaos_end"]),
+    }
+    end = max(((r.end or r.start) for r in rs), default=0.0)
+    w["whole run"] = make_window(rs, 0.0, end + 1)
+    return w
+
+
+def _under_load_p999(p: PassResult) -> float | None:
+    m = p.marks
+    spans = [
+        (m["contention_start"], m["contention_end"]),
+        (m["rollout_start"], m["rollout_end"]),
+    ]
+    xs = [
+        r.ttft for r in p.records if r.ttft is not None and any(a <= r.start < b for a, b in spans)
+    ]
+    return percentile(xs, 99.9)
+
+
+@dataclass
+class _Measured:
+    """What one pass contributes to the table."""
+
+    cold_start_s: float | None
+    prewarm_s: float | None
+    p999_ttft_under_load_s: float | None
+    p999_ttft_steady_s: float | None
+    p999_ttft_contention_s: float | None
+    p999_ttft_rollout_s: float | None
+    dropped_rollout: int
+    dropped_chaos: int
+    dropped_contention: int
+    open_rollout: int
+    corrupted: int
+    stall_spikes: int
+    stall_spikes_steady: int
+    rollout_ok: bool
+    rollout_s: float | None
+
+
+def measure(p: PassResult, windows: dict[str, dict[str, Any]], stall_s: float) -> _Measured:
+    m = p.marks
+
+    def p999(name: str) -> float | None:
+        return windows[name]["summary"]["ttft"]["p99.9"]
+
+    steady_len = m["contention_start"] - m["steady_start"]
+    return _Measured(
+        cold_start_s=max((c["start_to_ready_s"] for c in p.cold_starts), default=None),
+        prewarm_s=sum(x["seconds"] for x in p.prewarm) if p.prewarm else None,
+        p999_ttft_under_load_s=_under_load_p999(p),
+        p999_ttft_steady_s=p999("steady"),
+        p999_ttft_contention_s=p999("contention"),
+        p999_ttft_rollout_s=p999("rollout"),
+        dropped_rollout=windows["rollout"]["open"]["dropped"],
+        dropped_chaos=windows["chaos"]["open"]["dropped"],
+        dropped_contention=windows["contention"]["open"]["dropped"],
+        open_rollout=windows["rollout"]["open"]["streams"],
+        corrupted=windows["whole run"]["open"]["corrupted"],
+        stall_spikes=stall_spikes(p.records, m["contention_start"], m["contention_end"], stall_s),
+        # the same length of steady state, for scale: spikes the threshold sees without contention
+        stall_spikes_steady=stall_spikes(
+            p.records, m["steady_start"], m["steady_start"] + steady_len, stall_s
+        ),
+        rollout_ok=bool(p.rollout.get("ok")),
+        rollout_s=p.rollout.get("seconds"),
+    )
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 1)
+
+
+def _s(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def seed_rows(
+    std: _Measured | None, ub: _Measured, *, max_ratio: float, stall_ms: float, storage: str
+) -> list[dict[str, Any]]:
+    """The seed article's table, both columns measured in this run; `ok` judges unbroken."""
+
+    def col(name: str) -> Any:
+        return None if std is None else getattr(std, name)
+
+    ratio = (
+        ub.p999_ttft_contention_s / ub.p999_ttft_steady_s
+        if ub.p999_ttft_contention_s and ub.p999_ttft_steady_s
+        else math.nan
+    )
+    fewer = std is None or ub.stall_spikes < std.stall_spikes
+    return [
+        {
+            "metric": "cold_start_s",
+            "standard": _s(col("cold_start_s")),
+            "unbroken": _s(ub.cold_start_s),
+            "unit": "s",
+            "note": f"replacement replica, process start to /health; {storage}",
+        },
+        {
+            "metric": "prewarm_s",
+            "standard": None,
+            "unbroken": _s(ub.prewarm_s),
+            "unit": "s",
+            "note": "unbroken's page-cache pre-warm, done while the old replica still served",
+        },
+        {
+            "metric": "p999_ttft_ms_under_load",
+            "standard": _ms(col("p999_ttft_under_load_s")),
+            "unbroken": _ms(ub.p999_ttft_under_load_s),
+            "unit": "ms",
+            "note": "requests started in the rollout and contention windows",
+        },
+        {
+            "metric": "p999_ttft_ms_steady",
+            "standard": _ms(col("p999_ttft_steady_s")),
+            "unbroken": _ms(ub.p999_ttft_steady_s),
+            "unit": "ms",
+        },
+        {
+            "metric": "p999_ttft_ms_contention",
+            "standard": _ms(col("p999_ttft_contention_s")),
+            "unbroken": _ms(ub.p999_ttft_contention_s),
+            "unit": "ms",
+            "target": f"<= {max_ratio:g}x steady",
+            "ok": ratio <= max_ratio,
+        },
+        {
+            "metric": "dropped_streams_rollout",
+            "standard": col("dropped_rollout"),
+            "unbroken": ub.dropped_rollout,
+            "unit": "streams",
+            "target": "0",
+            "ok": ub.dropped_rollout == 0,
+            "note": f"of {ub.open_rollout} open (unbroken)"
+            + ("" if std is None else f", {std.open_rollout} open (standard)"),
+        },
+        {
+            "metric": "dropped_streams_chaos",
+            "standard": col("dropped_chaos"),
+            "unbroken": ub.dropped_chaos,
+            "unit": "streams",
+            "target": "0",
+            "ok": ub.dropped_chaos == 0,
+        },
+        {
+            "metric": "corrupted_streams",
+            "standard": col("corrupted"),
+            "unbroken": ub.corrupted,
+            "unit": "streams",
+            "target": "0",
+            "ok": ub.corrupted == 0,
+        },
+        {
+            "metric": "stall_spikes",
+            "standard": col("stall_spikes"),
+            "unbroken": ub.stall_spikes,
+            "unit": "gaps",
+            "target": "fewer than standard",
+            "ok": fewer,
+            "note": f"inter-token gaps > {stall_ms:g} ms in the contention window "
+            f"(same length of steady state: {ub.stall_spikes_steady} unbroken"
+            + ("" if std is None else f", {std.stall_spikes_steady} standard")
+            + ")",
+        },
+    ]
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _print_seed(console: Console, rows: list[dict[str, Any]]) -> str:
+    t = Table(title="the seed's results table, measured: standard deployment vs unbroken")
+    for c in ("metric", "standard", "unbroken", "unit", "target", ""):
+        t.add_column(c)
+    md = [
+        "| metric | standard | unbroken | unit | target | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ok = r.get("ok")
+        mark = "" if ok is None else ("[green]✓[/green]" if ok else "[red]✗[/red]")
+        t.add_row(
+            r["metric"],
+            _fmt(r["standard"]),
+            _fmt(r["unbroken"]),
+            r["unit"],
+            r.get("target", ""),
+            mark,
+        )
+        md.append(
+            f"| {r['metric']} | {_fmt(r['standard'])} | {_fmt(r['unbroken'])} | {r['unit']} | "
+            f"{r.get('target', '')} | {'' if ok is None else ('pass' if ok else 'FAIL')} |"
+        )
+    console.print(t)
+    for r in rows:
+        if r.get("note"):
+            console.print(f"  {r['metric']}: {r['note']}")
+    notes = "\n".join(f"- {r['metric']}: {r['note']}" for r in rows if r.get("note"))
+    return "\n".join(md) + "\n\n" + notes
+
+
+def _checks(
+    ub: _Measured, rows: list[dict[str, Any]], cold: dict[str, float], max_ratio: float
+) -> list[dict[str, Any]]:
+    ratio = (
+        ub.p999_ttft_rollout_s / ub.p999_ttft_steady_s
+        if ub.p999_ttft_rollout_s and ub.p999_ttft_steady_s
+        else math.nan
+    )
+    checks: list[dict[str, Any]] = [
+        {
+            "metric": "engine start on the bare disk, cold page cache vs pre-warmed",
+            "measured": f"{cold['cold_start_s']:.2f} s vs {cold['warm_start_s']:.2f} s "
+            f"({cold['cold_start_s'] / cold['warm_start_s']:.2f}x); weight load "
+            f"{cold['cold_load_s']:.2f} s vs {cold['warm_load_s']:.2f} s, "
+            f"{cold['bytes'] / 2**30:.2f} GiB",
+            "target": "measured",
+            "ok": True,
+        },
+        {
+            "metric": "p99.9 TTFT, during rolling upgrade",
+            "measured": f"{fmt_ms(ub.p999_ttft_rollout_s)} ({ratio:.2f}x steady)",
+            "target": f"<= {max_ratio:g}x steady",
+            "ok": ratio <= max_ratio,
+        },
+        {
+            "metric": "rolling upgrade of primary (2 replicas)",
+            "measured": f"{ub.rollout_s or math.nan:.1f} s, "
+            + ("ok" if ub.rollout_ok else "FAILED"),
+            "target": "ok",
+            "ok": ub.rollout_ok,
+        },
+        {
+            "metric": "dropped SSE streams during contention",
+            "measured": str(ub.dropped_contention),
+            "target": "0",
+            "ok": ub.dropped_contention == 0,
+        },
+    ]
+    for r in rows:
+        if "ok" in r:
+            checks.append(
+                {
+                    "metric": r["metric"],
+                    "measured": f"{_fmt(r['unbroken'])} {r['unit']} "
+                    f"(standard: {_fmt(r['standard'])})",
+                    "target": r["target"],
+                    "ok": bool(r["ok"]),
+                }
+            )
+    return checks
+
+
+def _spans(p: PassResult) -> list[Span]:
+    m = p.marks
+    return [
+        Span("steady", m["steady_start"], m["contention_start"]),
+        Span("contention", m["contention_start"], m["contention_end"]),
+        Span("rollout", m["rollout_start"], m["rollout_end"]),
+        Span("chaos", m["chaos_start"], m["chaos_end"]),
+    ]
+
+
+def _markers(p: PassResult) -> list[Marker]:
+    out = [Marker(e["t"], e["event"]) for e in p.events if not e["event"].endswith("_start")]
+    for d in p.decisions:
+        what = d.get("action") or "decision"
+        out.append(Marker(float(d["t"]), f"controller: {what} {d.get('endpoint', '')}".strip()))
+    return out
+
+
+def _spec(weights_size: str) -> PipelineSpec:
     spec = default_spec()
     spec.gateway.port, spec.gateway.admin_port = free_port(), free_port()
+    ctl = getattr(spec, "controller", None)
+    if ctl is not None and hasattr(ctl, "port"):
+        ctl.port = free_port()
     for pool in spec.pools:
         pool.weights_size = weights_size
+    return spec
+
+
+def _make_state(out: Path, name: str) -> tuple[Path, str, Path]:
+    state = out / name
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True)
     token = secrets.token_urlsafe(16)
     token_file = state / "admin-token"
     token_file.write_text(token)
     token_file.chmod(0o600)
+    return state, token, token_file
+
+
+async def _demo(console: Console, out: Path, s: DemoSettings) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    state, token, token_file = _make_state(out, "state")
+    spec = _spec(s.weights_size)
     sup = Supervisor(spec, state=state, token=token, token_file=token_file)
     loop = asyncio.get_running_loop()
     with console.status("measuring a cold engine start against a pre-warmed one") as st:
@@ -64,207 +399,134 @@ async def _demo(
         cold = await measure_cold_start(
             sup.engine_argv(primary, "127.0.0.1", port), f"http://127.0.0.1:{port}", weights
         )
-    t_boot = time.monotonic()
-    with console.status("starting the default pipeline") as st:
-        await sup.start(lambda m: st.update(m))
-    boot_s = time.monotonic() - t_boot
-    console.print(
-        f"pipeline up in {boot_s:.1f} s: gateway {sup.gateway_url}, {len(sup.replicas)} replicas"
-    )
-    control = PipelineControl(str(state / "supervisor.sock"))
-    sampler = Sampler(sup.admin_url, token)
-    cfg = LoadConfig(
-        url=sup.gateway_url,
-        users=users,
-        spawn_rate=max(10.0, users / 10),
-        duration=3600,
-        priorities={"critical": 0.1, "standard": 0.8, "sheddable": 0.1},
-    )
-    load = LoadRun(cfg)
-    marks: dict[str, float] = {}
-    phase = "ramp-up"
     try:
-        with live_progress(console) as prog:
-            tid = prog.add_task("demo", total=None, stats="")
-            runner = asyncio.create_task(load.run())
-            await asyncio.sleep(0)
-            sampler.start(load.t0)
-
-            async def tick() -> None:
-                while True:
-                    prog.update(
-                        tid,
-                        description=phase,
-                        stats=load.status(),
-                    )
-                    await asyncio.sleep(0.5)
-
-            ticker = asyncio.create_task(tick())
-            ramp = users / cfg.spawn_rate + 5.0
-            await asyncio.sleep(ramp)
-            phase = "steady"
-            marks["steady_start"] = load.now()
-            load.mark("steady_start")
-            await asyncio.sleep(steady_s)
-            phase = "rolling upgrade of primary"
-            marks["rollout_start"] = load.now()
-            load.mark("rollout_start", pool="primary")
-            summary = await control.rollout(
-                "primary", {"overrides": {"decode_base_s": 0.018}}, deadline_s=deadline_s
-            )
-            marks["rollout_end"] = load.now()
-            load.mark("rollout_end", ok=summary.get("ok"), seconds=summary.get("seconds"))
-            phase = "settling"
-            await asyncio.sleep(8.0)
-            phase = "chaos: SIGKILL a primary replica"
-            marks["chaos_start"] = load.now()
-            victim = await control.kill("primary")
-            load.mark("replica_killed", replica=victim["name"], pid=victim["pid"])
-            by = await control.wait_replaced(victim["name"])
-            load.mark("replica_replaced", replica=victim["name"], by=by)
-            await asyncio.sleep(5.0)
-            marks["chaos_end"] = load.now()
-            phase = "finishing"
-            load.stop()
-            await runner
-            ticker.cancel()
-    finally:
-        await sampler.stop()
-        await sup.stop()
-    records = load.records
-    windows = {
-        "steady": make_window(records, marks["steady_start"], marks["rollout_start"]),
-        "rollout": make_window(records, marks["rollout_start"], marks["rollout_end"]),
-        "chaos": make_window(records, marks["chaos_start"], marks["chaos_end"]),
-    }
-    end = max((r.end or r.start) for r in records)
-    windows["whole run"] = make_window(records, 0.0, end + 1)
-    return _verdict(
-        console, out, cfg, load, sampler, windows, records, summary, boot_s, cold, max_ratio
+        throttle: IoThrottle | None = IoThrottle.create(weights, s.storage_bps)
+        assert throttle is not None
+        storage = f"storage: {throttle.describe()}"
+    except ThrottleUnavailable as e:
+        throttle = None
+        storage = f"storage NOT throttled ({e}): both columns read the bare disk"
+    console.print(storage)
+    cfg = LoadConfig(
+        url="",
+        users=s.users,
+        spawn_rate=max(10.0, s.users / 5),
+        duration=3600,
+        priorities=PRIORITIES,
     )
+    std_res: PassResult | None = None
+    try:
+        with throttle.applied() if throttle else contextlib.nullcontext():
+            if s.baseline:
+                b_state, b_token, b_file = _make_state(out, "state-standard")
+                dep = StandardDeployment(
+                    _spec(s.weights_size), state=b_state, token=b_token, token_file=b_file
+                )
+                cfg.url = dep.url
+                std_res = await run_pass(StandardTarget(dep), cfg, s.phases, console)
+            cfg.url = sup.gateway_url
+            ub_res = await run_pass(UnbrokenTarget(sup), cfg, s.phases, console)
+    finally:
+        if throttle is not None:
+            with contextlib.suppress(OSError):
+                throttle.remove()
+    return _verdict(console, out, s, cfg, cold, storage, std_res, ub_res)
 
 
 def _verdict(
     console: Console,
     out: Path,
+    s: DemoSettings,
     cfg: LoadConfig,
-    load: LoadRun,
-    sampler: Sampler,
-    windows: dict[str, dict[str, Any]],
-    records: list[Record],
-    rollout: dict[str, Any],
-    boot_s: float,
     cold: dict[str, float],
-    max_ratio: float,
+    storage: str,
+    std_res: PassResult | None,
+    ub_res: PassResult,
 ) -> int:
-    steady = windows["steady"]["summary"]["ttft"]["p99.9"]
-    during = windows["rollout"]["summary"]["ttft"]["p99.9"]
-    ratio = during / steady if steady and during else float("nan")
-    whole = windows["whole run"]
-    dropped_r, dropped_c = (
-        windows["rollout"]["open"]["dropped"],
-        windows["chaos"]["open"]["dropped"],
-    )
-    corrupted = whole["open"]["corrupted"]
-    streams_r, streams_c = (
-        windows["rollout"]["open"]["streams"],
-        windows["chaos"]["open"]["streams"],
-    )
-    migrated = [e for e in load.events if e["event"] in ("rollout_end", "replica_replaced")]
-    t = Table(title="unbroken demo: the seed's results, measured in this run")
-    t.add_column("metric")
-    t.add_column("measured")
-    t.add_column("target")
-    t.add_column("")
-    checks = [
-        (
-            "model cold start (engine to /health), cold cache vs pre-warmed",
-            f"{cold['cold_start_s']:.2f} s vs {cold['warm_start_s']:.2f} s "
-            f"({cold['cold_start_s'] / cold['warm_start_s']:.2f}x); weight load "
-            f"{cold['cold_load_s']:.2f} s vs {cold['warm_load_s']:.2f} s "
-            f"({cold['cold_load_s'] / max(cold['warm_load_s'], 1e-6):.1f}x), "
-            f"{cold['bytes'] / 2**30:.2f} GiB",
-            "measured",
-            True,
-        ),
-        ("p99.9 TTFT, steady window", fmt_ms(steady), "", True),
-        (
-            "p99.9 TTFT, during rolling upgrade",
-            f"{fmt_ms(during)} ({ratio:.2f}x steady)",
-            f"<= {max_ratio:g}x steady",
-            ratio <= max_ratio,
-        ),
-        (
-            "dropped SSE streams during rollout",
-            f"{dropped_r} of {streams_r} open",
-            "0",
-            dropped_r == 0,
-        ),
-        (
-            "dropped SSE streams during SIGKILL chaos",
-            f"{dropped_c} of {streams_c} open",
-            "0",
-            dropped_c == 0,
-        ),
-        (
-            "streams with corrupted text (whole run)",
-            f"{corrupted} of {whole['open']['streams']}",
-            "0",
-            corrupted == 0,
-        ),
-        (
-            "rolling upgrade of primary (2 replicas)",
-            f"{rollout.get('seconds', float('nan')):.1f} s, "
-            + ("ok" if rollout.get("ok") else "FAILED"),
-            "ok",
-            bool(rollout.get("ok")),
-        ),
-    ]
-    for name, value, target, ok in checks:
-        t.add_row(name, value, target, "[green]✓[/green]" if ok else "[red]✗[/red]")
-    console.print(t)
-    md = markdown_table(windows, records)
-    md_checks = "\n".join(
-        f"| {n} | {v} | {tg} | {'pass' if ok else 'FAIL'} |" for n, v, tg, ok in checks
-    )
-    full_md = (
-        "| metric | measured | target | |\n|---|---|---|---|\n"
-        + md_checks
-        + f"\n\nPipeline start: {boot_s:.1f} s. Users: {cfg.users}. "
-        f"Events: {', '.join(e['event'] + ' @' + format(e['t'], '.1f') for e in migrated)}"
+    stall_s = s.stall_ms / 1e3
+    ub_w = _windows(ub_res)
+    ub = measure(ub_res, ub_w, stall_s)
+    std_w = _windows(std_res) if std_res else None
+    std = measure(std_res, std_w, stall_s) if std_res and std_w else None
+    rows = seed_rows(std, ub, max_ratio=s.max_ratio, stall_ms=s.stall_ms, storage=storage)
+    seed_md = _print_seed(console, rows)
+    checks = _checks(ub, rows, cold, s.max_ratio)
+    passed = all(c["ok"] for c in checks)
+    config = {
+        "users": cfg.users,
+        "priorities": PRIORITIES,
+        "phases": {
+            "steady_s": s.phases.steady_s,
+            "contention": vars(s.phases.contention),
+            "recovery_s": s.phases.recovery_s,
+            "drain_deadline_s": s.phases.deadline_s,
+        },
+        "stall_ms": s.stall_ms,
+        "storage": storage,
+        "passes": ["standard", "unbroken"] if std_res else ["unbroken"],
+        "contended": {
+            "unbroken": ub_res.contended,
+            **({"standard": std_res.contended} if std_res else {}),
+        },
+        "cold_start_unthrottled": cold,
+    }
+    windows = dict(ub_w)
+    if std_w is not None:
+        windows.update({f"standard: {k}": v for k, v in std_w.items()})
+    md = (
+        seed_md
         + "\n\n"
-        + md
+        + "\n".join(
+            f"| {c['metric']} | {c['measured']} | {c['target']} | {'pass' if c['ok'] else 'FAIL'} |"
+            for c in checks
+        )
+        + f"\n\nPipeline start: unbroken {ub_res.boot_s:.1f} s"
+        + (f", standard {std_res.boot_s:.1f} s" if std_res else "")
+        + f". Users: {cfg.users}. {storage}.\n\n"
+        + markdown_table(windows, ub_res.records)
         + "\n"
     )
+    meta = run_metadata(
+        extra={"note": "2 shared cores: other processes may have run during the demo"}
+    )
+    if std_res is not None and std_w is not None:
+        write_report(
+            out / "standard",
+            title="unbroken demo: the standard deployment's pass",
+            config=config,
+            records=std_res.records,
+            events=std_res.events,
+            samples=[],
+            windows=std_w,
+            spans=_spans(std_res),
+            markers=_markers(std_res),
+            meta=meta,
+            markdown=markdown_table(std_w, std_res.records),
+        )
     report = write_report(
         out,
-        title="unbroken demo",
-        config={"users": cfg.users},
-        records=records,
-        events=load.events,
-        samples=sampler.samples,
+        title="unbroken demo: standard deployment vs unbroken",
+        config={**config, "decisions": ub_res.decisions, "rollout": ub_res.rollout},
+        records=ub_res.records,
+        events=ub_res.events,
+        samples=ub_res.samples,
         windows=windows,
-        markdown=full_md,
+        spans=_spans(ub_res),
+        markers=_markers(ub_res),
+        checks=checks,
+        seed_table=rows,
+        meta=meta,
+        markdown=md,
     )
-    console.print(md)
+    console.print(markdown_table(windows, ub_res.records))
+    if not ub_res.decisions:
+        console.print("no controller decisions were recorded in the unbroken pass")
     console.print(f"report: {report}")
-    passed = all(ok for *_, ok in checks)
     console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
     return 0 if passed else 1
 
 
-def run_demo(
-    *,
-    out: Path,
-    users: int = 200,
-    steady_s: float = 30.0,
-    deadline_s: float = 5.0,
-    weights_size: str = "1GiB",
-    max_ratio: float = 1.5,
-    console: Console,
-) -> int:
+def run_demo(*, out: Path, settings: DemoSettings, console: Console) -> int:
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(
-            _demo(console, out, users, steady_s, deadline_s, weights_size, max_ratio)
-        )
+        return asyncio.run(_demo(console, out, settings))
     return 130
