@@ -378,8 +378,28 @@ def drain(
         typer.Option(help="Seconds before remaining streams are migrated [gateway default]."),
     ] = None,
     timeout: Annotated[float, typer.Option(help="Give up waiting after this (s).")] = 600.0,
+    every_address: Annotated[
+        bool,
+        typer.Option(
+            help="Drain on every address --admin-url's host resolves to (a headless Service: "
+            "each gateway replica)."
+        ),
+    ] = False,
+    token_file: Annotated[
+        Path | None, typer.Option(help="Read the admin token from this file.")
+    ] = None,
 ) -> None:
     """Drain an endpoint and wait until it is empty (for preStop hooks)."""
+    if every_address or token_file:
+        from unbroken.k8s.hooks import main as hooks_main
+
+        if admin_url is None:
+            _fail("--every-address/--token-file need --admin-url")
+        argv = ["drain", endpoint, "--admin", admin_url, "--timeout", str(timeout)]
+        argv += ["--every-address"] if every_address else []
+        argv += ["--token-file", str(token_file)] if token_file else []
+        argv += ["--deadline", str(deadline)] if deadline is not None else []
+        raise typer.Exit(hooks_main(argv))
     from unbroken.pipeline.up import drain_cli
 
     raise typer.Exit(

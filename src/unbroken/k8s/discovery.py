@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,10 +196,12 @@ class SliceWatcher:
 
     async def run(self) -> None:
         delay = self.backoff[0]
+        watched_at = -math.inf
         client: AsyncClient | None = None
         labels = {SERVICE_LABEL: self.ref.service}
         try:
             while True:
+                watching = False
                 try:
                     if client is None:
                         client = self.client_factory()
@@ -211,7 +215,9 @@ class SliceWatcher:
                     self.slices, self.synced = slices, True
                     self._api(True, None)
                     self._emit()
-                    delay = self.backoff[0]
+                    if time.monotonic() - watched_at > 1.0:
+                        delay = self.backoff[0]
+                    watching, watched_at = True, time.monotonic()
                     async with asyncio.timeout(self.server_timeout_s + 30):
                         async for kind, obj in client.watch(
                             EndpointSlice,
@@ -238,11 +244,20 @@ class SliceWatcher:
                         # No event and no server-side end within the timeout: re-list.
                         self.on_api(True, "timeout")
                         continue
-                    self._api(False, "error")
-                    log.warning("EndpointSlices of %s: %s: %s", self.ref, type(e).__name__, e)
                     if client is not None:
                         await _close(client)
                         client = None
+                    if watching:
+                        # A watch cut mid-stream (restart, load balancer): list again, at once
+                        # unless watches keep breaking; only a failing list means unreachable.
+                        log.info("watch of %s broke (%s): listing again", self.ref, e)
+                        self.on_api(True, "dropped")
+                        if time.monotonic() - watched_at < 1.0:
+                            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                            delay = min(delay * 2, self.backoff[1])
+                        continue
+                    self._api(False, "error")
+                    log.warning("EndpointSlices of %s: %s: %s", self.ref, type(e).__name__, e)
                     await asyncio.sleep(delay * random.uniform(0.8, 1.2))
                     delay = min(delay * 2, self.backoff[1])
         finally:

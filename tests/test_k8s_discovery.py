@@ -1,0 +1,319 @@
+"""EndpointSlice discovery: real gateway processes in front of real simulator engines, with
+endpoints coming from a Kubernetes API server.
+
+The API server is a stand-in (tests/k8s_apiserver.py): no real one can run on our machines
+(no kind, k3s or etcd). It speaks the list and watch protocol of discovery.k8s.io/v1
+EndpointSlices the way the real one does, including `410 Gone` and watches cut mid-stream,
+and it is the only thing here that is not real: the gateway talks to it with lightkube over
+HTTP, and every stream runs through the gateway to real engines and is checked byte for
+byte against the simulator's deterministic text.
+
+In a cluster every pod has its own IP and the same port; here the engines share 127.0.0.1
+with different ports, so each engine gets its own slice (slices group endpoints by port set,
+so this is a shape the real API also produces).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, metric, wait_endpoints, wait_for
+from k8s_apiserver import ApiServer, Ep
+from unbroken.engine.textmodel import expected_completion
+from unbroken.gateway._discovery import cap_share
+from unbroken.k8s import hooks
+from unbroken.wire.sse import SSEDecoder
+
+NS = "default"
+SLOW = ("--decode-base-s", "0.01")  # 300 tokens take 3 s or more: time to act mid-stream
+
+
+@pytest.fixture
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ApiServer]:
+    srv = ApiServer()
+    monkeypatch.setenv("KUBECONFIG", str(srv.kubeconfig(tmp_path / "kubeconfig")))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    yield srv
+    srv.close()
+
+
+def put(api: ApiServer, pod: str, e: Proc, service: str = "eng", **conditions: Any) -> None:
+    api.put_slice(NS, f"{service}-{pod}", service, [Ep(pod, **conditions)], e.port, "http")
+
+
+def names(g: Proc) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+
+
+def read_stream(
+    url: str, body: dict[str, Any], after: int, action: Callable[[str], None]
+) -> tuple[str, str]:
+    """Stream a completion; call `action(endpoint)` once `after` tokens arrived. Returns
+    (text, the endpoint that started the stream)."""
+    dec = SSEDecoder()
+    text: list[str] = []
+    tokens = 0
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200, r.read()
+        first = r.headers["x-unbroken-endpoint"]
+        for chunk in r.iter_raw():
+            for ev in dec.feed(chunk):
+                if ev.data is None or ev.is_done:
+                    continue
+                obj = orjson.loads(ev.data)
+                assert "error" not in obj, obj
+                for c in obj.get("choices", []):
+                    if c.get("text"):
+                        text.append(c["text"])
+                        tokens += 1
+                        if tokens == after:
+                            action(first)
+    return "".join(text), first
+
+
+def count(g: Proc, name: str) -> float:
+    """A counter's total; a counter with no sample yet counts 0."""
+    try:
+        return metric(g.url, name)
+    except KeyError:
+        return 0.0
+
+
+def served_by(g: Proc) -> str:
+    r = httpx.post(
+        g.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "who", "max_tokens": 2, "temperature": 0},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r.headers["x-unbroken-endpoint"]
+
+
+def k8s_gateway(tmp: Path, *args: str, name: str = "gateway") -> Proc:
+    return gateway(
+        tmp, args=("--k8s-service", f"primary={NS}/eng:http", *args), wait_ready=0, name=name
+    )
+
+
+def test_cap_share_adds_up() -> None:
+    for total in range(1, 12):
+        for n in range(1, total + 1):
+            shares = [cap_share(total, n, i) for i in range(n)]
+            assert sum(shares) == total and max(shares) - min(shares) <= 1
+    assert [cap_share(2, 3, i) for i in range(3)] == [1, 1, 1]  # never 0: overshoot, logged
+
+
+def test_lifecycle_from_endpointslices(tmp_path: Path, api: ApiServer) -> None:
+    """ready → added after warm-up; terminating → drained, its stream finishes in place;
+    removed → its stream migrates; 410 Gone, a dropped watch and an unreachable API server
+    leave the gateway serving from what it knew."""
+    a = engine(tmp_path, *SLOW, name="a")
+    b = engine(tmp_path, *SLOW, name="b")
+    c = engine(tmp_path, *SLOW, name="c")
+    put(api, "a", a)
+    put(api, "b", b, ready=False)  # not ready yet: the gateway must not add it
+    g = k8s_gateway(tmp_path)
+    procs = [g, a, b, c]
+    try:
+        wait_endpoints(
+            g, lambda eps: any(e["name"] == "a.default" and e["state"] == "ready" for e in eps)
+        )
+        assert set(names(g)) == {"a.default"}
+        assert api.watches and api.watches[0] == str(api.rv)  # watched from the list's version
+
+        # Addition: ready in the slice → added, and traffic only after our own warm-up.
+        put(api, "b", b)
+        wait_endpoints(
+            g, lambda eps: {e["name"]: e["state"] for e in eps}.get("b.default") == "ready"
+        )
+        assert "b.default: stage 2 passed" in g.tail(200)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}
+        expected = expected_completion("Once upon a time", 300).text
+
+        # terminating → drain: no new requests, the stream in flight finishes where it is.
+        pods = {"a.default": ("a", a), "b.default": ("b", b)}  # the header names the endpoint
+        seen: dict[str, str] = {}
+
+        def terminate(first: str) -> None:
+            pod, proc = pods[first]
+            put(api, pod, proc, ready=False, serving=True, terminating=True)
+            wait_endpoints(g, lambda eps: {e["name"]: e["state"] for e in eps}[first] == "draining")
+            seen["other"] = served_by(g)
+
+        text, first = read_stream(g.url, body, after=20, action=terminate)
+        assert text == expected
+        assert seen["other"] != first  # new work went elsewhere while the stream went on
+        assert count(g, "unbroken_gateway_streams_migrated_total") == 0
+        wait_endpoints(g, lambda eps: first not in {e["name"] for e in eps})
+        api.delete_slice(NS, f"eng-{pods[first][0]}")  # the pod is gone
+        survivor_pod = pods[seen["other"]][0]
+
+        # removed → what still streams migrates at once (drain with deadline 0).
+        put(api, "c", c)
+        wait_endpoints(
+            g, lambda eps: {e["name"]: e["state"] for e in eps}.get("c.default") == "ready"
+        )
+        on: dict[str, str] = {}
+
+        def remove(first: str) -> None:
+            on["first"] = first
+            pod = "c" if first == "c.default" else survivor_pod
+            api.delete_slice(NS, f"eng-{pod}")
+
+        text, first = read_stream(g.url, body, after=20, action=remove)
+        assert text == expected
+        assert count(g, "unbroken_gateway_streams_migrated_total") == 1
+        left = {e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+        assert len(left) == 1  # the removed one is gone, the other serves
+
+        # 410 Gone: the gateway lists again and keeps watching.
+        lists = api.lists
+        api.compact()
+        wait_for(lambda: api.lists > lists, 10, what="re-list after 410")
+        assert metric(g.url, "unbroken_gateway_k8s_watch_restarts_total", reason="gone") >= 1
+        # A watch cut mid-stream: listed again, and changes after it still arrive.
+        lists = api.lists
+        api.drop_watches()
+        wait_for(lambda: api.lists > lists, 10, what="re-list after a dropped watch")
+        put(api, "a2", a)  # a new pod (on a's engine process)
+        wait_endpoints(
+            g, lambda eps: {e["name"]: e["state"] for e in eps}.get("a2.default") == "ready"
+        )
+
+        # Unreachable: serve from the last known state, and say so.
+        api.stop()
+        wait_for(lambda: metric(g.url, "unbroken_gateway_k8s_api_up") == 0, 15, what="api_up 0")
+        assert "unreachable, serving the last known endpoints" in g.tail(200)
+        text, _ = read_stream(g.url, body, after=10**9, action=lambda _: None)
+        assert text == expected
+        api.start()
+        wait_for(lambda: metric(g.url, "unbroken_gateway_k8s_api_up") == 1, 40, what="api_up 1")
+        assert count(g, "unbroken_gateway_streams_dropped_total") == 0
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_two_gateways_share_an_engines_cap(tmp_path: Path, api: ApiServer) -> None:
+    """Two gateway replicas in front of one engine with a cap of 2 for the engine as a whole:
+    each takes 1 while both are live, and the engine never runs more than 2 at once; when
+    one replica leaves its Service, the other takes the whole cap."""
+    e = engine(tmp_path, *SLOW, name="e")
+    put(api, "e", e)
+    for pod in ("gw-0", "gw-1"):
+        api.put_slice(NS, f"gw-{pod}", "gw", [Ep(pod)], 8081, "admin")
+    peers = ("--k8s-peers", f"{NS}/gw:admin", "--pool-cap", "primary=2", "--pod-namespace", NS)
+    g0 = k8s_gateway(tmp_path, *peers, "--pod-name", "gw-0", name="gw0")
+    g1 = k8s_gateway(tmp_path, *peers, "--pod-name", "gw-1", name="gw1")
+    try:
+        for g in (g0, g1):
+            wait_endpoints(g, lambda eps: [(x["state"], x["cap"]) for x in eps] == [("ready", 1)])
+        assert metric(g0.url, "unbroken_gateway_k8s_gateway_replicas") == 2
+
+        running: list[float] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                running.append(metric(e.url, "vllm:num_requests_running"))
+                time.sleep(0.02)
+
+        body = {"model": MODEL, "prompt": "cap", "max_tokens": 60, "temperature": 0}
+        texts: list[str] = []
+
+        def one(g: Proc) -> None:
+            r = httpx.post(g.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        users = [threading.Thread(target=one, args=(g,)) for g in (g0, g1) for _ in range(3)]
+        for t in users:
+            t.start()
+        for t in users:
+            t.join(90)
+        stop.set()
+        sampler.join()
+        assert texts == [expected_completion("cap", 60).text] * 6
+        assert max(running) == 2, running  # both replicas used their share, never more
+
+        # One replica leaves: the other takes the whole cap.
+        api.delete_slice(NS, "gw-gw-1")
+        wait_endpoints(g0, lambda eps: [x["cap"] for x in eps] == [2])
+        assert metric(g0.url, "unbroken_gateway_k8s_gateway_replicas") == 1
+    finally:
+        for p in (g0, g1, e):
+            p.stop()
+
+
+def test_ready_hook(tmp_path: Path) -> None:
+    """The two-stage check the engine pods' readiness probe runs (stdlib only)."""
+    e = engine(tmp_path, name="r")
+    try:
+        ok, why = hooks.ready(e.url, budget_ms=5000)
+        assert ok, why
+        ok, why = hooks.ready(e.url, budget_ms=0.001)  # no completion is that fast
+        assert not ok, why
+    finally:
+        e.stop()
+    ok, why = hooks.ready(e.url, budget_ms=5000)
+    assert not ok and "Connection refused" in why, why
+
+
+def test_prestop_drain_hook_on_every_gateway(tmp_path: Path) -> None:
+    """The preStop hook, run as the engine container runs it (a plain `python3 -S` on the
+    copied file: no site-packages), drains the endpoint and returns only once the gateway has
+    let it go, while the stream in flight finishes whole; then the hook's function drains on
+    two gateway replicas at once."""
+    e = engine(tmp_path, *SLOW, name="p")
+    g0 = gateway(tmp_path, e.url, name="g0")
+    g1 = gateway(tmp_path, e.url, name="g1")
+    name = f"127.0.0.1:{e.port}"
+    installed = hooks.install(tmp_path / "opt")
+    result: dict[str, Any] = {}
+
+    def run_hook() -> None:
+        argv = ["python3", "-S", str(installed), "drain", name, "--admin", g0.admin_url]
+        p = subprocess.run(
+            [*argv, "--timeout", "30"],
+            env={"UNBROKEN_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        result.update(rc=p.returncode, err=p.stderr)
+
+    hook = threading.Thread(target=run_hook)
+    try:
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 150, "temperature": 0}
+        text, _ = read_stream(g0.url, body, after=10, action=lambda _: hook.start())
+        hook.join(60)
+        assert result["rc"] == 0, result["err"]
+        assert "draining" in result["err"] and "drained on 1 gateway" in result["err"]
+        assert text == expected_completion("drain me", 150).text
+        assert name not in names(g0)
+        assert hooks.drain_everywhere(
+            name,
+            [g1.admin_url, g0.admin_url],
+            token=TOKEN,
+            deadline_s=1.0,
+            timeout=20,
+            log=lambda m: None,
+        )
+        assert name not in names(g1)
+        assert hooks.gateway_addresses("localhost:8081", every_address=True)[0].endswith(":8081")
+    finally:
+        for p in (g0, g1, e):
+            p.stop()
