@@ -96,19 +96,22 @@ def test_contention_slows_the_cuda_calls_themselves(tmp_path: Path) -> None:
         fn(*args)  # type: ignore[operator]
         return time.perf_counter() - t
 
+    def best(fn: object, *args: object) -> float:  # upper bounds: the least disturbed of 3
+        return min(timed(fn, *args) for _ in range(3))
+
     step = 0.030
-    base = min(timed(core._spend, step, False) for _ in range(3))
-    launch_base = min(timed(stub.graph_launch) for _ in range(3))
+    base = best(core._spend, step, False)
+    launch_base = best(stub.graph_launch)
     faults.apply(SlowCuda(kind="slow_cuda", extra_ms=20, factor=2.0, onset_s=1, duration_s=5))
-    assert timed(core._spend, step, False) < base + 0.010  # before onset
+    assert best(core._spend, step, False) < base + 0.015  # before onset
     now[0] += 1.5
-    contended = min(timed(core._spend, step, False) for _ in range(3))
+    contended = best(core._spend, step, False)
     # graph launch + copy each +20 ms, the device time doubled (+30 ms)
     assert contended > base + 0.060, (base, contended)
     assert timed(stub.graph_launch) > launch_base + 0.018
     now[0] += 5
-    assert min(timed(core._spend, step, False) for _ in range(3)) < base + 0.010
-    assert timed(stub.graph_launch) < launch_base + 0.005
+    assert best(core._spend, step, False) < base + 0.015
+    assert best(stub.graph_launch) < launch_base + 0.010
 
 
 def test_episode_level_onset_ramp_expiry() -> None:
