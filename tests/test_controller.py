@@ -263,7 +263,12 @@ class Load:
             events, r = stream(
                 self.url,
                 "/v1/completions",
-                {"model": MODEL, "prompt": f"user {i} says", "max_tokens": self.max_tokens},
+                {
+                    "model": MODEL,
+                    "prompt": f"user {i} says",
+                    "max_tokens": self.max_tokens,
+                    "temperature": 0,
+                },
                 headers={"x-unbroken-priority": prio},
             )
             ok = r.status_code == 200 and stream_text(events, chat=False) == self.expected[i]
@@ -326,7 +331,7 @@ def test_contention_detected_acted_on_and_undone(
             t_fault = time.time()
             r = httpx.post(
                 engines["p-1"].url + "/admin/faults",
-                json={"fault": {"kind": "slow_cuda", "extra_ms": 15, "duration_s": 5}},
+                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 5},
                 headers=AUTH,
             )
             assert r.status_code == 200, r.text
@@ -357,6 +362,7 @@ def test_contention_detected_acted_on_and_undone(
             assert admin(g, "GET", "/admin/routes").json()["override"] == {}
             time.sleep(0.5)
         decisions = httpx.get(c.url + "/decisions").json()["decisions"]
+        text = httpx.get(c.url + "/metrics").text
     finally:
         c.stop()
     assert t_detect - t_fault < 5.0
@@ -377,7 +383,6 @@ def test_contention_detected_acted_on_and_undone(
     assert all(d["reason"] for d in decisions)
     lowered = next(d for d in decisions if d["action"] == "lower cap")
     assert lowered["endpoint"] == victim
-    text = httpx.get(c.url + "/metrics").text
     assert f'unbroken_controller_condition{{condition="normal",endpoint="{victim}"}} 1.0' in text
     assert "unbroken_controller_detection_latency_seconds_count 1.0" in text
     gm = httpx.get(g.url + "/metrics").text

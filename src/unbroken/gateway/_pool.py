@@ -14,8 +14,12 @@ first pool that has one.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import itertools
+import struct
+import termios
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -87,7 +91,9 @@ class Endpoint:
         n = 0
         for r in list(self.relays):
             sink = getattr(r, "sink", None)
-            if sink is not None and getattr(sink, "buffered", 0) >= SLOW_CLIENT_BYTES:
+            if sink is None:
+                continue
+            if _backlog(sink) >= SLOW_CLIENT_BYTES:
                 n += 1
         return n
 
@@ -122,6 +128,22 @@ class Endpoint:
             if self.drain_deadline is None
             else round(max(0.0, self.drain_deadline - time.monotonic()), 3),
         }
+
+
+def _backlog(sink: Any) -> int:
+    """Bytes written for a client that it has not read yet: the gateway's queue, the
+    transport's buffer, and the kernel's send queue (TIOCOUTQ). The kernel's share matters:
+    a socket's send buffer autotunes to megabytes before the gateway queues anything."""
+    n = getattr(sink, "buffered", 0)
+    t = getattr(sink, "transport", None)
+    if t is None or t.is_closing():
+        return n
+    n += t.get_write_buffer_size()
+    sock = t.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    return n
 
 
 class Pool:
