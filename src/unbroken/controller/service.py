@@ -33,6 +33,7 @@ from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
+from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["Controller", "ControllerConfig", "run_controller", "serve"]
 
@@ -53,6 +54,7 @@ class ControllerConfig:
 class _Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        register_standard_metrics(r, "controller")
         self.condition = Gauge(
             "unbroken_controller_condition",
             "1 for the endpoint's current condition.",
