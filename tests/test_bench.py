@@ -222,6 +222,10 @@ def test_bench_cli_base_url_with_v1_and_wrong_url(
 
 
 def test_locustfile_reports_ttft_and_itl(target: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """Locust's rows mean what they say: the request row is the whole stream (longer than
+    its TTFT by the decode time of its tokens), TTFT has one entry per request, and ITL is
+    not a Locust entry (it would swamp the totals) but a table and `_itl.csv`."""
+    import csv
     import shutil
 
     locust = shutil.which("locust", path=str(Path(sys.executable).parent))
@@ -236,7 +240,7 @@ def test_locustfile_reports_ttft_and_itl(target: tuple[Proc, Proc], tmp_path: Pa
             str(root / "benchmarks" / "locustfile.py"),
             "--headless",
             "--host",
-            g.url,
+            g.url + "/v1",
             "--users",
             "5",
             "--spawn-rate",
@@ -250,13 +254,24 @@ def test_locustfile_reports_ttft_and_itl(target: tuple[Proc, Proc], tmp_path: Pa
         capture_output=True,
         text=True,
         timeout=60,
-        env={**__import__("os").environ, "UNBROKEN_MAX_TOKENS": "8"},
+        env={**__import__("os").environ, "UNBROKEN_MAX_TOKENS": "32"},
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    stats = (tmp_path / "lc_stats.csv").read_text().splitlines()
-    rows = {line.split(",")[1]: line.split(",") for line in stats[1:]}
-    assert int(rows["TTFT"][2]) > 0 and int(rows["ITL"][2]) > 0
-    assert int(rows["/v1/chat/completions (stream)"][3]) == 0  # no failures
+    with open(tmp_path / "lc_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    stream, ttft = rows["/v1/chat/completions (stream)"], rows["TTFT"]
+    assert int(stream["Request Count"]) > 0 and int(stream["Failure Count"]) == 0
+    assert abs(int(ttft["Request Count"]) - int(stream["Request Count"])) <= 5
+    assert "ITL" not in rows
+    # 31 gaps of ~4 ms after the first token: the stream takes well over its TTFT.
+    assert float(stream["Median Response Time"]) > float(ttft["Median Response Time"]) + 50
+    with open(tmp_path / "lc_itl.csv") as f:
+        itl = {row["Name"]: row for row in csv.DictReader(f)}
+    gaps, tpot = itl["ITL (every gap)"], itl["TPOT (mean gap per request)"]
+    # (up to 5 streams are cut short when the run stops)
+    assert int(gaps["Count"]) >= 31 * (int(tpot["Count"]) - 5) > 0
+    assert 1 < float(gaps["p50 (ms)"]) < 100
+    assert "ITL (every gap)" in r.stdout + r.stderr
 
 
 def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
