@@ -137,6 +137,20 @@ def test_episode_level_onset_ramp_expiry() -> None:
     assert f.cuda_penalty() == (0.0, 1.0) and f.describe() == {}
 
 
+def test_jitter_and_factor_scale_with_the_ramp() -> None:
+    now = [0.0]
+    f = Faults(clock=lambda: now[0])
+    f.apply(SlowCuda(kind="slow_cuda", jitter_ms=10, factor=3, ramp_s=2, duration_s=10))
+    now[0] = 1.0  # half way up the ramp
+    draws = [f.cuda_penalty() for _ in range(200)]
+    assert all(0 <= e <= 0.005 and fac == pytest.approx(2.0) for e, fac in draws)
+    assert len({e for e, _ in draws}) > 150 and max(e for e, _ in draws) > 0.004
+    now[0] = 5.0
+    assert f.cuda_penalty()[1] == pytest.approx(3.0)
+    f.clear()
+    assert f.cuda_penalty() == (0.0, 1.0)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
