@@ -312,3 +312,26 @@ def test_cli_writes_the_files(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert bad.returncode == 2 and "2 or more replicas" in bad.stderr
+
+
+def test_dockerfile_shape() -> None:
+    """No Docker daemon runs here to build it; what can be checked without one is."""
+    root = Path(__file__).parent.parent
+    text = (root / "Dockerfile").read_text()
+    stages: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            current = line.split(" AS ")[-1].strip()
+            stages[current] = []
+        elif current and not line.startswith("#"):
+            stages[current].append(line)
+    assert list(stages) == ["build", "base", "agent", "unbroken"]  # the last is the default
+    base, agent = "\n".join(stages["base"]), "\n".join(stages["agent"])
+    assert "USER 10001:10001" in base and "clang" not in base
+    assert "clang" in agent and "bpftool" in agent
+    steps = [x for x in stages["agent"] if x.strip()]
+    assert steps[-1] == "USER 10001:10001"  # root only while installing
+    assert "COPY --from=build /opt/venv /opt/venv" in base
+    ignored = (root / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests"} <= set(ignored)

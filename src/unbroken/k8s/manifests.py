@@ -283,6 +283,8 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
     ]
     if sim:
         volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": "4Gi"}})
+        volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}})
+        container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
     else:
         volumes.append(
             {
