@@ -11,6 +11,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -261,3 +262,75 @@ def test_prometheus_targets_follow_a_rollout(pipeline: Up) -> None:
     for t in _targets(pipeline, "engines") + _targets(pipeline, "gateway"):
         assert httpx.get(f"http://{t}/metrics", timeout=5).status_code == 200
     time.sleep(0)
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)"
+)
+def test_real_prometheus_scrapes_the_file_sd_targets(pipeline: Up, tmp_path: Path) -> None:
+    """Debian's Prometheus with docs/prometheus.md's config: every target up, build_info from
+    each component, the recording rules loaded."""
+    rules = Path(__file__).parent.parent / "deploy" / "prometheus" / "recording-rules.yaml"
+    prom = pipeline.state / "prometheus"
+    jobs = ("gateway", "engines", "agent", "controller")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [
+            {"job_name": f"unbroken-{j}", "file_sd_configs": [{"files": [str(prom / f"{j}.json")]}]}
+            for j in jobs
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # YAML is a superset of JSON
+    port = free_port()
+    assert PROMETHEUS is not None
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+    api = f"http://127.0.0.1:{port}/api/v1"
+    try:
+
+        def targets() -> list[dict] | None:
+            try:
+                active = httpx.get(api + "/targets", timeout=2).json()["data"]["activeTargets"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return None
+            return active if len(active) >= 4 and all(t["health"] == "up" for t in active) else None
+
+        active = wait_for(targets, timeout=60, interval=0.5, what="every target up")
+        by_job = {}
+        for t in active:
+            by_job.setdefault(t["labels"]["job"], []).append(t)
+        assert len(by_job["unbroken-engines"]) == 2 and len(by_job["unbroken-gateway"]) == 1
+        assert {t["labels"]["endpoint"] for t in by_job["unbroken-engines"]} == {
+            r["name"] for r in pipeline.status()["replicas"]
+        }
+
+        def build_info() -> set[str] | None:
+            r = httpx.get(api + "/query", params={"query": "unbroken_build_info"}, timeout=2)
+            got = {s["metric"]["component"] for s in r.json()["data"]["result"]}
+            return got if {"gateway", "engine", "controller"} <= got else None
+
+        assert wait_for(build_info, timeout=20, interval=0.5, what="build_info")
+        groups = httpx.get(api + "/rules", timeout=2).json()["data"]["groups"]
+        assert [r["name"] for g in groups for r in g["rules"]] == [
+            "ebpf_cuda_launch_latency_us",
+            "ebpf_socket_backpressure_ratio",
+            "ebpf_socket_send_buffer_fill_ratio",
+        ]
+        assert all(r["health"] != "err" for g in groups for r in g["rules"])
+    finally:
+        proc.terminate()
+        proc.wait(20)

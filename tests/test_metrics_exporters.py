@@ -92,3 +92,14 @@ def test_promtool_check_metrics(exporters: tuple[Proc, Proc], which: str, tmp_pa
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "" and r.stderr.strip() == ""  # not even a lint warning
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+def test_promtool_check_recording_rules() -> None:
+    rules = Path(__file__).parent.parent / "deploy" / "prometheus" / "recording-rules.yaml"
+    assert PROMTOOL is not None
+    r = subprocess.run(
+        [PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr
+    assert "by (le, endpoint, pod, namespace)" in rules.read_text()  # engines stay apart off k8s

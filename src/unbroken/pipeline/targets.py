@@ -4,7 +4,7 @@
 `engines.json`, `agent.json`, `controller.json`, in the `file_sd_configs` format
 (`[{"targets": ["host:port"], "labels": {...}}]`). Engine ports change with every rollout
 and replacement, so the files are rewritten (atomically, by rename) whenever the set of
-processes changes; Prometheus re-reads them on change. docs/pipeline.md has a ready
+processes changes; Prometheus re-reads them on change. docs/prometheus.md has a ready
 `prometheus.yml`.
 """
 
