@@ -334,3 +334,23 @@ def test_real_prometheus_scrapes_the_file_sd_targets(pipeline: Up, tmp_path: Pat
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_agent_finds_the_pipeline_through_state_dir(pipeline: Up, tmp_path: Path) -> None:
+    """An agent started apart from `unbroken up` (as with `sudo unbroken agent`, whose own
+    state directory is root's) labels the pipeline's processes when pointed at its state."""
+    port = free_port()
+    env = {**pipeline.env, "UNBROKEN_STATE_DIR": str(tmp_path / "roots-own-state")}
+    argv = [sys.executable, "-m", "unbroken", "agent", "--no-ebpf", "--interval", "0.3"]
+    argv += ["--listen", f"127.0.0.1:{port}", "--state-dir", str(pipeline.state)]
+    a = Proc(argv, port, tmp_path / "agent.log", env=env).start()
+    try:
+        names = {r["name"] for r in pipeline.status()["replicas"]} | {"gateway"}
+
+        def labelled() -> set[str]:
+            text = httpx.get(a.url + "/metrics", timeout=5).text
+            return set(re.findall(r'endpoint="([^"]+)"', text)) & names
+
+        assert wait_for(lambda: labelled() >= {"gateway"}, timeout=20, what="gateway labelled")
+    finally:
+        a.stop()
