@@ -37,7 +37,7 @@ def run_up(
     try:
         spec = load_spec(spec_path)
     except SpecError as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
     if port is not None:
         spec.gateway.port = port
@@ -100,7 +100,7 @@ async def _main(sup: Supervisor, console: Console) -> int:
         console.print("stopping")
         targets.cancel()
     except (StartupError, AdminError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}")
         code = 1
     finally:
         await sup.stop()
@@ -301,7 +301,7 @@ def rollout_cli(
     try:
         summary = asyncio.run(go())
     except (aiohttp.ClientError, OSError) as e:
-        console.print(f"[red]error:[/red] cannot reach the supervisor: {e}")
+        console.print(f"[red]error:[/red] cannot reach the supervisor: {escape(str(e))}")
         return 1
     if not as_json and not summary.get("ok") and not summary.get("steps"):
         # Refused before any replica changed (no such pool, bad engine, another rollout).
@@ -384,7 +384,7 @@ def drain_cli(
             try:
                 ep = await adm.drain(name=name, deadline_s=deadline_s)
             except AdminError as e:
-                console.print(f"[red]error:[/red] {e}")
+                console.print(f"[red]error:[/red] {escape(str(e))}")
                 return 1
             console.print(f"draining {name}: {ep['inflight']} stream(s) in flight")
             t0 = time.monotonic()
@@ -394,7 +394,7 @@ def drain_cli(
                     console.print(f"{name} drained in {time.monotonic() - t0:.1f} s")
                     return 0
                 await asyncio.sleep(0.2)
-            console.print(f"[red]error:[/red] {name} still has streams after {timeout:g} s")
+            console.print(f"[red]error:[/red] {escape(name)} still has streams after {timeout:g} s")
             return 1
 
     return asyncio.run(go())
