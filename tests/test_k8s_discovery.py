@@ -191,6 +191,18 @@ def test_lifecycle_from_endpointslices(tmp_path: Path, api: ApiServer) -> None:
             g, lambda eps: {e["name"]: e["state"] for e in eps}.get("a2.default") == "ready"
         )
 
+        # preStop's drain reaches the gateway before the slice says `terminating`: the
+        # endpoint, let go while its slice still says ready, must not come back.
+        assert admin(g, "POST", "/admin/endpoints/a2.default/drain", {}).status_code == 200
+        wait_endpoints(g, lambda eps: "a2.default" not in {e["name"] for e in eps})
+        time.sleep(3)  # more than the 2 s re-apply of the last known view
+        assert "a2.default" not in names(g)
+        put(api, "a2", a, ready=False)  # readiness flaps: ready again is a fresh start
+        put(api, "a2", a)
+        wait_endpoints(
+            g, lambda eps: {e["name"]: e["state"] for e in eps}.get("a2.default") == "ready"
+        )
+
         # Unreachable: serve from the last known state, and say so.
         api.stop()
         wait_for(lambda: metric(g.url, "unbroken_gateway_k8s_api_up") == 0, 15, what="api_up 0")

@@ -48,6 +48,7 @@ class Discovery:
         self.gw = gw
         self.s = settings
         self.managed: dict[str, str] = {}  # endpoint name → pool, for endpoints we added
+        self.released: set[str] = set()  # managed names their slice has shown not ready
         self.replicas = 1
         self.rank = 0
         self.reconcile_s = 2.0
@@ -128,13 +129,23 @@ class Discovery:
         gw = self.gw
         for name, e in endpoints.items():
             ep = gw.pool.get(name)
-            if ep is not None and self.managed.get(name) != pool:
+            mine = self.managed.get(name) == pool
+            if ep is not None and not mine:
                 continue  # added by hand or by another pool's Service: not ours
             if e.ready and not e.terminating:
                 if ep is None:
+                    if mine and name not in self.released:
+                        # The gateway let it go while its slice still says ready: drained by
+                        # the pod's preStop (the slice's `terminating` is on its way) or by
+                        # hand. It stays out until the slice says otherwise.
+                        continue
+                    self.released.discard(name)
                     gw.add_endpoint(e.url, name=name, pool_name=pool, cap=self.cap_for(pool))
                     self.managed[name] = pool
-            elif ep is not None and ep.state not in (State.DRAINING, State.GONE):
+                continue
+            if mine:
+                self.released.add(name)  # seen not ready: ready again later is a fresh start
+            if ep is not None and ep.state not in (State.DRAINING, State.GONE):
                 if ep.state in (State.STARTING, State.WARMING):
                     gw.remove_endpoint(ep)  # never served: nothing to drain
                 else:
@@ -146,6 +157,7 @@ class Discovery:
                 continue
             ep = gw.pool.get(name)
             del self.managed[name]
+            self.released.discard(name)
             if ep is None:
                 continue
             if ep.state in (State.STARTING, State.WARMING) or ep.inflight == 0:
@@ -155,10 +167,6 @@ class Discovery:
                     "%s left its EndpointSlice with %d in flight: migrating", name, ep.inflight
                 )
                 gw.drain_endpoint(ep, 0.0)
-        for name in [n for n, p in self.managed.items() if gw.pool.get(n) is None]:
-            # The gateway let it go after a drain; a pod of that name coming back ready is new.
-            if (e := endpoints.get(name)) is None or not e.ready or e.terminating:
-                del self.managed[name]
 
     def apply_peers(self, endpoints: dict[str, SliceEndpoint]) -> None:
         live = {n for n, e in endpoints.items() if e.ready and not e.terminating}
