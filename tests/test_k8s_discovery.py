@@ -15,7 +15,9 @@ so this is a shape the real API also produces).
 
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +33,7 @@ from k8s_apiserver import ApiServer, Ep
 from unbroken.engine.textmodel import expected_completion
 from unbroken.gateway._discovery import cap_share
 from unbroken.k8s import hooks
+from unbroken.k8s.discovery import ServiceRef, SliceEndpoint, gateway_settings, slice_endpoints
 from unbroken.wire.sse import SSEDecoder
 
 NS = "default"
@@ -325,7 +328,68 @@ def test_prestop_drain_hook_on_every_gateway(tmp_path: Path) -> None:
             log=lambda m: None,
         )
         assert name not in names(g1)
+        # The CLI form, token from a file (a mounted Secret), on an endpoint added back.
+        add = {"url": e.url, "name": name, "warmup": False}
+        assert admin(g1, "POST", "/admin/endpoints", add).status_code == 201
+        wait_endpoints(g1, lambda eps: [x["state"] for x in eps] == ["ready"])
+        (tmp_path / "token").write_text(TOKEN + "\n")
+        argv = [sys.executable, "-m", "unbroken", "drain", name, "--admin-url", g1.admin_url]
+        p = subprocess.run(
+            [*argv, "--token-file", str(tmp_path / "token"), "--timeout", "20"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        assert name not in names(g1)
         assert hooks.gateway_addresses("localhost:8081", every_address=True)[0].endswith(":8081")
     finally:
         for p in (g0, g1, e):
             p.stop()
+
+
+def test_slice_endpoints_conditions_and_names() -> None:
+    """Table: how one EndpointSlice maps to endpoints (nil conditions as the API documents)."""
+    from lightkube.resources.discovery_v1 import EndpointSlice
+
+    obj = EndpointSlice.from_dict(
+        {
+            "metadata": {"name": "s", "namespace": "ns"},
+            "addressType": "IPv6",
+            "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+            "endpoints": [
+                {"addresses": ["fd00::1"], "targetRef": {"kind": "Pod", "name": "p1"}},
+                {"addresses": ["fd00::2"], "conditions": {"ready": False, "terminating": True}},
+                {"addresses": ["fd00::3"], "conditions": {"ready": False, "serving": True}},
+            ],
+        }
+    )
+    eps = {e.name: e for e in slice_endpoints(obj, "http")}
+    assert eps["p1.ns"] == SliceEndpoint("p1.ns", "http://[fd00::1]:8000", True, True, False)
+    assert eps["fd00::2:8000"].terminating and not eps["fd00::2:8000"].serving
+    assert eps["fd00::3:8000"].serving and not eps["fd00::3:8000"].ready
+    assert slice_endpoints(obj, "grpc") == []  # no such port: nothing to route to
+    assert {e.url for e in slice_endpoints(obj, None)} == {
+        "http://[fd00::1]:9000",
+        "http://[fd00::2]:9000",
+        "http://[fd00::3]:9000",
+    }
+
+
+@pytest.mark.parametrize(
+    ("services", "peers", "caps", "pod", "error"),
+    [
+        (["primary"], None, [], None, "--k8s-service 'primary'"),
+        (["primary=ns"], None, [], None, "expected NAMESPACE/SERVICE"),
+        (["primary=ns/svc"], None, ["primary=0"], None, "--pool-cap 'primary=0'"),
+        (["primary=ns/svc"], "ns/gw", [], None, "needs this pod's name"),
+    ],
+)
+def test_gateway_settings_errors(
+    services: list[str], peers: str | None, caps: list[str], pod: str | None, error: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(error)):
+        gateway_settings(services, peers, caps, pod, "ns")
+    ok = gateway_settings(["primary=ns/svc:http"], "ns/gw:admin", ["primary=4"], "gw-0", "ns")
+    assert ok.services["primary"] == ServiceRef("ns", "svc", "http")
+    assert (ok.pod, ok.pool_caps, str(ok.peers)) == ("gw-0.ns", {"primary": 4}, "ns/gw:admin")
