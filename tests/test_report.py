@@ -88,7 +88,8 @@ def make_report(out: Path) -> Path:
         ],
         samples=_samples(),
         windows=windows,
-        markdown="Pipeline start: 3.1 s.\n\n| window | x |\n|---|---|\n| steady | 1 |\n",
+        markdown="Pipeline start: 3.1 s.\n\n| window | x |\n|---|---|\n| steady | 1 |\n\n"
+        "Footnote of the window table.\n",
         spans=[
             Span("steady", 5, 20),
             Span("rollout", 20, 26),
@@ -134,6 +135,7 @@ def test_report_is_self_contained_html_with_tables(tmp_path: Path) -> None:
     assert "HTTP 500: 1" in page and 'class="num bad">1 of' in page
     # The markdown window table is not repeated (the windows table replaces it).
     assert page.count("<th>window</th>") == 1
+    assert "Pipeline start: 3.1 s." in page and "Footnote of the window table" not in page
     data = json.loads((tmp_path / "results.json").read_text())
     assert [s["name"] for s in data["spans"]] == ["steady", "rollout", "chaos"]
     assert data["seed_table"][1]["standard"] == 41 and len(data["records"]) == 400
@@ -213,7 +215,8 @@ async def _inspect(port: int, url: str, shot: Path) -> dict[str, Any]:
                 tables: document.querySelectorAll('table').length,
                 rows: document.querySelectorAll('tbody tr').length,
                 failCells: document.querySelectorAll('td.fail').length,
-                failColor: getComputedStyle(document.querySelector('td.fail')).backgroundColor,
+                failColor: (c => c && getComputedStyle(c).backgroundColor)(
+                    document.querySelector('td.fail')),
                 images: [...document.images].map(
                     i => [i.complete, i.naturalWidth, i.naturalHeight]),
                 title: document.title,

@@ -320,9 +320,10 @@ def _plots(
         prios = sorted({p for s in samples for p in s.get("queue", {})})
         if prios:
             fig, ax = pl.figure(3.0)
+            depth = {p: [s.get("queue", {}).get(p, 0) for s in samples] for p in prios}
             for p in prios:
-                ax.plot(xs, [s.get("queue", {}).get(p, 0) for s in samples], lw=1.2, label=p)
-            ax.set_ylim(bottom=0)
+                ax.plot(xs, depth[p], lw=1.2, label=p)
+            ax.set_ylim(0, max(1, *(max(d) for d in depth.values())) * 1.15)
             pl.finish(fig, ax, "queue.png", "Gateway queue depth by priority", "waiting requests")
 
     times = sorted(itertools.chain.from_iterable(_token_times(r) for r in records))
@@ -442,6 +443,7 @@ def _markdown_html(md: str, skip_windows: bool) -> str:
     out: list[str] = []
     lines = md.splitlines()
     i = 0
+    skip_note = False  # the footnote under a skipped windows table goes with it
     while i < len(lines):
         if _MD_ROW.match(lines[i]):
             block = []
@@ -453,7 +455,9 @@ def _markdown_html(md: str, skip_windows: bool) -> str:
                 [r for r in block[1:] if not all(set(c) <= set("-: ") for c in r)],
             )
             if skip_windows and head and head[0].lower() == "window":
+                skip_note = True
                 continue
+            skip_note = False
             rows, classes = [], []
             for r in body:
                 cells = []
@@ -471,10 +475,12 @@ def _markdown_html(md: str, skip_windows: bool) -> str:
             while i < len(lines) and lines[i].strip() and not _MD_ROW.match(lines[i]):
                 para.append(lines[i].strip())
                 i += 1
-            if para:
-                out.append(f"<p>{_e(' '.join(para))}</p>")
-            else:
+            if not para:
                 i += 1
+            elif skip_note:
+                skip_note = False
+            else:
+                out.append(f"<p>{_e(' '.join(para))}</p>")
     return "".join(out)
 
 
