@@ -123,6 +123,9 @@ class _Measured:
     stall_spikes_steady: int
     rollout_ok: bool
     rollout_s: float | None
+    rejected: int
+    errors: int
+    requests: int
 
 
 def measure(p: PassResult, windows: dict[str, dict[str, Any]], stall_s: float) -> _Measured:
@@ -151,6 +154,9 @@ def measure(p: PassResult, windows: dict[str, dict[str, Any]], stall_s: float) -
         ),
         rollout_ok=bool(p.rollout.get("ok")),
         rollout_s=p.rollout.get("seconds"),
+        rejected=windows["whole run"]["summary"]["outcomes"].get("rejected", 0),
+        errors=windows["whole run"]["summary"]["outcomes"].get("error", 0),
+        requests=windows["whole run"]["summary"]["requests"],
     )
 
 
@@ -249,6 +255,23 @@ def seed_rows(
             f"(same length of steady state: {ub.stall_spikes_steady} unbroken"
             + ("" if std is None else f", {std.stall_spikes_steady} standard")
             + ")",
+        },
+        {
+            "metric": "rejected_requests",
+            "standard": col("rejected"),
+            "unbroken": ub.rejected,
+            "unit": "requests",
+            "note": "429/503 answers over the whole run (unbroken sheds sheddable requests "
+            "with Retry-After when nothing has room; the users wait and retry)",
+        },
+        {
+            "metric": "failed_requests",
+            "standard": col("errors"),
+            "unbroken": ub.errors,
+            "unit": "requests",
+            "note": "no response or another HTTP error, whole run; of "
+            f"{ub.requests} requests (unbroken)"
+            + ("" if std is None else f", {std.requests} (standard)"),
         },
     ]
 
@@ -399,13 +422,15 @@ async def _demo(console: Console, out: Path, s: DemoSettings) -> int:
         cold = await measure_cold_start(
             sup.engine_argv(primary, "127.0.0.1", port), f"http://127.0.0.1:{port}", weights
         )
-    try:
-        throttle: IoThrottle | None = IoThrottle.create(weights, s.storage_bps)
-        assert throttle is not None
-        storage = f"storage: {throttle.describe()}"
-    except ThrottleUnavailable as e:
-        throttle = None
-        storage = f"storage NOT throttled ({e}): both columns read the bare disk"
+    throttle: IoThrottle | None = None
+    if s.storage_bps <= 0:
+        storage = "storage not throttled (--storage-mbps 0): both columns read the bare disk"
+    else:
+        try:
+            throttle = IoThrottle.create(weights, s.storage_bps)
+            storage = f"storage: {throttle.describe()}"
+        except ThrottleUnavailable as e:
+            storage = f"storage NOT throttled ({e}): both columns read the bare disk"
     console.print(storage)
     cfg = LoadConfig(
         url="",
