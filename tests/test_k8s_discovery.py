@@ -15,6 +15,7 @@ so this is a shape the real API also produces).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -393,3 +394,95 @@ def test_gateway_settings_errors(
     ok = gateway_settings(["primary=ns/svc:http"], "ns/gw:admin", ["primary=4"], "gw-0", "ns")
     assert ok.services["primary"] == ServiceRef("ns", "svc", "http")
     assert (ok.pod, ok.pool_caps, str(ok.peers)) == ("gw-0.ns", {"primary": 4}, "ns/gw:admin")
+
+
+def test_rendered_pod_commands_run(tmp_path: Path, api: ApiServer) -> None:
+    """The commands `render k8s --engine simulator` writes, run as written (paths and ports
+    moved to this machine): the initContainers' scripts, the engine, the gateway with its
+    rendered config and discovery options, the engine's readiness probe, and its preStop drain
+    finding the endpoint under the name discovery gave it."""
+    import yaml
+
+    from unbroken.config.spec import default_spec
+    from unbroken.k8s import RenderOptions, render
+    from unbroken.wire.http import free_port
+
+    objs = render(default_spec(), RenderOptions(engine="simulator"))
+    dep = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
+    pod = dep["unbroken-primary"]["spec"]["template"]["spec"]
+    gw_c = dep["unbroken-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    config = next(o for o in objs if o["metadata"]["name"] == "unbroken-gateway-config")
+    port, gw_port, admin_port = free_port(), free_port(), free_port()
+    subs = {
+        "/models": str(tmp_path / "models"),
+        "/opt/unbroken": str(tmp_path / "opt"),
+        "/etc/unbroken/gateway.yaml": str(tmp_path / "gateway.yaml"),
+        "0.0.0.0": "127.0.0.1",
+        "127.0.0.1:8000": f"127.0.0.1:{port}",
+        # --every-address resolves this name; localhost has one IPv4 address, as a headless
+        # Service with one gateway pod would.
+        "unbroken-gateway-admin.unbroken.svc:8081": f"localhost:{admin_port}",
+    }
+
+    def local(cmd: list[str]) -> list[str]:
+        out = []
+        for i, arg in enumerate(cmd):
+            for k, v in subs.items():
+                arg = arg.replace(k, v)
+            if arg == "8000" and cmd[i - 1] == "--port":
+                arg = str(port)
+            out.append(arg)
+        return out
+
+    cli = [sys.executable, "-m", "unbroken"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    for init in pod["initContainers"]:  # hooks install, weights + prewarm
+        cmd = local(init["command"])
+        cmd = [*cli[:1], *cmd[1:]] if cmd[0] == "python3" else cmd
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (init["name"], p.stdout, p.stderr)
+    assert (tmp_path / "opt" / "hooks.py").exists()
+    assert list((tmp_path / "models" / "primary").glob("*.safetensors"))
+
+    c = pod["containers"][0]
+    e = Proc([*cli, *local(c["args"])], port, tmp_path / "engine.log").start()
+    settings = yaml.safe_load(config["data"]["gateway.yaml"])
+    settings |= {"host": "127.0.0.1", "port": gw_port, "admin_host": "127.0.0.1"}
+    settings["admin_port"] = admin_port
+    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(settings))
+    pod_name = "unbroken-primary-7d9c-x2x"
+    api.put_slice("unbroken", "p-1", "unbroken-primary", [Ep(pod_name)], port, "http")
+    g = Proc(
+        [*cli, *local(gw_c["args"])],
+        gw_port,
+        tmp_path / "gateway.log",
+        env={"UNBROKEN_ADMIN_TOKEN": TOKEN, "POD_NAME": "gw-0", "POD_NAMESPACE": "unbroken"},
+        admin_port=admin_port,
+    ).start()
+    try:
+        wait_endpoints(
+            g,
+            lambda eps: (
+                [(x["name"], x["state"]) for x in eps] == [(f"{pod_name}.unbroken", "ready")]
+            ),
+        )
+        assert api.watches  # the rendered --k8s-peers and --k8s-service are watched
+        assert served_by(g) == f"{pod_name}.unbroken"
+        hook_env = {"PATH": "/usr/bin:/bin", "UNBROKEN_ADMIN_TOKEN": TOKEN}
+        ready = subprocess.run(
+            local(c["readinessProbe"]["exec"]["command"]), env=hook_env, capture_output=True
+        )
+        assert ready.returncode == 0, ready.stderr
+        hook_env |= {"POD_NAME": pod_name, "POD_NAMESPACE": "unbroken"}
+        pre = subprocess.run(
+            local(c["lifecycle"]["preStop"]["exec"]["command"]),
+            env=hook_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert pre.returncode == 0, pre.stderr
+        assert names(g) == {}
+    finally:
+        g.stop()
+        e.stop()

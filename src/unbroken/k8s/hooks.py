@@ -99,7 +99,10 @@ def gateway_addresses(admin: str, *, every_address: bool) -> list[str]:
         return [admin.rstrip("/")]
     port = parts.port or (443 if parts.scheme == "https" else 80)
     infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
-    hosts = sorted({i[4][0] for i in infos})
+    # One family: a dual-stack name lists each pod twice, and the gateway may listen on
+    # 0.0.0.0 only. IPv4 when there is any, else IPv6.
+    v4 = [i for i in infos if i[0] == socket.AF_INET]
+    hosts = sorted({str(i[4][0]) for i in (v4 or infos)})
     return [
         f"{parts.scheme}://{f'[{h}]' if ':' in h else h}:{port}{parts.path}".rstrip("/")
         for h in hosts
