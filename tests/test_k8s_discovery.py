@@ -282,6 +282,10 @@ def test_ready_hook(tmp_path: Path) -> None:
         assert ok, why
         ok, why = hooks.ready(e.url, budget_ms=0.001)  # no completion is that fast
         assert not ok, why
+        cli = [sys.executable, "-m", "unbroken", "ready", "--url", e.url, "--budget-ms"]
+        p = subprocess.run([*cli, "5000"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "ready (warm-up" in p.stderr, p.stderr
+        assert subprocess.run([*cli, "0.001"], capture_output=True, timeout=60).returncode == 1
     finally:
         e.stop()
     ok, why = hooks.ready(e.url, budget_ms=5000)
