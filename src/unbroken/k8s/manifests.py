@@ -484,7 +484,28 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
         "metadata": _meta(o, name, "gateway"),
         "spec": {"minAvailable": 1, "selector": {"matchLabels": sel}},
     }
-    return [sa, role, binding, config, token, deployment, service, admin, pdb]
+    # The admin API (drain, caps, routes) only from the engines' preStop hooks and the
+    # controller; the OpenAI port from anywhere. The token guards it too; this is depth.
+    netpol = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(o, name, "gateway"),
+        "spec": {
+            "podSelector": {"matchLabels": sel},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"port": GATEWAY_PORT, "protocol": "TCP"}]},
+                {
+                    "ports": [{"port": ADMIN_PORT, "protocol": "TCP"}],
+                    "from": [
+                        {"podSelector": {"matchLabels": _selector(o, "engine")}},
+                        {"podSelector": {"matchLabels": _selector(o, "controller")}},
+                    ],
+                },
+            ],
+        },
+    }
+    return [sa, role, binding, config, token, deployment, service, admin, pdb, netpol]
 
 
 def _spread(sel: dict[str, str]) -> Obj:
