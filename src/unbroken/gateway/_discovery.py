@@ -169,7 +169,8 @@ class Discovery:
                 gw.drain_endpoint(ep, 0.0)
 
     def apply_peers(self, endpoints: dict[str, SliceEndpoint]) -> None:
-        live = {n for n, e in endpoints.items() if e.ready and not e.terminating}
+        # A terminating replica still serving keeps its streams, so it keeps its share.
+        live = {n for n, e in endpoints.items() if e.ready or e.serving}
         if self.s.pod:
             live.add(self.s.pod)  # not ready yet in its own Service, but already serving
         order = sorted(live)
