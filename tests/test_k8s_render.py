@@ -335,3 +335,17 @@ def test_dockerfile_shape() -> None:
     assert "COPY --from=build /opt/venv /opt/venv" in base
     ignored = (root / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests"} <= set(ignored)
+
+
+def test_seed_rules_match_the_standalone_file() -> None:
+    """The PrometheusRule carries the same seed-compatible recording rules as the file for a
+    Prometheus without the operator; they must not drift apart."""
+    path = Path(__file__).parent.parent / "deploy" / "prometheus" / "recording-rules.yaml"
+    groups = yaml.safe_load(path.read_text())["groups"]
+    rule = by(render(default_spec(), RenderOptions()), "PrometheusRule")[0]["spec"]["groups"]
+
+    def rules(gs: list[dict[str, Any]]) -> dict[str, str]:
+        g = next(g for g in gs if g["name"] == "unbroken-agent-seed-compat")
+        return {r["record"]: "".join(r["expr"].split()) for r in g["rules"]}
+
+    assert rules(rule) == rules(groups)

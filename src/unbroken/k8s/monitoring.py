@@ -34,19 +34,32 @@ def prometheus_rule(drain_deadline_s: float) -> dict[str, Any]:
                         "(rate(unbroken_gateway_inter_token_seconds_bucket[1m])))",
                     },
                     {
+                        "record": "unbroken:streams_dropped:rate5m",
+                        "expr": "sum(rate(unbroken_gateway_streams_dropped_total[5m]))",
+                    },
+                ],
+            },
+            # The seed article's series, as in deploy/prometheus/recording-rules.yaml (a test
+            # keeps the two equal).
+            {
+                "name": "unbroken-agent-seed-compat",
+                "interval": "15s",
+                "rules": [
+                    {
                         "record": "ebpf_cuda_launch_latency_us",
-                        "expr": "1e6 * histogram_quantile(0.99, sum by (le, pod, namespace) "
-                        "(rate(unbroken_cuda_call_duration_seconds_bucket"
+                        "expr": "1e6 * histogram_quantile(0.99, sum by (le, endpoint, pod, "
+                        "namespace) (rate(unbroken_cuda_call_duration_seconds_bucket"
                         f'{{function=~"{CUDA_LAUNCH}"}}[1m])))',
                     },
                     {
                         "record": "ebpf_socket_backpressure_ratio",
-                        "expr": "sum by (pod, namespace) "
+                        "expr": "sum by (endpoint, pod, namespace) "
                         "(rate(unbroken_socket_backpressure_seconds_total[1m]))",
                     },
                     {
-                        "record": "unbroken:streams_dropped:rate5m",
-                        "expr": "sum(rate(unbroken_gateway_streams_dropped_total[5m]))",
+                        "record": "ebpf_socket_send_buffer_fill_ratio",
+                        "expr": "max by (endpoint, pod, namespace) "
+                        "(unbroken_socket_send_buffer_fill_ratio)",
                     },
                 ],
             },
