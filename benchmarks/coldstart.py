@@ -9,13 +9,20 @@ measurement starts from an evicted cache and they alternate across repeats (medi
 - engine start (process start to /health 200) with a cold cache, right after a prewarm, and
   with no weights at all: the floor no loader can go below (interpreter, imports, server).
 
+With `--storage-mbps N` (root) the whole run reads through a cgroup block-I/O cap of N MB/s
+on the weights' disk (`unbroken.bench.throttle`): the seed's network storage is about 300.
+`--starts-only` skips the read-method table.
+
     python benchmarks/coldstart.py [--size 4GiB] [--repeats 3] [--dir PATH]
+        [--storage-mbps 300] [--starts-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import math
 import mmap
 import os
 import platform
@@ -32,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import table
 from unbroken.bench.coldstart import engine_start as start_engine
+from unbroken.bench.throttle import IoThrottle
 from unbroken.engine.weights import make_weights, parse_size
 from unbroken.prewarm import evict, find_weight_files, memory_available, warm_files
 from unbroken.wire.http import free_port
@@ -87,6 +95,8 @@ def main() -> None:
     ap.add_argument(
         "--dir", type=Path, default=Path.home() / ".cache" / "unbroken" / "bench-weights"
     )
+    ap.add_argument("--storage-mbps", type=float, default=0.0, help="read cap (root); 0: none")
+    ap.add_argument("--starts-only", action="store_true", help="engine starts only")
     args = ap.parse_args()
     size = parse_size(args.size)
     room, source = memory_available()
@@ -103,6 +113,19 @@ def main() -> None:
         (d / ".complete").write_text("ok")
     files = find_weight_files([str(d)])
     total = sum(f.stat().st_size for f in files)
+    throttle = None
+    if args.storage_mbps > 0:
+        throttle = IoThrottle.create(d, int(args.storage_mbps * 1e6))
+        print(f"storage: {throttle.describe()}", file=sys.stderr)
+    try:
+        with throttle.applied() if throttle else contextlib.nullcontext():
+            measure(args, d, files, total)
+    finally:
+        if throttle is not None:
+            throttle.remove()
+
+
+def measure(args: argparse.Namespace, d: Path, files: list[Path], total: int) -> None:
     fl = [str(f) for f in files]
     # The limit: the best of several O_DIRECT queue depths and request sizes (no page cache).
     limits = {(8, CHUNK), (16, 16 * 2**20), (32, 8 * 2**20), (64, CHUNK)}
@@ -115,12 +138,15 @@ def main() -> None:
         "cat": lambda: run(["sh", "-c", 'cat "$@" > /dev/null', "cat", *fl]),
         "unbroken prewarm": lambda: warm_files(files),
     }
-    if shutil.which("vmtouch"):
+    if args.starts_only:
+        methods = {"unbroken prewarm": methods["unbroken prewarm"]}
+    elif shutil.which("vmtouch"):
         methods["vmtouch -t"] = lambda: run(["vmtouch", "-t", "-q", *fl])
     else:
         print("vmtouch not installed (apt-get install vmtouch): skipped", file=sys.stderr)
     times: dict[str, list[float]] = {m: [] for m in methods}
     starts: dict[str, list[tuple[float, float]]] = {"cold": [], "prewarmed": [], "floor": []}
+    prewarm_s: list[float] = []
     for rep in range(args.repeats):
         order = list(methods) if rep % 2 == 0 else list(reversed(methods))
         for name in order:
@@ -136,7 +162,9 @@ def main() -> None:
         for f in files:
             evict(f)
         starts["cold"].append(engine_start(d))
-        warm_files(files)
+        for f in files:
+            evict(f)
+        prewarm_s.append(warm_files(files).seconds)
         starts["prewarmed"].append(engine_start(d))
         starts["floor"].append(engine_start(None))
         print(
@@ -146,11 +174,15 @@ def main() -> None:
             file=sys.stderr,
         )
     med = {m: statistics.median(v) for m, v in times.items()}
-    limit = min(s for m, s in med.items() if m.startswith("O_DIRECT"))
-    rows = [[m, f"{total / s / 1e9:.2f}", f"{s:.2f}", f"{limit / s:.2f}"] for m, s in med.items()]
+    limit = min((s for m, s in med.items() if m.startswith("O_DIRECT")), default=math.nan)
+    rows = [
+        [m, f"{total / s / 1e9:.2f}", f"{s:.2f}", "-" if math.isnan(limit) else f"{limit / s:.2f}"]
+        for m, s in med.items()
+    ]
     print(
         f"\nmachine: {platform.node()}, {os.cpu_count()} cpus, kernel {platform.release()}; "
-        f"{len(files)} files, {total / 2**30:.2f} GiB; {args.repeats} repeats, medians"
+        f"{len(files)} files, {total / 2**30:.2f} GiB; {args.repeats} repeats, medians; "
+        + (f"reads capped at {args.storage_mbps:g} MB/s" if args.storage_mbps > 0 else "bare disk")
     )
     print(table(["method", "GB/s", "seconds", "ratio to limit"], rows))
     cold = statistics.median(s for s, _ in starts["cold"])
@@ -165,6 +197,7 @@ def main() -> None:
             [
                 ["cold page cache", f"{cold:.2f}", f"{cold_l:.2f}", "1.00x"],
                 ["after unbroken prewarm", f"{warm:.2f}", f"{warm_l:.2f}", f"{cold / warm:.2f}x"],
+                ["(the pre-warm itself)", f"{statistics.median(prewarm_s):.2f}", "-", "-"],
                 ["no weights (floor)", f"{floor:.2f}", "-", f"{cold / floor:.2f}x"],
             ],
         )
