@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import signal
 import sys
@@ -34,6 +35,12 @@ from unbroken.prewarm import find_weight_files
 from unbroken.wire.http import free_port
 
 __all__ = ["StandardDeployment"]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the proxy gets SIGTERM if the demo dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class StandardDeployment:
@@ -163,6 +170,7 @@ class StandardDeployment:
             str(self.backends_file),
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         ack = self.backends_file.with_name(self.backends_file.name + ".ack")
         deadline = time.monotonic() + 30
