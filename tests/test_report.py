@@ -89,7 +89,8 @@ def make_report(out: Path) -> Path:
         samples=_samples(),
         windows=windows,
         markdown="Pipeline start: 3.1 s.\n\n| window | x |\n|---|---|\n| steady | 1 |\n\n"
-        "Footnote of the window table.\n",
+        "Footnote of the window table.\n\n| p99.9 TTFT ratio | 3.1x | <= 1.5x | FAIL |\n\n"
+        "- first note\n- second note\n",
         spans=[
             Span("steady", 5, 20),
             Span("rollout", 20, 26),
@@ -129,6 +130,7 @@ def test_report_is_self_contained_html_with_tables(tmp_path: Path) -> None:
     assert "<pre>|" not in page and "<table>" in page  # real tables, not Markdown in <pre>
     # Verdict rows coloured; the seed table and the metadata are there.
     assert page.count('<td class="fail">FAIL</td>') == 1 and '<td class="pass">pass</td>' in page
+    assert "<ul><li>first note</li><li>second note</li></ul>" in page
     assert "p99.9 TTFT in rollout" in page and "840.0" in page
     assert "unbroken demo --users 20" in page and "unbroken</dt>" in page
     # The error column counts by status; a dropped stream is flagged.
@@ -136,6 +138,10 @@ def test_report_is_self_contained_html_with_tables(tmp_path: Path) -> None:
     # The markdown window table is not repeated (the windows table replaces it).
     assert page.count("<th>window</th>") == 1
     assert "Pipeline start: 3.1 s." in page and "Footnote of the window table" not in page
+    # Markers are numbered on the plots and listed in order, with their full labels.
+    assert "<h2>Markers on the plots</h2>" in page
+    assert page.index("controller: primary-1 contended") < page.index("<h2>Events</h2>")
+    # A markdown table repeating the verdict rows is not shown twice; its bullets are a list.
     data = json.loads((tmp_path / "results.json").read_text())
     assert [s["name"] for s in data["spans"]] == ["steady", "rollout", "chaos"]
     assert data["seed_table"][1]["standard"] == 41 and len(data["records"]) == 400

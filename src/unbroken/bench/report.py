@@ -59,6 +59,7 @@ SPAN_COLORS = {
     "contention": "#b197fc",
     "recovery": "#8ce99a",
 }
+LABEL_ROWS, NUMBER_ROWS = 4, 8  # marker label rows at the top of a plot
 _SPARE = itertools.cycle(["#63e6be", "#ffa94d", "#f783ac", "#a9e34b", "#66d9e8"])
 
 
@@ -177,6 +178,10 @@ class _Plotter:
             self.colors[key] = SPAN_COLORS.get(key) or next(_SPARE)
         return self.colors[key]
 
+    @staticmethod
+    def _free(rows: list[float], t: float) -> int | None:
+        return next((i for i, end in enumerate(rows) if end < t), None)
+
     def figure(self, height: float = 3.6) -> tuple[Any, Any]:
         fig, ax = self.plt.subplots(figsize=(11, height))
         ax.set_xlim(0, self.t_end * 1.01)
@@ -195,20 +200,33 @@ class _Plotter:
                 fontsize=8,
                 color="#343a40",
             )
-        # Labels stacked in rows: a label moves down a row while it would touch the previous
-        # one in its row (width estimated from its length at this font size).
+        # Each marker is numbered (the report's marker table lists them). Its label goes in
+        # the first of LABEL_ROWS rows where it does not touch the previous label (width
+        # estimated from its length at this font size); when none is free, or the label
+        # would run past the right edge, only its number is shown, in the first free row of
+        # NUMBER_ROWS. Nothing overlaps.
         px_per_s = 11 * 100 * 0.73 / (self.t_end * 1.01)
-        rows: list[float] = []
-        for m in self.markers:
+        if self.markers:  # headroom: the label rows sit above the data, not on it
+            lo, hi = ax.get_ylim()
+            if ax.get_yscale() == "log" and lo > 0:
+                ax.set_ylim(lo, lo * (hi / lo) ** (1 / 0.68))
+            else:
+                ax.set_ylim(lo, lo + (hi - lo) / 0.68)
+        rows: list[float] = [-math.inf] * NUMBER_ROWS
+        for n, m in enumerate(self.markers, 1):
             ax.axvline(m.t, color="#495057", lw=0.8, ls="--")
-            width_s = (len(m.label) * 5.0 + 12) / px_per_s
-            row = next((i for i, end in enumerate(rows) if end < m.t), len(rows))
-            if row == len(rows):
-                rows.append(0.0)
-            rows[row] = m.t + width_s
+            text = f"{n} {m.label}"
+            fits = m.t + (len(text) * 5.2 + 10) / px_per_s <= self.t_end * 1.01
+            row = self._free(rows[:LABEL_ROWS], m.t) if fits else None
+            if row is None:
+                text = str(n)
+                row = self._free(rows, m.t)
+            if row is None:
+                continue  # the line alone; the table has its label
+            rows[row] = m.t + (len(text) * 5.2 + 10) / px_per_s
             ax.annotate(
-                m.label,
-                (m.t, 0.97 - 0.09 * (row % 6)),
+                text,
+                (m.t, 0.97 - 0.08 * row),
                 xycoords=("data", "axes fraction"),
                 xytext=(2, 0),
                 textcoords="offset points",
@@ -222,11 +240,13 @@ class _Plotter:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         if ax.get_yscale() == "log":
-            from matplotlib.ticker import FuncFormatter
+            from matplotlib.ticker import FuncFormatter, NullFormatter
 
             plain = FuncFormatter(lambda v, _pos: f"{v:g}")
             ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
+            lo, hi = ax.get_ylim()
+            # Minor ticks labelled only on a short range, where there are few majors.
+            ax.yaxis.set_minor_formatter(plain if hi / max(lo, 1e-12) < 30 else NullFormatter())
             ax.tick_params(axis="y", which="minor", labelsize=7)
         handles, _ = ax.get_legend_handles_labels()
         if handles:
@@ -379,6 +399,10 @@ def _table(
     return "".join(out)
 
 
+def _dash(v: Any) -> Any:
+    return "-" if v is None else v
+
+
 def _verdict_cell(ok: Any) -> str:
     if ok is None:
         return "<td></td>"
@@ -438,8 +462,10 @@ def _windows_html(windows: Mapping[str, Mapping[str, Any]]) -> str:
 _MD_ROW = re.compile(r"^\s*\|(.*)\|\s*$")
 
 
-def _markdown_html(md: str, skip_windows: bool) -> str:
-    """Markdown tables and paragraphs as HTML; pass/FAIL cells coloured."""
+def _markdown_html(md: str, skip_windows: bool, known: frozenset[str] = frozenset()) -> str:
+    """Markdown tables, lists and paragraphs as HTML; pass/FAIL cells coloured. Tables that
+    repeat what the report already shows are skipped: the windows table (first column
+    "window") and any table whose rows are all `known` metrics (the checks, the seed table)."""
     out: list[str] = []
     lines = md.splitlines()
     i = 0
@@ -457,6 +483,9 @@ def _markdown_html(md: str, skip_windows: bool) -> str:
             if skip_windows and head and head[0].lower() == "window":
                 skip_note = True
                 continue
+            firsts = {r[0] for r in block if r and not set(r[0]) <= set("-: ")} - {"metric"}
+            if known and firsts and firsts <= known:
+                continue
             skip_note = False
             rows, classes = [], []
             for r in body:
@@ -470,9 +499,20 @@ def _markdown_html(md: str, skip_windows: bool) -> str:
                 low = [c.lower() for c in r]
                 classes.append("fail" if "fail" in low else "pass" if "pass" in low else "")
             out.append(_table(head, rows, classes))
+        elif lines[i].lstrip().startswith("- "):
+            items = []
+            while i < len(lines) and lines[i].lstrip().startswith("- "):
+                items.append(lines[i].lstrip()[2:].strip())
+                i += 1
+            out.append("<ul>" + "".join(f"<li>{_e(it)}</li>" for it in items) + "</ul>")
         else:
             para = []
-            while i < len(lines) and lines[i].strip() and not _MD_ROW.match(lines[i]):
+            while (
+                i < len(lines)
+                and lines[i].strip()
+                and not _MD_ROW.match(lines[i])
+                and not lines[i].lstrip().startswith("- ")
+            ):
                 para.append(lines[i].strip())
                 i += 1
             if not para:
@@ -572,8 +612,8 @@ def write_report(
         for r in seed_table:
             row = [
                 _e(r.get("metric", "")),
-                _num(r.get("standard", "-")),
-                _num(r.get("unbroken", "-")),
+                _num(_dash(r.get("standard"))),
+                _num(_dash(r.get("unbroken"))),
                 _e(r.get("unit", "")),
             ]
             if has_target:
@@ -587,7 +627,8 @@ def write_report(
         body.append("<h2>Windows</h2>")
         body.append(_windows_html(windows))
     if markdown.strip():
-        notes = _markdown_html(markdown, skip_windows=bool(windows))
+        known = {str(c.get("metric", "")) for c in [*(checks or []), *(seed_table or [])]}
+        notes = _markdown_html(markdown, skip_windows=bool(windows), known=frozenset(known - {""}))
         if notes:
             body.append("<h2>Notes</h2>" + notes)
     body.append("<h2>Plots</h2>")
@@ -603,6 +644,17 @@ def write_report(
             _table(
                 ["name", "start (s)", "end (s)"],
                 [[_e(s.name), _num(f"{s.start:.1f}"), _num(f"{s.end:.1f}")] for s in span_list],
+            )
+        )
+    if marker_list:
+        body.append("<h2>Markers on the plots</h2>")
+        body.append(
+            _table(
+                ["#", "t (s)", "label"],
+                [
+                    [_num(n), _num(f"{m.t:.2f}"), _e(m.label)]
+                    for n, m in enumerate(sorted(marker_list, key=lambda m: m.t), 1)
+                ],
             )
         )
     if events:
