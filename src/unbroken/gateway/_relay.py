@@ -25,6 +25,7 @@ __all__ = ["BufferBudget", "ClientGone", "ClientSink", "SlowClient", "StreamTrac
 # Direct writes only while the socket's own buffer is below this: aiohttp's write() then
 # never waits on the transport, so the upstream read loop never blocks on the client.
 _DIRECT_LIMIT = 32 * 1024
+_WRITE_CHUNK = 64 * 1024
 
 
 class ClientGone(Exception):
@@ -149,12 +150,17 @@ class ClientSink:
     async def _drain(self) -> None:
         try:
             while self._pending:
-                data = b"".join(self._pending)
-                self._pending.clear()
+                # At most _WRITE_CHUNK per write: what sits in the socket's own buffer is
+                # outside the budget, and an evicted client must reach its error event soon.
+                parts: list[bytes] = []
+                n = 0
+                while self._pending and n < _WRITE_CHUNK:
+                    parts.append(self._pending.popleft())
+                    n += len(parts[-1])
+                self._pending_bytes -= n
                 if self.budget is not None:
-                    self.budget.shrink(self._pending_bytes)
-                self._pending_bytes = 0
-                await self.resp.write(data)
+                    self.budget.shrink(n)
+                await self.resp.write(b"".join(parts))
         except (ConnectionError, RuntimeError) as e:
             self._error = e
 

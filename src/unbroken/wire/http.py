@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 import aiohttp
 import orjson
@@ -160,6 +161,7 @@ class _Handler(RequestHandler):
         self._per_client = getattr(srv, "per_client", {})
         self._header_timer: asyncio.TimerHandle | None = None
         self._client: str | None = None
+        self._refused = False
         peer = transport.get_extra_info("peername")
         if self._limits.max_connections_per_client is not None and peer:
             host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
@@ -169,8 +171,7 @@ class _Handler(RequestHandler):
             if n > self._limits.max_connections_per_client:
                 log.warning("refusing connection %d from %s (over the per-client cap)", n, host)
                 cap = self._limits.max_connections_per_client
-                t = transport
-                assert isinstance(t, asyncio.Transport)
+                t = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
                 t.write(
                     _raw_error(
                         429,
@@ -179,7 +180,12 @@ class _Handler(RequestHandler):
                         "too_many_connections",
                     )
                 )
-                t.close()
+                # Half-close and linger: closing with the client's request unread would
+                # reset the connection and lose the answer.
+                self._refused = True
+                with contextlib.suppress(Exception):
+                    t.write_eof()
+                self._loop.call_later(2.0, t.close)
                 return
         self._arm_header_timer()
 
@@ -205,6 +211,8 @@ class _Handler(RequestHandler):
         t.close()
 
     def data_received(self, data: bytes) -> None:
+        if getattr(self, "_refused", False):
+            return
         before = self._request_count
         super().data_received(data)
         if not hasattr(self, "_limits"):

@@ -1,0 +1,544 @@
+"""Gateway hardening (issue 12): hostile input gets a 4xx in OpenAI's format, hung engines
+are routed around, memory stays bounded, upstream headers are rebuilt. Real gateway
+processes on real sockets; engines are real simulator processes, except where a test must see
+exactly what the gateway sends upstream or make an engine fail on a given body: there a
+small HTTP stand-in in this process records requests (`Recorder`), said in each test."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from helpers import (
+    MODEL,
+    TOKEN,
+    Proc,
+    admin,
+    engine,
+    gateway,
+    metric,
+    stream,
+    stream_text,
+    wait_endpoints,
+    wait_for,
+)
+from unbroken.engine.textmodel import expected_completion
+from unbroken.wire.http import free_port
+
+
+class Recorder:
+    """An OpenAI-compatible stand-in that records every completion request it receives.
+    Prompt "fail500" answers 500 and "bad400" answers 400, both with an OpenAI error body."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.seen: list[dict[str, Any]] = []
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._complete)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        obj = orjson.loads(body)
+        if obj.get("prompt") != "warm up":
+            self.seen.append({"headers": dict(request.headers), "body": obj})
+        if obj.get("prompt") in ("fail500", "bad400"):
+            status = 500 if obj["prompt"] == "fail500" else 400
+            err = {"message": "seed out of range", "type": "BadRequestError", "param": "seed"}
+            return web.json_response({"error": {**err, "code": status}}, status=status)
+        choice = {"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}
+        if obj.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"id": "c1", "object": "text_completion", "created": 1, "model": MODEL}
+            await resp.write(b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.json_response(
+            {"id": "c1", "object": "text_completion", "created": 1, "model": MODEL,
+             "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                            "total_tokens": 2}}
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def _config(tmp: Path, **settings: Any) -> tuple[str, str]:
+    path = tmp / f"gw-{len(list(tmp.glob('gw-*.json')))}.json"
+    path.write_text(json.dumps(settings))
+    return ("--config", str(path))
+
+
+def _raw(port: int, data: bytes, wait: float = 5.0) -> bytes:
+    """Send raw bytes; everything the server answers until it closes (or `wait` passes)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(wait)
+    out = b""
+    try:
+        s.sendall(data)
+        while chunk := s.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionError):
+        pass
+    finally:
+        s.close()
+    return out
+
+
+def _status_and_json(raw: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), orjson.loads(body)
+
+
+@pytest.fixture(scope="module")
+def recorded(logdir: Path) -> Iterator[tuple[Proc, Recorder, Recorder]]:
+    """A gateway in front of two recording stand-ins, with a pool API key configured."""
+    import os
+
+    os.environ["HARDENING_POOL_KEY"] = "upstream-secret"
+    r1, r2 = Recorder(), Recorder()
+    g = gateway(
+        logdir,
+        r1.url,
+        r2.url,
+        args=_config(logdir, upstream_key_env={"default": "HARDENING_POOL_KEY"}),
+    )
+    yield g, r1, r2
+    g.stop()
+    r1.close()
+    r2.close()
+    os.environ.pop("HARDENING_POOL_KEY", None)
+
+
+# -- 5xx from client input ------------------------------------------------------------------
+
+
+def test_gzip_body_is_forwarded_decoded(shared_gateway: tuple[Proc, Proc, Proc]) -> None:
+    """Used to forward `Content-Encoding: gzip` with the decoded body (engines: 500), and a
+    body claiming gzip that is not gave the gateway's own 500."""
+    g, _a, _b = shared_gateway
+    body = {"model": MODEL, "prompt": "zip", "max_tokens": 5, "temperature": 0}
+    r = httpx.post(
+        g.url + "/v1/completions",
+        content=gzip.compress(orjson.dumps(body)),
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected_completion("zip", 5).text
+    bad = httpx.post(
+        g.url + "/v1/completions",
+        content=b"this is not gzip at all",
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_body"
+
+
+def test_admin_bearer_with_non_ascii_bytes_is_401(shared_gateway: tuple[Proc, Proc, Proc]) -> None:
+    g, _a, _b = shared_gateway
+    assert g.admin_port is not None
+    out = _raw(
+        g.admin_port,
+        b"GET /admin/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\xff\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    status, body = _status_and_json(out)
+    assert status == 401 and body["error"]["code"] == "invalid_token"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: y\r\n" % i for i in range(200))
+        + b"\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 20000 + b"\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,  # a TLS ClientHello
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    ],
+    ids=["bad-cl", "cl-and-te", "long-url", "many-headers", "big-header", "tls", "http2"],
+)
+def test_parser_errors_have_openai_bodies(
+    shared_gateway: tuple[Proc, Proc, Proc], raw: bytes
+) -> None:
+    """aiohttp's parser answered these with text/plain."""
+    g, _a, _b = shared_gateway
+    out = _raw(g.port, raw)
+    status, body = _status_and_json(out)
+    assert 400 <= status < 500, out[:200]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert b"aiohttp" not in out and b"Python/" not in out
+
+
+def test_no_server_version_header(shared_gateway: tuple[Proc, Proc, Proc]) -> None:
+    g, _a, _b = shared_gateway
+    r = httpx.get(g.url + "/v1/models")
+    assert "aiohttp" not in r.headers.get("server", "") and "Python" not in r.headers.get(
+        "server", ""
+    )
+
+
+# -- headers --------------------------------------------------------------------------------
+
+
+def test_upstream_headers_rebuilt(recorded: tuple[Proc, Recorder, Recorder]) -> None:
+    """Stand-in engines record what the gateway sends. It used to forward the client's
+    Authorization and Cookie, a missing Content-Type as octet-stream, and to replace the
+    client's X-Request-ID."""
+    g, r1, r2 = recorded
+    n0 = len(r1.seen) + len(r2.seen)
+    body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    r = httpx.post(
+        g.url + "/v1/completions",
+        content=body,
+        headers={
+            "Authorization": "Bearer client-secret",
+            "Cookie": "session=abc",
+            "X-Request-ID": "trace-42.a",
+            "Content-Type": "",
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "trace-42.a"
+    seen = (r1.seen + r2.seen)[n0:]
+    assert len(seen) == 1
+    h = {k.lower(): v for k, v in seen[0]["headers"].items()}
+    assert h["authorization"] == "Bearer upstream-secret"
+    assert "cookie" not in h
+    assert h["content-type"] == "application/json"
+    assert h["x-request-id"] == "trace-42.a"
+    # An id that is not a sane token is replaced, and the replacement echoed.
+    r = httpx.post(
+        g.url + "/v1/completions", content=body, headers={"X-Request-ID": "x" * 500}
+    )
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 200 and len(rid) == 32 and rid != "x" * 500
+    sent = {k.lower(): v for k, v in (r1.seen + r2.seen)[-1]["headers"].items()}
+    assert sent["x-request-id"] == rid
+    # Streams echo it too.
+    with httpx.stream(
+        "POST",
+        g.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "s", "max_tokens": 1, "stream": True},
+        headers={"X-Request-ID": "stream-7"},
+    ) as s:
+        s.read()
+        assert s.headers["x-request-id"] == "stream-7"
+
+
+def test_endpoint_header_is_a_setting(tmp_path: Path) -> None:
+    rec = Recorder()
+    g = gateway(tmp_path, rec.url, args=_config(tmp_path, endpoint_header=False))
+    try:
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert r.status_code == 200 and "x-unbroken-endpoint" not in r.headers
+    finally:
+        g.stop()
+        rec.close()
+
+
+def test_body_errors_not_retried_everywhere(recorded: tuple[Proc, Recorder, Recorder]) -> None:
+    """A 400 from upstream is the body's fault: passed on, sent to one engine only, not held
+    against it. A 500 that a second engine repeats for the same body stops there (it used to
+    be tried on every endpoint)."""
+    g, r1, r2 = recorded
+    r3 = Recorder()
+    admin(g, "POST", "/admin/endpoints", {"url": r3.url, "name": "r3"})
+    wait_endpoints(g, lambda eps: sum(e["state"] == "ready" for e in eps) == 3)
+    try:
+        n0 = len(r1.seen) + len(r2.seen) + len(r3.seen)
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "bad400"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        assert len(r1.seen) + len(r2.seen) + len(r3.seen) == n0 + 1
+        eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+        assert all(e["healthy"] and e["last_error"] is None for e in eps), eps
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "fail500"})
+        assert r.status_code == 500 and r.json()["error"]["message"] == "seed out of range"
+        assert len(r1.seen) + len(r2.seen) + len(r3.seen) == n0 + 3  # two tries, not three
+    finally:
+        admin(g, "DELETE", "/admin/endpoints/r3")
+        r3.close()
+
+
+# -- hung engines ---------------------------------------------------------------------------
+
+
+def _hang(e: Proc, seconds: float) -> None:
+    r = httpx.post(
+        e.url + "/admin/faults",
+        json={"kind": "hang", "duration_s": seconds},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert r.status_code in (200, 201), r.text
+
+
+def test_hung_engine_is_routed_around(tmp_path: Path) -> None:
+    """An engine that hangs with a green /health: a stream got its first token only when the
+    hang ended (40 s), non-streaming requests waited as long. Now the time-to-first-byte
+    limit moves the stream elsewhere, the hung endpoint leaves rotation until it serves a
+    completion again, and a non-streaming request has an overall timeout."""
+    a = engine(tmp_path, name="a")
+    b = engine(tmp_path, name="b")
+    g = gateway(
+        tmp_path,
+        a.url,
+        b.url,
+        args=_config(tmp_path, ttfb_timeout_s=2.0, ttfb_min_s=1.0, request_timeout_s=3.0),
+    )
+    try:
+        name_a = f"127.0.0.1:{a.port}"
+        _hang(a, 25)
+        body = {"model": MODEL, "prompt": "hang", "max_tokens": 20, "temperature": 0}
+        for _ in range(2):  # one of the two picks lands on the hung engine
+            t0 = time.monotonic()
+            events, r = stream(g.url, "/v1/completions", body, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 200
+            assert stream_text(events, chat=False) == expected_completion("hang", 20).text
+            assert took < 12, took
+        eps = {e["name"]: e for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+        assert not eps[name_a]["healthy"] and "ttfb" in (eps[name_a]["last_error"] or "")
+        assert metric(g.url, "unbroken_gateway_retries_total", reason="ttfb") >= 1
+        # Out of rotation despite its green /health: every request goes to b at once.
+        for _ in range(4):
+            t0 = time.monotonic()
+            r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and time.monotonic() - t0 < 2.5
+        # Only a hung engine left: the non-streaming request ends at its timeout, 504.
+        admin(g, "DELETE", f"/admin/endpoints/127.0.0.1:{b.port}")
+        admin(g, "POST", "/admin/endpoints", {"url": a.url, "name": "a-again"})
+        admin(g, "DELETE", f"/admin/endpoints/{name_a}")
+        wait_endpoints(g, lambda eps: any(e["state"] == "warming" for e in eps), timeout=10)
+        # a-again is not ready until its warm-up passes, i.e. after the hang: hang it later.
+        _hang(a, 0.1)
+        wait_endpoints(
+            g, lambda eps: any(e["state"] == "ready" and e["healthy"] for e in eps), timeout=40
+        )
+        _hang(a, 20)
+        t0 = time.monotonic()
+        r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        assert 2.5 < time.monotonic() - t0 < 8
+    finally:
+        for p in (g, a, b):
+            p.stop()
+
+
+# -- slow and hostile clients ---------------------------------------------------------------
+
+
+def test_slowloris_and_short_bodies_are_cut(tmp_path: Path) -> None:
+    """Connections that never finish their headers stayed open for minutes, and a body
+    shorter than its Content-Length hung forever."""
+    rec = Recorder()
+    g = gateway(tmp_path, rec.url, args=_config(tmp_path, header_timeout_s=1.5, body_timeout_s=1.5))
+    try:
+        socks = []
+        for _ in range(30):
+            s = socket.create_connection(("127.0.0.1", g.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-a: ")
+            socks.append(s)
+        t0 = time.monotonic()
+        for s in socks:
+            s.settimeout(10)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 408"), data[:100]
+            s.close()
+        assert time.monotonic() - t0 < 6
+        out = _raw(
+            g.port,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"model\":",
+            wait=10,
+        )
+        status, body = _status_and_json(out)
+        assert status == 408 and body["error"]["code"] == "timeout"
+        # The gateway still serves.
+        ok = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert ok.is_success
+    finally:
+        g.stop()
+        rec.close()
+
+
+def test_connections_per_client_are_capped(tmp_path: Path) -> None:
+    rec = Recorder()
+    g = gateway(tmp_path, rec.url, args=_config(tmp_path, max_connections_per_client=8))
+    try:
+        socks = [socket.create_connection(("127.0.0.1", g.port)) for _ in range(8)]
+        time.sleep(0.2)
+        out = _raw(g.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body = _status_and_json(out)
+        assert status == 429 and body["error"]["code"] == "too_many_connections"
+        for s in socks:
+            s.close()
+        wait_for(lambda: httpx.get(g.url + "/health").status_code == 200, timeout=5)
+    finally:
+        g.stop()
+        rec.close()
+
+
+# -- bounded memory -------------------------------------------------------------------------
+
+
+def _hold(port: int, body: dict[str, Any]) -> socket.socket:
+    """A streaming request whose response is never read (its slot stays taken)."""
+    payload = orjson.dumps({**body, "stream": True})
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
+    return s
+
+
+def test_queue_is_bounded_by_count_and_bytes(tmp_path: Path) -> None:
+    """Queued requests had no limit at all (50 queued 4 MiB bodies: +415 MiB RSS)."""
+    a = engine(tmp_path, name="a")
+    g = gateway(
+        tmp_path,
+        a.url,
+        args=(
+            "--cap",
+            "1",
+            *_config(tmp_path, max_queue=2, max_queue_bytes=3 * 2**20, queue_timeout_s=20),
+        ),
+    )
+    try:
+        hold = _hold(g.port, {"model": MODEL, "prompt": "x", "max_tokens": 5000})
+        wait_endpoints(g, lambda eps: eps[0]["inflight"] == 1)
+        big = "y " * (2**20)  # 2 MiB of prompt
+        waiters = [_hold(g.port, {"model": MODEL, "prompt": big, "max_tokens": 1})]
+        wait_for(lambda: admin(g, "GET", "/admin/status").json()["queue"]["standard"] == 1)
+        # Another 2 MiB body would hold 4 MiB in the queue: over the bytes bound.
+        r = httpx.post(
+            g.url + "/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 1}
+        )
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        waiters.append(_hold(g.port, {"model": MODEL, "prompt": "small", "max_tokens": 1}))
+        wait_for(lambda: admin(g, "GET", "/admin/status").json()["queue"]["standard"] == 2)
+        # The count bound: two are waiting.
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "s"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        for s in (hold, *waiters):
+            s.close()
+    finally:
+        g.stop()
+        a.stop()
+
+
+def test_fan_out_counts_sequences(tmp_path: Path) -> None:
+    """`prompt: ["x"]*500, n: 64` was one slot of 256; now it is 32,000 sequences, over the
+    per-request limit (400), and an allowed fan-out takes one slot per sequence."""
+    a = engine(tmp_path, name="a")
+    g = gateway(tmp_path, a.url, args=("--cap", "8"))
+    try:
+        r = httpx.post(
+            g.url + "/v1/completions",
+            json={"model": MODEL, "prompt": ["x"] * 500, "n": 64, "max_tokens": 1},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
+        s = _hold(g.port, {"model": MODEL, "prompt": ["p", "q"], "n": 3, "max_tokens": 5000})
+        wait_endpoints(g, lambda eps: eps[0]["inflight"] == 6)
+        # Room for 2 more sequences only: a request of 3 waits; sheddable is refused.
+        r = httpx.post(
+            g.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "n": 3, "max_tokens": 1},
+            headers={"x-unbroken-priority": "sheddable"},
+        )
+        assert r.status_code == 429
+        r = httpx.post(
+            g.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "n": 2, "max_tokens": 1},
+            headers={"x-unbroken-priority": "sheddable"},
+        )
+        assert r.status_code == 200
+        s.close()
+        wait_endpoints(g, lambda eps: eps[0]["inflight"] == 0, timeout=20)
+    finally:
+        g.stop()
+        a.stop()
+
+
+def test_stream_buffer_budget_ends_the_slowest_stream(tmp_path: Path) -> None:
+    """With only the per-stream bound (4 MiB), stuck clients together held unbounded memory.
+    Over the global budget, the stream with the most queued ends, with an error event."""
+    a = engine(tmp_path, name="a")
+    g = gateway(
+        tmp_path,
+        a.url,
+        args=_config(tmp_path, stream_buffer_budget_bytes=2**20, stream_buffer_bytes=64 * 2**20),
+    )
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        s.connect(("127.0.0.1", g.port))
+        payload = orjson.dumps(
+            {"model": MODEL, "prompt": "p", "max_tokens": 3000, "n": 16, "stream": True}
+        )
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
+        wait_for(
+            lambda: metric(g.url, "unbroken_gateway_slow_client_aborts_total") == 1,
+            timeout=40,
+            what="the stuck stream ended",
+        )
+        assert metric(g.url, "unbroken_gateway_stream_buffered_bytes") < 2**20
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+        assert b'"code":"slow_client"' in data and b"budget" in data
+        # Others are unaffected.
+        body = {"model": MODEL, "prompt": "k", "max_tokens": 9, "temperature": 0}
+        events, _ = stream(g.url, "/v1/completions", body)
+        assert stream_text(events, chat=False) == expected_completion("k", 9).text
+    finally:
+        g.stop()
+        a.stop()
