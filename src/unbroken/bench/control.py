@@ -4,7 +4,6 @@ the gateway's admin API (the same calls `unbroken rollout` and `unbroken status`
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -13,6 +12,7 @@ from typing import Any
 import aiohttp
 
 from unbroken.clients import AdminError, GatewayAdmin
+from unbroken.pipeline.control import SupervisorClient, SupervisorRejected
 
 __all__ = ["PipelineControl", "Sampler"]
 
@@ -20,16 +20,10 @@ __all__ = ["PipelineControl", "Sampler"]
 class PipelineControl:
     def __init__(self, control_socket: str) -> None:
         self.socket = control_socket
-
-    def _session(self, read_timeout: float = 30) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=self.socket),
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=read_timeout),
-        )
+        self.client = SupervisorClient(control_socket)
 
     async def status(self) -> dict[str, Any]:
-        async with self._session() as s, s.get("http://supervisor/status") as r:
-            return await r.json()
+        return await self.client.status()
 
     async def rollout(
         self, pool: str, engine: dict[str, Any], *, deadline_s: float, warmup_budget_s: float = 10.0
@@ -40,15 +34,10 @@ class PipelineControl:
             "drain_deadline_s": deadline_s,
             "warmup_budget_s": warmup_budget_s,
         }
-        summary: dict[str, Any] = {"ok": False, "error": "no summary"}
-        async with self._session(600) as s, s.post("http://supervisor/rollout", json=body) as r:
-            if r.status != 200:
-                return {"ok": False, "error": await r.text()}
-            async for line in r.content:
-                ev = json.loads(line)
-                if ev["event"] == "summary":
-                    summary = ev
-        return summary
+        try:
+            return await self.client.rollout(body)
+        except SupervisorRejected as e:
+            return {"ok": False, "error": str(e)}
 
     async def kill(self, pool: str) -> dict[str, Any]:
         """SIGKILL one replica of `pool` (the oldest), as a crash would."""

@@ -6,7 +6,12 @@ stage 1 (`/health`), stage 2 (a real warm-up completion within its latency budge
 it with the gateway, wait until it is ready there, drain the old replica with a deadline (the
 gateway migrates what is still running at the deadline), SIGTERM it, wait for its exit. A new
 replica that fails either stage is torn down and the rollout stops: the old replica never
-stopped serving.
+stopped serving. Replicas that died before their turn are skipped (the supervisor replaces
+them), one that dies during its drain counts as drained, and every way out of a rollout ends
+with the pool's live count checked against its declared size: the summary says what is
+missing, never less.
+
+The steps talk to a `Backend` (pipeline/backend.py), not to the supervisor itself.
 """
 
 from __future__ import annotations
@@ -16,16 +21,14 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from unbroken.clients import AdminError
+from unbroken.clients import AdminError, AdminRejected
 from unbroken.config.spec import EngineSpec
-
-if TYPE_CHECKING:
-    from unbroken.pipeline.supervisor import Replica, Supervisor
+from unbroken.pipeline.backend import Backend, ReplicaHandle
 
 __all__ = ["RolloutError", "RolloutRequest", "run_rollout"]
 
@@ -71,7 +74,7 @@ def new_engine(old: EngineSpec, update: dict[str, Any]) -> EngineSpec:
         raise RolloutError(f"invalid engine update: {e}") from None
 
 
-async def _warmup(sup: Supervisor, r: Replica, budget: float) -> float:
+async def _warmup(sup: Backend, r: ReplicaHandle, budget: float) -> float:
     body = {"model": sup.spec.model, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
     t0 = time.monotonic()
     try:
@@ -95,7 +98,7 @@ async def _warmup(sup: Supervisor, r: Replica, budget: float) -> float:
 
 
 async def _wait_state(
-    sup: Supervisor, name: str, want: Callable[[dict[str, Any] | None], bool], timeout: float
+    sup: Backend, name: str, want: Callable[[dict[str, Any] | None], bool], timeout: float
 ) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -106,7 +109,7 @@ async def _wait_state(
     return False
 
 
-async def run_rollout(sup: Supervisor, req: RolloutRequest, progress: Progress) -> dict[str, Any]:
+async def run_rollout(sup: Backend, req: RolloutRequest, progress: Progress) -> dict[str, Any]:
     pool = next((p for p in sup.spec.pools if p.name == req.pool), None)
     if pool is None:
         raise RolloutError(
@@ -114,7 +117,7 @@ async def run_rollout(sup: Supervisor, req: RolloutRequest, progress: Progress) 
         )
     engine = new_engine(pool.engine, req.engine)
     new_pool = pool.model_copy(update={"engine": engine})
-    olds = [r for r in sup.replicas.values() if r.pool.name == pool.name and not r.stopping]
+    olds = sup.replicas_of(pool.name)
     t_start = time.monotonic()
     steps: list[Step] = []
 
@@ -126,7 +129,11 @@ async def run_rollout(sup: Supervisor, req: RolloutRequest, progress: Progress) 
     for i, old in enumerate(olds, 1):
         step = Step(old=old.name)
         steps.append(step)
-        new: Replica | None = None
+        if not old.alive:
+            step.error = "skipped: the replica had died (the supervisor replaces it)"
+            await say("skipped", old=old.name, reason=step.error)
+            continue
+        new: ReplicaHandle | None = None
         registered = False
         try:
             t0 = time.monotonic()
@@ -154,34 +161,72 @@ async def run_rollout(sup: Supervisor, req: RolloutRequest, progress: Progress) 
                 sup, new.name, lambda e: bool(e and e["state"] == "ready"), req.ready_timeout_s
             ):
                 raise RolloutError(f"{new.name} did not become ready in the gateway")
-            sup.watch(new)
+            sup.adopt(new)
             await say("ready", new=new.name)
-        except (RolloutError, AdminError, Exception) as e:
-            step.error = str(e)
-            await say("rollback", new=step.new, reason=str(e))
+        except Exception as e:  # any failure before the old replica is touched: undo the new
+            step.error = f"{type(e).__name__}: {e}" if not isinstance(e, RolloutError) else str(e)
+            await say("rollback", new=step.new, reason=step.error)
             if registered and new is not None:
                 with contextlib.suppress(AdminError):
                     await sup.admin.remove(name=new.name)
             if new is not None:
-                await sup.stop_replica(new, timeout=5)
-            return _summary(pool.name, steps, t_start, ok=False, error=str(e))
+                with contextlib.suppress(Exception):
+                    await sup.stop_replica(new, timeout=5)
+            return await _finish(sup, say, pool.name, pool.replicas, steps, t_start, step.error)
         t0 = time.monotonic()
-        await sup.admin.drain(name=old.name, deadline_s=req.drain_deadline_s)
-        await say("draining", old=old.name, deadline_s=req.drain_deadline_s)
-        gone = await _wait_state(sup, old.name, lambda e: e is None, req.drain_deadline_s + 15.0)
-        if not gone:  # should not happen: at the deadline the gateway migrates the rest
-            with contextlib.suppress(AdminError):
-                await sup.admin.remove(name=old.name)
+        try:
+            await _retire(sup, old, req.drain_deadline_s)
+            await say("draining", old=old.name, deadline_s=req.drain_deadline_s)
+            gone = await _wait_state(
+                sup, old.name, lambda e: e is None, req.drain_deadline_s + 15.0
+            )
+            if not gone:  # should not happen: at the deadline the gateway migrates the rest
+                with contextlib.suppress(AdminError):
+                    await sup.admin.remove(name=old.name)
+        except AdminError as e:
+            # The gateway is unreachable: stop the old one anyway (the new one serves).
+            await say("drain_failed", old=old.name, reason=str(e))
         step.drain_s = time.monotonic() - t0
         code = await sup.stop_replica(old, timeout=15)
         step.ok = True
         await say(
             "replaced", old=old.name, new=new.name, drain_s=round(step.drain_s, 3), exit_code=code
         )
-    idx = sup.spec.pools.index(pool)
-    sup.spec.pools[idx] = new_pool  # replacements from now on run the new version
-    summary = _summary(pool.name, steps, t_start, ok=True)
-    await say("finished", seconds=summary["seconds"])
+    sup.set_pool(new_pool)  # replacements from now on run the new version
+    return await _finish(sup, say, pool.name, pool.replicas, steps, t_start, None)
+
+
+async def _retire(sup: Backend, old: ReplicaHandle, deadline_s: float) -> None:
+    """Drain `old`; one the gateway no longer knows (it died and was removed) is done."""
+    try:
+        await sup.admin.drain(name=old.name, deadline_s=deadline_s)
+    except AdminRejected as e:
+        if e.status != 404:
+            raise
+
+
+async def _finish(
+    sup: Backend,
+    say: Callable[..., Awaitable[None]],
+    pool: str,
+    declared: int,
+    steps: list[Step],
+    t0: float,
+    error: str | None,
+) -> dict[str, Any]:
+    """The summary, with the pool's live size checked against its declared size."""
+    live = len(sup.replicas_of(pool))
+    missing = max(0, declared - live)
+    summary = _summary(pool, steps, t0, ok=error is None, error=error)
+    summary["replicas"] = {"declared": declared, "live": live, "missing": missing}
+    if missing:
+        note = (
+            f"pool {pool} has {live} of its {declared} replica(s); the supervisor is "
+            f"replacing the {missing} missing (see `unbroken status`)"
+        )
+        summary["error"] = f"{error}; {note}" if error else note
+    kind = "finished" if error is None else "stopped"
+    await say(kind, seconds=summary["seconds"], **summary["replicas"])
     return summary
 
 
