@@ -304,6 +304,8 @@ def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
         data = json.loads((out / "results.json").read_text())
         kinds = [e["event"] for e in data["events"]]
         assert kinds == ["replica_killed", "replica_replaced"]
+        assert data["meta"]["pipeline"] == "primary: 2 x fp16"  # the report's metadata
+        assert data["meta"]["command"].startswith("unbroken bench --scenario chaos")
         chaos = data["windows"]["chaos"]
         assert chaos["open"]["streams"] > 0 and chaos["open"]["dropped"] == 0
         assert chaos["open"]["corrupted"] == 0

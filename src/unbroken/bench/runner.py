@@ -44,6 +44,20 @@ def fmt_errors(errors: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "0"
 
 
+async def _pipeline_line(control: PipelineControl) -> str:
+    """The pools of the pipeline under test, as its supervisor reports them now."""
+    try:
+        st = await control.status()
+    except Exception as e:  # the report is still worth writing without this line
+        return f"unknown ({type(e).__name__})"
+    by_pool: dict[str, list[str]] = {}
+    for r in st.get("replicas", []):
+        by_pool.setdefault(r.get("pool", "?"), []).append(r.get("precision") or "?")
+    return ", ".join(
+        f"{pool}: {len(ps)} x {'/'.join(sorted(set(ps)))}" for pool, ps in sorted(by_pool.items())
+    )
+
+
 def _outcome_line(records: list[Record]) -> str:
     o = Counter(r.outcome for r in records)
     parts = ", ".join(
@@ -206,11 +220,10 @@ async def run_bench(
             "or its /v1 base URL?"
         )
     md = markdown_table(windows, records)
-    meta = run_metadata(
-        command=command or " ".join(sys.argv),
-        started=started,
-        extra={"target": base_url(cfg.url), "scenario": scenario},
-    )
+    extra = {"target": base_url(cfg.url), "scenario": scenario}
+    if control is not None:
+        extra["pipeline"] = await _pipeline_line(control)
+    meta = run_metadata(command=command or " ".join(sys.argv), started=started, extra=extra)
     report = write_report(
         out,
         title=f"unbroken bench: {scenario}",
