@@ -148,7 +148,8 @@ def test_gateway_without_endpoints_says_so(tmp_path: Path) -> None:
     try:
         r = httpx.get(g.url + "/health", timeout=5)
         assert r.status_code == 200 and "no endpoints" in r.text
-        assert "no endpoints" in g.tail()  # and a warning in the log at start
+        # and a warning in the log, a few seconds after the start
+        wait_for(lambda: "WARNING" in g.tail() and "no endpoints" in g.tail(), timeout=20)
         dead = f"http://127.0.0.1:{free_port()}"
         assert (
             admin(g, "POST", "/admin/endpoints", {"url": dead, "name": "nowhere"}).status_code < 300

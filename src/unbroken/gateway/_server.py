@@ -252,11 +252,9 @@ async def serve(
     except OSError:
         await gw.stop()  # e.g. a port in use: close what was opened, then report it
         raise
-    if not static and k8s is None:
-        log.warning("no endpoints: requests get 503 until one is added (POST /admin/endpoints)")
-    else:
-        # Engines that never answer (wrong URL, not started) are worth a line in the log.
-        asyncio.get_running_loop().call_later(10.0, _warn_unready, gw)
+    # No endpoint, or none that answers (wrong URL, not started), is worth a line in the log;
+    # after a moment, so that a supervisor registering its engines causes no false alarm.
+    asyncio.get_running_loop().call_later(UNREADY_WARNING_S, _warn_unready, gw)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -264,6 +262,9 @@ async def serve(
     await stop.wait()
     log.info("gateway stopping")
     await gw.stop()
+
+
+UNREADY_WARNING_S = 5.0
 
 
 def _warn_unready(gw: Gateway) -> None:
