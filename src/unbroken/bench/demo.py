@@ -477,6 +477,16 @@ def _verdict(
     seed_md = _print_seed(console, rows)
     checks = _checks(ub, rows, cold, s.max_ratio)
     passed = all(c["ok"] for c in checks)
+    lag_ms = {
+        r.name: {
+            "p50": _ms(percentile(r.loop_lag, 50)),
+            "p99": _ms(percentile(r.loop_lag, 99)),
+            "max": _ms(max(r.loop_lag, default=None)),
+        }
+        for r in (std_res, ub_res)
+        if r is not None
+    }
+    lag = "; ".join(f"{n} p99 {v['p99']} ms, max {v['max']} ms" for n, v in lag_ms.items())
     config = {
         "users": cfg.users,
         "priorities": PRIORITIES,
@@ -494,7 +504,9 @@ def _verdict(
             **({"standard": std_res.contended} if std_res else {}),
         },
         "cold_start_unthrottled": cold,
+        "loadgen_loop_lag_ms": lag_ms,
     }
+    console.print(f"load generator's event-loop lag (its own measuring delay): {lag}")
     windows = dict(ub_w)
     if std_w is not None:
         windows.update({f"standard: {k}": v for k, v in std_w.items()})
@@ -507,7 +519,7 @@ def _verdict(
         )
         + f"\n\nPipeline start: unbroken {ub_res.boot_s:.1f} s"
         + (f", standard {std_res.boot_s:.1f} s" if std_res else "")
-        + f". Users: {cfg.users}. {storage}.\n\n"
+        + f". Users: {cfg.users}. {storage}. Load generator's event-loop lag: {lag}.\n\n"
         + markdown_table(windows, ub_res.records)
         + "\n"
     )

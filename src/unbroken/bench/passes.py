@@ -84,6 +84,17 @@ class PassResult:
     prewarm: list[dict[str, Any]]
     decisions: list[dict[str, Any]]  # controller decisions, t in seconds since load start
     contended: list[str]
+    loop_lag: list[float] = field(default_factory=list)  # the load generator's own lateness
+
+
+async def _lag_probe(out: list[float], period: float = 0.02) -> None:
+    """How late the load generator's event loop wakes up: if it is late, so are its
+    timestamps, and the pass's latencies include the measuring process's own delay."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period)
+        out.append(loop.time() - t - period)
 
 
 class Target(Protocol):
@@ -256,6 +267,7 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
     contended: list[str] = []
     wall0 = time.time()
     collected: dict[str, Any] = {}
+    lag: list[float] = []
     try:
         with live_progress(console) as prog:
             tid = prog.add_task(target.name, total=None, stats="")
@@ -271,6 +283,7 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
                     await asyncio.sleep(0.5)
 
             ticker = asyncio.create_task(tick())
+            prober = asyncio.create_task(_lag_probe(lag))
 
             def mark(name: str, **data: Any) -> None:
                 marks[name] = load.now()
@@ -311,6 +324,7 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
             load.stop()
             await runner
             ticker.cancel()
+            prober.cancel()
         collected = await target.collect(wall0)
     finally:
         await target.stop()
@@ -327,4 +341,5 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
         prewarm=collected.get("prewarm", []),
         decisions=collected.get("decisions", []),
         contended=contended,
+        loop_lag=lag,
     )
