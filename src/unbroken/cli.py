@@ -735,7 +735,11 @@ def agent(
     once: Annotated[bool, typer.Option("--once", help="Print a snapshot and exit.")] = False,
     duration: Annotated[float, typer.Option(help="With --once: seconds to watch.")] = 3.0,
     allow_slow_probes: Annotated[
-        bool, typer.Option(help="Also attach where the probe would be single-stepped (slow).")
+        bool,
+        typer.Option(
+            "--allow-slow-probes",
+            help="Also attach where the probe would be single-stepped (slow).",
+        ),
     ] = False,
     no_ebpf: Annotated[
         bool, typer.Option("--no-ebpf", help="Use the sock_diag fallback only.")
