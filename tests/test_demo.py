@@ -277,3 +277,20 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert rows["cold_start_s"]["standard"] > 0 and rows["cold_start_s"]["unbroken"] > 0
     spans = {s["name"] for s in data["spans"]}
     assert {"contention", "rollout"} <= spans
+
+
+# -- the table's arithmetic ----------------------------------------------------------------------
+
+
+def test_stall_spikes_count_long_gaps_ending_in_the_window() -> None:
+    from unbroken.bench.demo import stall_spikes
+    from unbroken.bench.load import Record
+
+    r = Record(user=0, kind="chat", priority="standard", slow=False, start=10.0, max_tokens=8)
+    r.ttft = 0.1  # first token at 10.1
+    r.gaps = [0.05, 0.2, 0.05, 0.3, 0.16]  # tokens at 10.15, 10.35, 10.4, 10.7, 10.86
+    assert stall_spikes([r], 10.0, 11.0, 0.15) == 3
+    assert stall_spikes([r], 10.0, 10.5, 0.15) == 1  # the 0.3 s gap ends at 10.7
+    assert stall_spikes([r], 10.0, 11.0, 0.25) == 1
+    r.ttft = None  # no token at all: nothing to count
+    assert stall_spikes([r], 0.0, 100.0, 0.0) == 0
