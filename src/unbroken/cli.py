@@ -725,6 +725,31 @@ def prewarm(
     )
 
 
+def _agent_state_dir(explicit: Path | None) -> None:
+    """Point the agent at the pipeline it labels endpoints for. `sudo unbroken agent` runs
+    as root, whose state directory is not the user's: follow SUDO_USER to theirs."""
+    if explicit is not None:
+        os.environ["UNBROKEN_STATE_DIR"] = str(explicit)
+        return
+    user = os.environ.get("SUDO_USER")
+    if os.environ.get("UNBROKEN_STATE_DIR") or not user or os.geteuid() != 0:
+        return
+    import pwd
+
+    from unbroken.config.paths import state_dir
+
+    if (state_dir() / "run.json").exists():
+        return
+    try:
+        home = Path(pwd.getpwnam(user).pw_dir)
+    except KeyError:
+        return
+    theirs = home / ".local" / "state" / "unbroken"
+    if (theirs / "run.json").exists():
+        logging.getLogger("unbroken.agent").info("labelling the pipeline of %s (%s)", user, theirs)
+        os.environ["UNBROKEN_STATE_DIR"] = str(theirs)
+
+
 @app.command()
 def agent(
     listen: Annotated[str, typer.Option(help="Exporter address HOST:PORT.")] = "127.0.0.1:9101",
@@ -789,31 +814,6 @@ def agent(
         if (msg := _bind_error(e)) is None:
             raise
         _fail(msg)
-
-
-def _agent_state_dir(explicit: Path | None) -> None:
-    """Point the agent at the pipeline it labels endpoints for. `sudo unbroken agent` runs
-    as root, whose state directory is not the user's: follow SUDO_USER to theirs."""
-    if explicit is not None:
-        os.environ["UNBROKEN_STATE_DIR"] = str(explicit)
-        return
-    user = os.environ.get("SUDO_USER")
-    if os.environ.get("UNBROKEN_STATE_DIR") or not user or os.geteuid() != 0:
-        return
-    import pwd
-
-    from unbroken.config.paths import state_dir
-
-    if (state_dir() / "run.json").exists():
-        return
-    try:
-        home = Path(pwd.getpwnam(user).pw_dir)
-    except KeyError:
-        return
-    theirs = home / ".local" / "state" / "unbroken"
-    if (theirs / "run.json").exists():
-        logging.getLogger("unbroken.agent").info("labelling the pipeline of %s (%s)", user, theirs)
-        os.environ["UNBROKEN_STATE_DIR"] = str(theirs)
 
 
 @app.command()
