@@ -36,6 +36,8 @@ def find_weight_files(paths: list[str]) -> list[Path]:
         raise PrewarmError(f"{e.filename}: permission denied") from None
     except OSError as e:
         raise PrewarmError(f"{e.filename}: {e.strerror}") from None
+    except RuntimeError as e:  # Path.resolve() on a symlink loop (Python 3.11)
+        raise PrewarmError(f"{e}") from None
 
 
 def _find(paths: list[str]) -> list[Path]:
@@ -43,6 +45,8 @@ def _find(paths: list[str]) -> list[Path]:
         raise PrewarmError("no path given")
     found: list[Path] = []
     for raw in paths:
+        if not raw.strip():
+            raise PrewarmError("an empty path was given")
         if any(ch in raw for ch in "*?["):
             matches = [Path(m) for m in sorted(glob.glob(raw, recursive=True))]
             files = [m for m in matches if m.is_file()]
@@ -52,6 +56,8 @@ def _find(paths: list[str]) -> list[Path]:
             continue
         p = Path(raw)
         if not p.exists():
+            if p.is_symlink():
+                raise PrewarmError(f"{raw}: a symlink loop or a dangling symlink")
             raise PrewarmError(f"{raw}: no such file or directory")
         if p.is_dir():
             if not os.access(p, os.R_OK | os.X_OK, effective_ids=True):
