@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -18,6 +17,7 @@ from rich.table import Table
 from unbroken.clients import AdminError
 from unbroken.config.paths import RunInfo, admin_token, state_dir
 from unbroken.config.spec import SpecError, load_spec
+from unbroken.pipeline.control import SupervisorClient, SupervisorError, SupervisorRejected
 from unbroken.pipeline.supervisor import StartupError, Supervisor
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
@@ -39,10 +39,23 @@ def run_up(
     except SpecError as e:
         console.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
+    for flag, value in (("--port", port), ("--admin-port", admin_port)):
+        if value is not None and not 0 <= value <= 65535:
+            console.print(f"error: {flag} {value}: a port is 0..65535", markup=False)
+            return 2
     if port is not None:
         spec.gateway.port = port
     if admin_port is not None:
         spec.gateway.admin_port = admin_port
+    empty = [p.name for p in spec.pools if p.replicas == 0]
+    if empty and len(empty) == len(spec.pools):
+        console.print(
+            "warning: every pool has 0 replicas: the gateway will answer 503 to every "
+            "request until engines are added",
+            markup=False,
+        )
+    elif empty:
+        console.print(f"warning: pool(s) with 0 replicas: {', '.join(empty)}", markup=False)
     if controller_port is not None:
         spec.controller.port = controller_port
     if agent_port is not None:
@@ -96,8 +109,11 @@ async def _main(sup: Supervisor, console: Console) -> int:
             f"prometheus file_sd targets: {sup.state / 'prometheus'}/*.json", markup=False
         )
         console.print("Ctrl-C to stop")
-        await stop.wait()
-        console.print("stopping")
+        ended = asyncio.create_task(sup.stopped.wait())  # the gateway was stopped (exit 0)
+        await asyncio.wait(
+            {asyncio.create_task(stop.wait()), ended}, return_when=asyncio.FIRST_COMPLETED
+        )
+        console.print("stopping" if not ended.done() else "the gateway stopped; stopping")
         targets.cancel()
     except (StartupError, AdminError) as e:
         console.print(f"[red]error:[/red] {escape(str(e))}")
@@ -227,18 +243,10 @@ def show_status(*, as_json: bool) -> int:
             sys.stderr.write(msg + "\n")
         return 1
 
-    async def fetch() -> dict[str, Any]:
-        conn = aiohttp.UnixConnector(path=info.control_socket)
-        async with (
-            aiohttp.ClientSession(connector=conn) as s,
-            s.get("http://supervisor/status", timeout=aiohttp.ClientTimeout(total=10)) as r,
-        ):
-            return await r.json()
-
     try:
-        status = asyncio.run(fetch())
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        msg = f"cannot reach the supervisor at {info.control_socket}: {e}"
+        status = asyncio.run(SupervisorClient(info.control_socket).status())
+    except SupervisorError as e:
+        msg = str(e)
         if as_json:
             sys.stdout.write(json.dumps({"running": False, "error": msg}) + "\n")
         else:
@@ -276,32 +284,26 @@ def rollout_cli(
     }
 
     async def go() -> dict[str, Any]:
-        conn = aiohttp.UnixConnector(path=info.control_socket)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-        summary: dict[str, Any] = {"ok": False, "error": "no summary received"}
-        async with (
-            aiohttp.ClientSession(connector=conn, timeout=timeout) as s,
-            s.post("http://supervisor/rollout", json=body) as r,
-        ):
-            if r.status != 200:
-                return {"ok": False, "error": (await r.json()).get("error", r.status)}
-            with console.status(f"rolling out pool {pool}") as st:
-                async for line in r.content:
-                    ev = json.loads(line)
-                    if as_json:
-                        sys.stdout.write(line.decode())
-                    if ev["event"] == "summary":
-                        summary = ev
-                        continue
-                    text = _describe(ev)
-                    st.update(escape(text))
-                    console.print(f"  {text}", markup=False, highlight=False)
-        return summary
+        with console.status(f"rolling out pool {pool}") as st:
+
+            def show(ev: dict[str, Any]) -> None:
+                if as_json:
+                    sys.stdout.write(json.dumps(ev) + "\n")
+                if ev["event"] == "summary":
+                    return
+                text = _describe(ev)
+                st.update(escape(text))
+                console.print(f"  {text}", markup=False, highlight=False)
+
+            try:
+                return await SupervisorClient(info.control_socket).rollout(body, show)
+            except SupervisorRejected as e:
+                return {"ok": False, "error": str(e), "steps": []}
 
     try:
         summary = asyncio.run(go())
-    except (aiohttp.ClientError, OSError) as e:
-        console.print(f"[red]error:[/red] cannot reach the supervisor: {escape(str(e))}")
+    except SupervisorError as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}")
         return 1
     if not as_json and not summary.get("ok") and not summary.get("steps"):
         # Refused before any replica changed (no such pool, bad engine, another rollout).
@@ -352,6 +354,15 @@ def _describe(ev: dict[str, Any]) -> str:
         return f"draining {ev['old']} (deadline {ev['deadline_s']:g} s)"
     if kind == "replaced":
         return f"{ev['old']} stopped after {ev['drain_s']:.2f} s of drain (exit {ev['exit_code']})"
+    if kind == "skipped":
+        return f"skipped {ev['old']}: {ev['reason']}"
+    if kind == "drain_failed":
+        return f"could not drain {ev['old']} ({ev['reason']}); stopping it anyway"
+    if kind == "stopped":
+        return (
+            f"stopped after {ev['seconds']:.1f} s: pool at {ev['live']} of "
+            f"{ev['declared']} replica(s)"
+        )
     if kind == "rollback":
         return f"rolling back {ev.get('new')}: {ev['reason']}"
     if kind == "finished":
