@@ -181,7 +181,7 @@ def seed_rows(
         if ub.p999_ttft_contention_s and ub.p999_ttft_steady_s
         else math.nan
     )
-    fewer = std is None or ub.stall_spikes < std.stall_spikes
+    fewer = None if std is None else ub.stall_spikes < std.stall_spikes  # no baseline, no verdict
     return [
         {
             "metric": "cold_start_s",
@@ -354,7 +354,7 @@ def _checks(
         },
     ]
     for r in rows:
-        if "ok" in r:
+        if r.get("ok") is not None:
             checks.append(
                 {
                     "metric": r["metric"],
