@@ -191,6 +191,7 @@ class Supervisor:
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(settings.model_dump_json(indent=1))
+        os.chmod(cfg, 0o600)  # a file left by an older run may have been 0644
         return [sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)]
 
     def weights_for(self, pool: PoolSpec) -> Path | None:
@@ -548,7 +549,8 @@ class Supervisor:
             "gateway_url": self.gateway_url,
             "admin_url": self.admin_url,
             "gateway_pid": self.gateway_proc.pid if self.gateway_proc else None,
-            "replicas": [r.as_dict() for r in self.replicas.values()],
+            # A replica that exited is on its way out (replaced or retried): not listed.
+            "replicas": [r.as_dict() for r in self.replicas.values() if r.alive],
             "pools": {
                 p.name: {
                     "declared": p.replicas,
