@@ -73,7 +73,11 @@ def test_gateway_counters_start_at_zero_and_unknown_routes_count(
     before = metric(g.url, "unbroken_gateway_unknown_route_requests_total", method="POST")
     for _ in range(3):  # the base-URL mistake: /v1 twice
         r = httpx.post(g.url + "/v1/v1/chat/completions", json={}, timeout=5)
-        assert r.status_code == 404 and r.json()["error"]["type"]
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == "unknown_route"
+        assert (
+            "/v1/v1/chat/completions" in err["message"] and "POST /v1/completions" in err["message"]
+        )
     after = metric(g.url, "unbroken_gateway_unknown_route_requests_total", method="POST")
     assert after - before == 3
     # A known path with the wrong method is a 405, not an unknown route.

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._pool import CONDITIONS, Pool, State
+from unbroken.wire.errors import ApiError
 from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["GatewayMetrics"]
@@ -275,13 +276,22 @@ class GatewayMetrics:
                 self.requests.labels(status, p, pool)
 
     def count_unknown_routes(self) -> Any:
-        """Middleware: count requests that match no route (the router's 404)."""
+        """Middleware: count requests that match no route (the router's 404) and answer them
+        with what the routes are (the usual cause is a base URL with /v1 twice)."""
 
         @web.middleware
         async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
             if isinstance(request.match_info.http_exception, web.HTTPNotFound):
                 method = request.method if request.method in METHODS else "other"
                 self.unknown_routes.labels(method).inc()
+                raise ApiError(
+                    404,
+                    f"no route {request.method} {request.path[:200]}: this server has POST "
+                    "/v1/completions, POST /v1/chat/completions and GET /v1/models (a client's "
+                    "base URL is http://HOST:PORT/v1)",
+                    type="not_found_error",
+                    code="unknown_route",
+                )
             return await handler(request)
 
         return middleware
