@@ -92,9 +92,15 @@ class Agent:
         loop = asyncio.get_running_loop()
         libs = await loop.run_in_executor(None, cuda_libraries)
         if self.cuda is not None:
-            for paths in libs.values():
+            for pid, paths in libs.items():
                 for path in paths:
-                    rep = self.cuda.attach_library(path)
+                    try:
+                        rep = self.cuda.attach_library(path)
+                    except OSError as e:
+                        # The process exited between the /proc scan and the attach (short-lived
+                        # engines in tests and rollouts): nothing to trace, not an agent fault.
+                        log.debug("pid %d gone before attaching to %s: %s", pid, path, e)
+                        continue
                     if rep is not None:
                         self.libraries.append(rep)
         self.endpoints = await supervisor_endpoints()
@@ -331,7 +337,10 @@ async def serve(cfg: AgentConfig) -> None:
     try:
         while not stop.is_set():
             t0 = time.monotonic()
-            await agent.discover()
+            try:
+                await agent.discover()
+            except Exception:  # one bad round (a racing process, a kubelet hiccup) is logged
+                log.exception("process discovery failed; retrying next round")
             try:
                 await asyncio.wait_for(
                     stop.wait(), max(0.05, cfg.interval - (time.monotonic() - t0))
