@@ -234,8 +234,9 @@ LOOP_SETTINGS = {
 class Load:
     """Streaming users in threads: each records (start, priority, endpoint, ok)."""
 
-    def __init__(self, url: str, users: int, max_tokens: int = 30) -> None:
+    def __init__(self, url: str, users: int, max_tokens: int = 30, critical_every: int = 3) -> None:
         self.url = url
+        self.critical_every = critical_every
         self.max_tokens = max_tokens
         self.records: list[tuple[float, str, str, bool, str]] = []
         self._stop = threading.Event()
@@ -257,7 +258,7 @@ class Load:
             th.join(60)
 
     def _user(self, i: int) -> None:
-        prio = "critical" if i % 3 == 0 else "standard"
+        prio = "critical" if self.critical_every and i % self.critical_every == 0 else "standard"
         while not self._stop.is_set():
             t0 = time.time()
             events, r = stream(
@@ -437,3 +438,47 @@ def test_slow_clients_never_reroute(tmp_path: Path, tiered: tuple[Proc, dict[str
             s.close()
         c.stop()
     assert decisions == []
+
+
+def test_routed_around_endpoint_recovers_by_probing(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """With only standard traffic, a contended fp16 replica gets none once it is routed around;
+    the controller's small direct probes make it measurable, so it still returns to normal."""
+    g, engines = tiered
+    victim = _name_of(g, engines["p-1"].url)
+    c = controller(
+        tmp_path,
+        g,
+        "--full-pool", "primary", "--degraded-pool", "fallback",
+        settings=LOOP_SETTINGS,
+    ).start()  # fmt: skip
+    try:
+        with Load(g.url, users=4, critical_every=0) as load:
+            wait_for(
+                lambda: (
+                    (httpx.get(c.url + "/state").json()["endpoints"].get(victim) or {}).get("ratio")
+                    is not None
+                ),
+                timeout=20,
+                what="baseline learned",
+            )
+            r = httpx.post(
+                engines["p-1"].url + "/admin/faults",
+                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 3},
+                headers=AUTH,
+            )
+            assert r.status_code == 200, r.text
+            wait_for(lambda: _by_name(g)[victim]["condition"] == "contended", timeout=10)
+            wait_for(lambda: _by_name(g)[victim]["condition"] == "normal", timeout=30)
+            assert _by_name(g)[victim]["cap_override"] is None
+            probes = httpx.get(c.url + "/metrics").text
+    finally:
+        c.stop()
+    assert all(ok for *_, ok, _st in load.records)
+    ok = [
+        ln
+        for ln in probes.splitlines()
+        if ln.startswith('unbroken_controller_probes_total{result="ok"}')
+    ]
+    assert ok and float(ok[0].split()[-1]) >= 1, ok

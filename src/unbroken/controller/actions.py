@@ -48,6 +48,7 @@ class EndpointView:
     cap_override: int | None
     condition: str
     slow_clients: int = 0
+    models: tuple[str, ...] = ()
 
     @classmethod
     def from_admin(cls, d: dict[str, Any]) -> EndpointView:
@@ -61,6 +62,7 @@ class EndpointView:
             cap_override=d.get("cap_override"),
             condition=d.get("condition", "normal"),
             slow_clients=int(d.get("slow_clients", 0)),
+            models=tuple(d.get("models") or ()),
         )
 
 

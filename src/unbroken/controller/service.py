@@ -119,6 +119,14 @@ class _Metrics:
         )
         for s in ("gateway", "agent", "engine", "apply"):
             self.errors.labels(s)
+        self.probes = Counter(
+            "unbroken_controller_probes",
+            "Small completions sent straight to a routed-around endpoint to measure it.",
+            ["result"],
+            registry=r,
+        )
+        for s in ("ok", "error"):
+            self.probes.labels(s)
 
 
 class Controller:
@@ -138,6 +146,8 @@ class Controller:
         self._routes_applied: dict[str, list[str]] | None = None
         self._stop = asyncio.Event()
         self.polls = 0
+        self._probing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- reading ------------------------------------------------------------------------------
     async def _get(self, url: str) -> str:
@@ -224,6 +234,8 @@ class Controller:
             if reading.baseline is not None and reading.source is not None:
                 self.metrics.baseline.labels(v.name, reading.source).set(reading.baseline)
             self.metrics.slow_clients.labels(v.name).set(v.slow_clients)
+            if reading.ratio is None and det.condition != "normal":
+                self._probe(v)
             tr = det.step(reading)
             if tr is not None:
                 self._transition(tr, v, reading.running, now)
@@ -234,6 +246,40 @@ class Controller:
                     self._transition(tr2, v, reading.running, now)
         await self._apply(now)
         self.polls += 1
+
+    def _probe(self, v: EndpointView) -> None:
+        """A contended endpoint gets little or no traffic (it was routed around), so it may
+        produce no signal to show it recovered: send it one small greedy completion directly,
+        at most one at a time, to make it run decode steps the signals can measure."""
+        if v.name in self._probing or not v.models or self._session is None:
+            return
+        self._probing.add(v.name)
+        body = {
+            "model": v.models[0],
+            "prompt": "unbroken controller probe",
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+
+        async def go() -> None:
+            assert self._session is not None
+            try:
+                async with self._session.post(
+                    v.url + "/v1/completions",
+                    json=body,
+                    headers={"X-Request-Id": f"unbroken-probe-{v.name}"},
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as r:
+                    await r.read()
+                    self.metrics.probes.labels("ok" if r.status == 200 else "error").inc()
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                self.metrics.probes.labels("error").inc()
+            finally:
+                self._probing.discard(v.name)
+
+        t = asyncio.create_task(go())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def _transition(self, tr: Transition, v: EndpointView, running: float, now: float) -> None:
         self.metrics.transitions.labels(tr.endpoint, tr.old, tr.new).inc()
@@ -349,6 +395,9 @@ class Controller:
                 except TimeoutError:
                     pass
         finally:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._session.close()
             await self.admin.close()
 
