@@ -98,7 +98,7 @@ class ControllerSettings(_Spec):
     # Socket-seconds per second at >= the agent's threshold above which the slowdown is
     # blamed on the network/clients, not the device (the seed's rule).
     backpressure_max: Annotated[float, Field(ge=0)] = 0.5
-    enter_dwell_s: Annotated[float, Field(ge=0)] = 0.5
+    enter_dwell_s: Annotated[float, Field(ge=0)] = 0.25
     exit_dwell_s: Annotated[float, Field(ge=0)] = 3.0
     min_dwell_s: Annotated[float, Field(ge=0)] = 2.0
     recover_step_s: Annotated[float, Field(gt=0)] = 2.0
