@@ -6,6 +6,7 @@ replacements that retry until they succeed, rollouts that survive dead replicas,
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import signal
 import stat
@@ -198,3 +199,46 @@ def test_pipeline_seam_and_one_control_client() -> None:
     for path in (SRC / "pipeline" / "up.py", SRC / "bench" / "control.py"):
         assert "UnixConnector" not in path.read_text(), path
         assert "unbroken.pipeline.control" in _imports(path), path
+
+
+def test_gateway_restarts_back_off(tmp_path: Path) -> None:
+    """A gateway that cannot come back (its port taken) was respawned every second forever
+    (20 processes in 20 s); restarts now back off, and it comes back once it can."""
+    import socket
+
+    spec = _spec(tmp_path, "pools:\n  - name: main\n    replicas: 1\n    weights_size: 8MiB\n")
+    u = Up(tmp_path, spec)
+    squat = socket.socket()
+    try:
+        os.kill(u.status()["gateway_pid"], signal.SIGKILL)
+        squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+        def bound() -> bool:  # as soon as the dead gateway's socket is gone, before the respawn
+            try:
+                squat.bind(("127.0.0.1", u.port))
+            except OSError:
+                return False
+            return True
+
+        wait_for(bound, timeout=2, interval=0.005, what="the gateway's port")
+        squat.listen()
+
+        def failures() -> list[float]:
+            return [e["t"] for e in u.status()["events"] if e["event"] == "gateway_restart_failed"]
+
+        wait_for(lambda: len(failures()) >= 4, timeout=40, interval=0.3, what="4 failed restarts")
+        t = failures()
+        gaps = [b - a for a, b in itertools.pairwise(t)]
+        assert gaps[2] > gaps[0] + 1.5, gaps  # 1 s, 2 s, 4 s apart (plus start time)
+        squat.close()
+
+        def back() -> bool:
+            eps = (u.status().get("gateway") or {}).get("endpoints") or []
+            return [e["state"] for e in eps] == ["ready"]
+
+        wait_for(back, timeout=40, interval=0.5, what="gateway back")
+        r = httpx.post(u.url + "/v1/completions", json={"model": MODEL, "prompt": "b"})
+        assert r.status_code == 200
+    finally:
+        squat.close()
+        assert u.stop() == 0
