@@ -17,10 +17,22 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, stream, stream_text, wait_for
+from helpers import (
+    MODEL,
+    TOKEN,
+    Proc,
+    Up,
+    admin,
+    engine,
+    gateway,
+    stream,
+    stream_text,
+    wait_for,
+)
 from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, EndpointView, Tiers
 from unbroken.controller.classify import Detector, ItlBaseline, Transition
+from unbroken.controller.precision import PrecisionState, plan
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window, parse_text
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.http import free_port
@@ -482,3 +494,96 @@ def test_routed_around_endpoint_recovers_by_probing(
         if ln.startswith('unbroken_controller_probes_total{result="ok"}')
     ]
     assert ok and float(ok[0].split()[-1]) >= 1, ok
+
+
+def test_precision_plan_respects_the_floor_and_converts_back() -> None:
+    s = ControllerSettings(convert_after_s=2.0, convert_back_after_s=5.0, min_full_replicas=1)
+    st = PrecisionState()
+    pools = {"p-1": "primary", "p-2": "primary", "f-1": "fallback"}
+    args = {"full": ("primary",), "degraded": ("fallback",), "pools": pools}
+    cond = {"p-1": ("contended", 10.0), "p-2": ("normal", 0.0), "f-1": ("normal", 0.0)}
+    assert plan(s, st, 11.0, conditions=cond, **args) is None  # not contended long enough
+    p = plan(s, st, 12.5, conditions=cond, **args)
+    assert p is not None and (p.endpoint, p.to_pool, p.back) == ("p-1", "fallback", False)
+    # The floor: with one full-precision replica left, never convert it.
+    one = {"p-2": "primary", "f-1": "fallback", "f-2": "fallback"}
+    cond2 = {"p-2": ("contended", 10.0)}
+    assert plan(s, st, 30.0, conditions=cond2, full=("primary",), degraded=("fallback",),
+                pools=one) is None  # fmt: skip
+    # Converted replicas go back once contention has been gone long enough.
+    st.converted["f-2"] = "primary"
+    quiet = {"p-2": ("normal", 31.0)}
+    assert plan(s, st, 33.0, conditions=quiet, full=("primary",), degraded=("fallback",),
+                pools=one) is None  # fmt: skip
+    back = plan(s, st, 35.5, conditions=quiet, full=("primary",), degraded=("fallback",),
+                pools=one)  # fmt: skip
+    assert back is not None and (back.endpoint, back.to_pool, back.back) == ("f-2", "primary", True)
+    # Off by default.
+    assert plan(ControllerSettings(), PrecisionState(), 99.0, conditions=cond, **args) is None
+
+
+PRECISION_SPEC = """
+pools:
+  - {name: primary, precision: fp16, replicas: 2, engine: {overrides: {decode_base_s: 0.004}}}
+  - {name: fallback, precision: fp8, replicas: 1, engine: {profile: fp8, overrides: {decode_base_s: 0.003}}}
+gateway: {drain_deadline_s: 2}
+controller:
+  interval_s: 0.2
+  enter_dwell_s: 0.4
+  exit_dwell_s: 1.0
+  min_dwell_s: 1.0
+  recover_step_s: 0.3
+  baseline_windows: 6
+  convert_after_s: 1.5
+  convert_back_after_s: 3.0
+  min_full_replicas: 1
+"""  # noqa: E501
+
+
+def test_dynamic_precision_converts_and_back_without_breaking_streams(tmp_path: Path) -> None:
+    """Persistent contention on an fp16 replica: the controller converts it to the fp8 pool
+    through the zero-downtime path (never below one fp16 replica), then converts back once
+    contention has been gone long enough. Every stream completes with the exact text."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(PRECISION_SPEC)
+    up = Up(tmp_path, spec)
+    ctl = f"http://127.0.0.1:{up.controller_port}"
+    try:
+
+        def pools() -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {}
+            for r in up.status()["replicas"]:
+                out.setdefault(r["pool"], []).append(r["name"])
+            return out
+
+        with Load(up.url, users=4) as load:
+            wait_for(
+                lambda: (_ctl_state(ctl).get("primary-1") or {}).get("ratio") is not None,
+                timeout=30,
+                what="baseline learned",
+            )
+            r = up.run("fault", "primary-1", "slow_cuda", "--extra-ms", "15", "--seconds", "60")
+            assert r.returncode == 0, r.stderr
+            wait_for(lambda: "fallback-2" in pools().get("fallback", []), timeout=60,
+                     what="converted to fp8")  # fmt: skip
+            assert pools()["primary"] == ["primary-2"]
+            # Contention left with the converted replica; after the quiet period it goes back.
+            wait_for(lambda: len(pools().get("primary", [])) == 2, timeout=60,
+                     what="converted back")  # fmt: skip
+            assert pools()["fallback"] == ["fallback-1"]
+            time.sleep(1.0)
+        decisions = httpx.get(ctl + "/decisions").json()["decisions"]
+    finally:
+        up.stop()
+    actions = [d["action"] for d in decisions]
+    assert "convert to fallback" in actions and "convert done" in actions, actions
+    assert "convert back to primary" in actions and "convert back done" in actions, actions
+    recs = load.records
+    assert recs and all(ok for *_, ok, _st in recs), [r for r in recs if not r[3]][:5]
+
+
+def _ctl_state(url: str) -> dict[str, Any]:
+    try:
+        return httpx.get(url + "/state", timeout=2).json()["endpoints"]
+    except httpx.HTTPError:
+        return {}

@@ -282,13 +282,30 @@ def up(
     ] = None,
     port: Annotated[int | None, typer.Option(help="Gateway port [8080].")] = None,
     admin_port: Annotated[int | None, typer.Option(help="Gateway admin port [8081].")] = None,
+    controller_port: Annotated[
+        int | None, typer.Option(help="Controller API port [8082].")
+    ] = None,
+    agent_port: Annotated[int | None, typer.Option(help="Agent exporter port [9101].")] = None,
+    no_agent: Annotated[
+        bool, typer.Option("--no-agent", help="Do not start the eBPF agent, even as root.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run a pipeline on this machine until Ctrl-C: engines, gateway, supervision."""
     from unbroken.pipeline.up import run_up
 
     _logging(verbose)
-    raise typer.Exit(run_up(spec, port=port, admin_port=admin_port, console=_console()))
+    raise typer.Exit(
+        run_up(
+            spec,
+            port=port,
+            admin_port=admin_port,
+            controller_port=controller_port,
+            agent_port=agent_port,
+            agent=False if no_agent else None,
+            console=_console(),
+        )
+    )
 
 
 @app.command()
@@ -847,6 +864,10 @@ def controller(
         list[str] | None,
         typer.Option(help="A degraded-tier (fp8) pool that takes traffic under contention."),
     ] = None,
+    supervisor_socket: Annotated[
+        str | None,
+        typer.Option(help="`unbroken up`'s control socket: enables dynamic precision."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """The adaptive controller: eBPF and engine signals to caps, tier routing and shedding."""
@@ -902,6 +923,7 @@ def controller(
             admin_token=token,
             tiers=tiers,
             agent_url=agent_url,
+            supervisor_socket=supervisor_socket,
         )
     )
 

@@ -32,6 +32,7 @@ from unbroken.clients import AdminError, GatewayAdmin
 from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
+from unbroken.controller.precision import Converter, PrecisionState, plan
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
 from unbroken.wire.metrics import register_standard_metrics
 
@@ -49,6 +50,7 @@ class ControllerConfig:
     admin_token: str
     tiers: Tiers
     agent_url: str | None = None
+    supervisor_socket: str | None = None  # dynamic precision under `unbroken up`
 
 
 class _Metrics:
@@ -98,7 +100,15 @@ class _Metrics:
             ["action"],
             registry=r,
         )
-        for a in ("lower cap", "raise cap", "restore cap", "route to degraded", "restore routes"):
+        for a in (
+            "lower cap",
+            "raise cap",
+            "restore cap",
+            "route to degraded",
+            "restore routes",
+            "convert",
+            "convert back",
+        ):
             self.actions.labels(a)
         self.poll = Histogram(
             "unbroken_controller_poll_seconds",
@@ -148,6 +158,13 @@ class Controller:
         self.polls = 0
         self._probing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.precision = PrecisionState()
+        self._converting: str | None = None
+        self.converter = (
+            Converter(cfg.supervisor_socket)
+            if cfg.supervisor_socket and self.s.convert_after_s is not None
+            else None
+        )
 
     # -- reading ------------------------------------------------------------------------------
     async def _get(self, url: str) -> str:
@@ -245,7 +262,62 @@ class Controller:
                 if restored and (tr2 := det.recovered(mono)) is not None:
                     self._transition(tr2, v, reading.running, now)
         await self._apply(now)
+        self._maybe_convert(mono, now)
         self.polls += 1
+
+    def _maybe_convert(self, mono: float, now: float) -> None:
+        if self.converter is None or self._converting is not None:
+            return
+        p = plan(
+            self.s,
+            self.precision,
+            mono,
+            full=self.cfg.tiers.full,
+            degraded=self.cfg.tiers.degraded,
+            conditions={n: (d.condition, d.since) for n, d in self.detectors.items()},
+            pools={n: v.pool for n, v in self.views.items() if v.state == "ready"},
+        )
+        if p is None:
+            return
+        action = "convert back" if p.back else "convert"
+        self._record([Decision(now, p.endpoint, f"{action} to {p.to_pool}", p.reason)])
+        self._converting = p.endpoint
+        converter = self.converter
+        source = self.views[p.endpoint].pool if p.endpoint in self.views else ""
+
+        async def go() -> None:
+            try:
+                res = await converter.convert(p.endpoint, p.to_pool)
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                res = {"ok": False, "error": f"supervisor unreachable: {e}"}
+            finally:
+                self._converting = None
+            if res.get("ok"):
+                if p.back:
+                    self.precision.converted.pop(p.endpoint, None)
+                else:
+                    self.precision.converted[res["new"]] = source
+                self.metrics.actions.labels(action).inc()
+                self._record(
+                    [
+                        Decision(
+                            time.time(),
+                            p.endpoint,
+                            f"{action} done",
+                            f"{p.endpoint} -> {res.get('new')} in {p.to_pool} after "
+                            f"{res.get('seconds')} s",
+                            {"result": res},
+                        )
+                    ]
+                )
+            else:
+                self._record(
+                    [Decision(time.time(), p.endpoint, f"{action} failed", str(res.get("error")))]
+                )
+
+        t = asyncio.create_task(go())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def _probe(self, v: EndpointView) -> None:
         """A contended endpoint gets little or no traffic (it was routed around), so it may

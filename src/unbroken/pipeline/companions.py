@@ -98,7 +98,8 @@ class Companions:
         if c.enabled:
             cfg = self.state / "controller.json"
             cfg.write_text(json.dumps(controller_settings(self.spec), indent=1))
-            argv = [*py, "controller", "--gateway-admin", self.admin_url, "--config", str(cfg)]
+            argv = [*py, "controller", "--gateway-admin", self.admin_url, "--config", str(cfg),
+                    "--supervisor-socket", str(self.state / "supervisor.sock")]  # fmt: skip
             if agent_url:
                 argv += ["--agent", agent_url]
             out.append(Companion("controller", argv, env, f"http://{c.host}:{c.port}"))

@@ -607,6 +607,33 @@ class Supervisor:
             await resp.write_eof()
             return resp
 
+        async def convert(request: web.Request) -> web.Response:
+            """Move one replica to another pool (dynamic precision); answers when done."""
+            from pydantic import ValidationError
+
+            from unbroken.pipeline.convert import ConvertRequest, run_convert
+
+            try:
+                req = ConvertRequest.model_validate_json(await request.read())
+            except ValidationError as e:
+                return web.json_response({"error": {"message": str(e)}}, status=400)
+            if self._rollout_lock.locked():
+                msg = "a rollout or conversion is already running"
+                return web.json_response({"error": {"message": msg}}, status=409)
+
+            async def progress(ev: dict[str, Any]) -> None:
+                log.info("convert %s -> %s: %s", req.endpoint, req.to_pool, ev.get("event"))
+
+            async with self._rollout_lock:
+                try:
+                    summary = await run_convert(self, req, progress)
+                except RolloutError as e:
+                    return web.json_response({"error": {"message": str(e)}}, status=400)
+                except Exception as e:
+                    log.exception("conversion of %s failed", req.endpoint)
+                    summary = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            return web.json_response(summary)
+
         async def events(request: web.Request) -> web.Response:
             return web.json_response({"events": self.events})
 
@@ -614,6 +641,7 @@ class Supervisor:
         app.router.add_get("/status", status)
         app.router.add_get("/events", events)
         app.router.add_post("/rollout", rollout)
+        app.router.add_post("/convert", convert)
         self._control = web.AppRunner(app, access_log=None)
         await self._control.setup()
         await web.UnixSite(self._control, str(sock)).start()
