@@ -6,6 +6,7 @@ with no stream broken."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -587,3 +588,62 @@ def _ctl_state(url: str) -> dict[str, Any]:
         return httpx.get(url + "/state", timeout=2).json()["endpoints"]
     except httpx.HTTPError:
         return {}
+
+
+AGENT_SPEC = """
+pools:
+  - {name: primary, precision: fp16, replicas: 2}
+  - {name: fallback, precision: fp8, replicas: 1, engine: {profile: fp8}}
+controller: {exit_dwell_s: 1.0, min_dwell_s: 1.0, recover_step_s: 0.3}
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/kernel/btf/vmlinux").exists(),
+    reason="the eBPF agent needs root and kernel BTF (CI runs as root)",
+)
+def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
+    """`unbroken up` as root starts the agent; the controller judges primary-1 by the CUDA
+    launch latency the agent's uprobes measure (not by engine metrics), and acts."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(AGENT_SPEC)
+    up = Up(tmp_path, spec, agent=True)
+    ctl = f"http://127.0.0.1:{up.controller_port}"
+    try:
+        with Load(up.url, users=6) as load:
+            wait_for(
+                lambda: (
+                    (_ctl_state(ctl).get("primary-1") or {}).get("source") == "cuda"
+                    and _ctl_state(ctl)["primary-1"].get("ratio") is not None
+                ),
+                timeout=60,
+                what="the CUDA signal from the agent",
+            )
+            st = up.status()
+            assert st["agent"]["pid"] and st["agent"].get("signals") == "live", st["agent"]
+            r = up.run("fault", "primary-1", "slow_cuda", "--extra-ms", "10", "--seconds", "4")
+            assert r.returncode == 0, r.stderr
+            t0 = time.time()
+            wait_for(
+                lambda: _ctl_state(ctl)["primary-1"]["condition"] == "contended",
+                timeout=10,
+                what="contended",
+            )
+            detected = time.time() - t0
+            contended = _ctl_state(ctl)["primary-1"]
+            wait_for(
+                lambda: (
+                    _ctl_state(ctl)["primary-1"]["condition"] == "normal"
+                    and _ctl_state(ctl)["primary-1"]["cap_override"] is None
+                ),
+                timeout=40,
+                what="recovered",
+            )
+        decisions = httpx.get(ctl + "/decisions").json()["decisions"]
+    finally:
+        up.stop()
+    assert contended["source"] == "cuda" and contended["ratio"] >= 3, contended
+    assert detected < 5.0
+    first = next(d for d in decisions if d["action"] == "condition normal -> contended")
+    assert first["reason"].startswith("cuda "), first
+    assert all(ok for *_, ok, _st in load.records)
