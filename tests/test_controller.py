@@ -647,3 +647,20 @@ def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
     first = next(d for d in decisions if d["action"] == "condition normal -> contended")
     assert first["reason"].startswith("cuda "), first
     assert all(ok for *_, ok, _st in load.records)
+
+
+@pytest.mark.parametrize(
+    ("controller", "message"),
+    [
+        ({"full_pools": ["nope"]}, "controller.full_pools names unknown pool(s): nope"),
+        ({"cuda_exit_ratio": 5}, "cuda_exit_ratio must be below cuda_enter_ratio"),
+        ({"interval_s": 0}, "controller.interval_s"),
+        ({"surprise": 1}, "controller.surprise"),
+    ],
+)
+def test_controller_spec_errors_name_the_field(controller: dict[str, Any], message: str) -> None:
+    from unbroken.config.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as e:
+        parse_spec({"pools": [{"name": "primary"}], "controller": controller})
+    assert message in str(e.value)

@@ -197,6 +197,12 @@ class PipelineSpec(_Spec):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"pool names must be unique: {', '.join(sorted(dup))}")
+        for field_name in ("full_pools", "degraded_pools"):
+            unknown = [p for p in getattr(self.controller, field_name) if p not in names]
+            if unknown:
+                raise ValueError(
+                    f"controller.{field_name} names unknown pool(s): {', '.join(unknown)}"
+                )
         for prio, pools in self.gateway.routes.items():
             unknown = [p for p in pools if p not in names]
             if unknown:
