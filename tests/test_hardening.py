@@ -400,6 +400,26 @@ def test_slowloris_and_short_bodies_are_cut(tmp_path: Path) -> None:
         # The gateway still serves.
         ok = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
         assert ok.is_success
+        # A keep-alive connection idle after a request whose body came in its own packet is
+        # not sent an unsolicited 408; a connection never used is closed without a word.
+        body = orjson.dumps({"model": MODEL, "prompt": "a"})
+        k = socket.create_connection(("127.0.0.1", g.port))
+        k.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        time.sleep(0.2)
+        k.sendall(body)
+        k.settimeout(5)
+        assert k.recv(65536).startswith(b"HTTP/1.1 200")
+        k.settimeout(3.5)
+        with pytest.raises(TimeoutError):
+            k.recv(65536)
+        k.close()
+        idle = socket.create_connection(("127.0.0.1", g.port))
+        idle.settimeout(5)
+        assert idle.recv(65536) == b""
+        idle.close()
     finally:
         g.stop()
         rec.close()

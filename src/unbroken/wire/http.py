@@ -10,7 +10,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import aiohttp
 import orjson
@@ -162,6 +162,8 @@ class _Handler(RequestHandler):
         self._header_timer: asyncio.TimerHandle | None = None
         self._client: str | None = None
         self._refused = False
+        self._header_started = False
+        self._last_payload: Any = None  # the body stream of the last request parsed
         peer = transport.get_extra_info("peername")
         if self._limits.max_connections_per_client is not None and peer:
             host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
@@ -189,8 +191,11 @@ class _Handler(RequestHandler):
                 return
         self._arm_header_timer()
 
-    def _arm_header_timer(self) -> None:
-        if self._limits.header_timeout_s is not None and self._header_timer is None:
+    def _arm_header_timer(self, started: bool = False) -> None:
+        if self._header_timer is not None:  # the deadline stands; note that bytes came
+            self._header_started = self._header_started or started
+        elif self._limits.header_timeout_s is not None:
+            self._header_started = started
             self._header_timer = self._loop.call_later(
                 self._limits.header_timeout_s, self._header_timeout
             )
@@ -199,6 +204,9 @@ class _Handler(RequestHandler):
         self._header_timer = None
         t = self.transport
         if t is None or t.is_closing() or self._current_request is not None:
+            return
+        if not self._header_started:
+            t.close()  # opened and never used: no answer owed (a client pool retries)
             return
         t.write(
             _raw_error(
@@ -211,9 +219,13 @@ class _Handler(RequestHandler):
         t.close()
 
     def data_received(self, data: bytes) -> None:
-        if getattr(self, "_refused", False):
+        if getattr(self, "_refused", False) or not hasattr(self, "_limits"):
+            if not hasattr(self, "_limits"):
+                super().data_received(data)
             return
         before = self._request_count
+        # Judged before parsing: these bytes may be the end of the last request's body.
+        in_body = self._last_payload is not None and not self._last_payload.is_eof()
         super().data_received(data)
         if not hasattr(self, "_limits"):
             return
@@ -221,8 +233,10 @@ class _Handler(RequestHandler):
             if self._header_timer is not None:  # a request's headers are complete
                 self._header_timer.cancel()
                 self._header_timer = None
-        elif self._current_request is None:
-            self._arm_header_timer()  # the first bytes of the next request's headers
+            self._last_payload = self._messages[-1][1] if self._messages else None
+        elif data and not in_body:  # (aiohttp re-feeds b"" after pausing)
+            # Bytes outside any request body: the first of the next request's headers.
+            self._arm_header_timer(started=True)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if getattr(self, "_header_timer", None) is not None:
