@@ -223,13 +223,31 @@ def gateway(
     pod_namespace: Annotated[
         str | None, typer.Option(envvar="POD_NAMESPACE", help="This pod's namespace.")
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Serving processes on the one port [one per core, at most 8]. 1: a single "
+            "process (no reload). More: a main process (admin API, probes) and N workers; "
+            "SIGHUP reloads them without refusing a connection.",
+        ),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="On SIGTERM, seconds open streams may take to finish before they are ended "
+            "with an SSE error event (a second SIGTERM ends them at once).",
+        ),
+    ] = 30.0,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
     import yaml
     from pydantic import ValidationError
 
-    from unbroken.gateway import GatewayConfig, StaticEndpoint, run_gateway
+    from unbroken.gateway import GatewayConfig, StaticEndpoint, default_workers, run_gateway
 
     _logging(verbose)
     static = []
@@ -247,11 +265,15 @@ def gateway(
         "default_cap": cap,
         "queue_timeout_s": queue_timeout,
     }
-    try:
+
+    def load() -> GatewayConfig:  # again at each reload (SIGHUP): the settings on disk now
         base = (yaml.safe_load(config.read_text()) or {}) if config else {}
-        cfg = GatewayConfig.model_validate(
+        return GatewayConfig.model_validate(
             {**base, **{k: v for k, v in flags.items() if v is not None}}
         )
+
+    try:
+        cfg = load()
     except (OSError, yaml.YAMLError) as e:
         _fail(f"cannot read {config}: {e}")
     except ValidationError as e:
@@ -267,7 +289,16 @@ def gateway(
         except ValueError as e:
             _fail(str(e))
     try:
-        run_gateway(cfg, admin_token, static, warmup=not no_warmup, k8s=k8s)
+        run_gateway(
+            cfg,
+            admin_token,
+            static,
+            warmup=not no_warmup,
+            k8s=k8s,
+            workers=workers or default_workers(),
+            shutdown_timeout=shutdown_timeout,
+            reload_cfg=load,
+        )
     except OSError as e:
         if (msg := _bind_error(e)) is None:
             raise
@@ -306,6 +337,32 @@ def up(
             console=_console(),
         )
     )
+
+
+@app.command()
+def reload() -> None:
+    """Reload the gateway of the running pipeline (SIGHUP): new workers with the code and
+    settings on disk, old ones finish their streams; no connection is refused."""
+    import asyncio
+    import signal
+
+    from unbroken.config.paths import RunInfo, state_dir
+    from unbroken.pipeline.control import SupervisorClient, SupervisorError
+
+    info = RunInfo.read(state_dir())
+    if info is None:
+        _fail("no pipeline is running (start one with `unbroken up`)")
+    try:
+        pid = asyncio.run(SupervisorClient(info.control_socket).status()).get("gateway_pid")
+    except SupervisorError as e:
+        _fail(str(e))
+    if not pid:
+        _fail("the pipeline has no gateway running")
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        _fail(f"the gateway (pid {pid}) is gone")
+    typer.echo(f"gateway (pid {pid}) reloading: new workers start, old ones finish their streams")
 
 
 @app.command()

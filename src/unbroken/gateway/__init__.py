@@ -1,6 +1,23 @@
 """The streaming gateway (`unbroken gateway`): the data plane in front of engine replicas."""
 
-from unbroken.gateway._pool import Endpoint, State
-from unbroken.gateway._server import Gateway, GatewayConfig, StaticEndpoint, run_gateway
+from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, RoutingPolicy, State
+from unbroken.gateway._server import (
+    Gateway,
+    GatewayConfig,
+    StaticEndpoint,
+    default_workers,
+    run_gateway,
+)
 
-__all__ = ["Endpoint", "Gateway", "GatewayConfig", "State", "StaticEndpoint", "run_gateway"]
+__all__ = [
+    "Endpoint",
+    "Gateway",
+    "GatewayConfig",
+    "LeastLoad",
+    "PickRequest",
+    "RoutingPolicy",
+    "State",
+    "StaticEndpoint",
+    "default_workers",
+    "run_gateway",
+]

@@ -101,17 +101,7 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
         body = await request.read()
         spec = _parse(PatchEndpoint, body)
         fields = orjson.loads(body or b"{}")
-        if "cap" in fields:
-            ep.cap = spec.cap
-        if "cap_override" in fields:
-            ep.cap_override = spec.cap_override
-        if spec.condition is not None:
-            ep.set_condition(spec.condition)
-        if spec.pool is not None:
-            ep.pool = spec.pool
-            if spec.pool not in pool.pool_order:
-                pool.pool_order.append(spec.pool)
-        gw.admission.wake()
+        gw.patch_endpoint(ep, {k: getattr(spec, k) for k in fields})
         return json(dump(ep))
 
     async def delete(request: web.Request) -> web.Response:
@@ -151,19 +141,16 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
         return json(routes_view())
 
     async def put_routes(request: web.Request) -> web.Response:
-        pool.routes = parse_routes(await request.read())
-        gw.admission.wake()
+        gw.set_routes(parse_routes(await request.read()))
         return json(routes_view())
 
     async def put_routes_override(request: web.Request) -> web.Response:
         """The controller's temporary routes; DELETE restores the configured ones."""
-        pool.routes_override = parse_routes(await request.read())
-        gw.admission.wake()
+        gw.set_routes_override(parse_routes(await request.read()))
         return json(routes_view())
 
     async def delete_routes_override(request: web.Request) -> web.Response:
-        pool.routes_override = {}
-        gw.admission.wake()
+        gw.set_routes_override({})
         return json(routes_view())
 
     async def status(request: web.Request) -> web.Response:
@@ -172,8 +159,9 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
                 "uptime_s": round(time.time() - gw.started, 3),
                 "listen": f"http://{gw.cfg.host}:{gw.port}",
                 "endpoints": [dump(e) for e in pool.endpoints.values()],
-                "queue": dict(gw.admission.depth),
+                "queue": gw.admission.queue_depth(),
                 "routes": {p: pool.pools_for(p) for p in PRIORITIES},
+                **gw.process_status(),
             }
         )
 

@@ -7,21 +7,35 @@ endpoint's cap, so a fan-out request weighs what it costs. When no endpoint allo
 priority has room, critical and standard requests wait (critical first, FIFO within a class)
 up to the queue timeout; sheddable requests get 429 at once. The queue is bounded by count
 and by the request bytes its waiters hold: beyond either, 429 at once.
+
+With several worker processes (`shared`), slots live in the shared table: picking and taking
+run under its lock, so together the workers never exceed a cap. Each worker queues its own
+waiters; a new request does not pass one of equal or better priority waiting in any worker,
+and waiters poll for slots that other workers free every `POLL_S`. Queue bounds (count,
+bytes) are per worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from unbroken.gateway._pool import Endpoint, Pool
 from unbroken.wire.errors import ApiError
 
-__all__ = ["PRIORITIES", "Admission"]
+if TYPE_CHECKING:
+    from unbroken.gateway._shared import SharedCounters
+
+__all__ = ["POLL_S", "PRIORITIES", "Admission"]
+
+# How often queued requests look for slots freed by other workers.
+POLL_S = 0.005
 
 PRIORITIES = ("critical", "standard", "sheddable")
 _RANK = {p: i for i, p in enumerate(PRIORITIES)}
@@ -48,8 +62,12 @@ class Admission:
         retry_after: int = 1,
         max_queue: int | None = None,
         max_queue_bytes: int | None = None,
+        shared: SharedCounters | None = None,
     ) -> None:
         self.pool = pool
+        self.shared = shared
+        self._lock = shared.lock if shared is not None else contextlib.nullcontext
+        self._poller: asyncio.Task[None] | None = None
         self.queue_timeout = queue_timeout
         self.retry_after = retry_after
         self.max_queue = max_queue
@@ -60,10 +78,35 @@ class Admission:
         self.queued_bytes = 0
 
     def _take(self, ep: Endpoint, weight: int) -> tuple[Endpoint, int]:
-        n = min(weight, ep.effective_cap(self.pool.default_cap))
-        ep.inflight += max(n, 1)
+        n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
+        ep.slot.add(n)
         ep.served += 1
-        return ep, max(n, 1)
+        return ep, n
+
+    def _pick_take(
+        self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
+    ) -> tuple[Endpoint, int] | None:
+        with self._lock():
+            ep = self._pick(model, priority, exclude, weight)
+            return None if ep is None else self._take(ep, weight)
+
+    def _others_waiting(self, rank: int) -> bool:
+        """Does another worker queue a request of priority `rank` or better?"""
+        sh = self.shared
+        if sh is None:
+            return False
+        return any(sh.queued(r) > self.depth[PRIORITIES[r]] for r in range(rank + 1))
+
+    def queue_depth(self) -> dict[str, int]:
+        """Requests waiting, by priority: all workers' when shared."""
+        if self.shared is None:
+            return dict(self.depth)
+        return {p: self.shared.queued(i) for i, p in enumerate(PRIORITIES)}
+
+    def _publish(self) -> None:
+        if self.shared is not None:
+            for i, p in enumerate(PRIORITIES):
+                self.shared.set_depth(i, self.depth[p])
 
     def _pick(
         self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
@@ -92,11 +135,11 @@ class Admission:
         """Slots on an endpoint: (endpoint, slots taken, seconds spent queued). `size` is
         what the request holds in memory while it waits (its body)."""
         exclude = tuple(exclude)
-        ep = self._pick(model, priority, exclude, weight)
-        if ep is not None and not self._heap:
-            return *self._take(ep, weight), 0.0
-        if ep is not None and not any(w.rank <= _RANK[priority] for w in self._heap):
-            return *self._take(ep, weight), 0.0
+        rank = _RANK[priority]
+        if not any(w.rank <= rank for w in self._heap) and not self._others_waiting(rank):
+            got = self._pick_take(model, priority, exclude, weight)
+            if got is not None:
+                return *got, 0.0
         if priority == "sheddable":
             raise ApiError(
                 429,
@@ -130,6 +173,9 @@ class Admission:
         heapq.heappush(self._heap, w)
         self.depth[priority] += 1
         self.queued_bytes += size
+        self._publish()
+        if self.shared is not None and (self._poller is None or self._poller.done()):
+            self._poller = asyncio.create_task(self._poll())
         t0 = time.monotonic()
         granted = False
         try:
@@ -157,12 +203,19 @@ class Admission:
             heapq.heapify(self._heap)
             self.depth[w.priority] -= 1
             self.queued_bytes -= w.size
+            self._publish()
         except ValueError:
             pass
 
     def release(self, ep: Endpoint, n: int = 1) -> None:
-        ep.inflight -= n
+        ep.slot.add(-n)
         if self._heap:
+            self.wake()
+
+    async def _poll(self) -> None:
+        """Slots freed by other workers reach this one's waiters."""
+        while self._heap:
+            await asyncio.sleep(POLL_S)
             self.wake()
 
     def wake(self) -> None:
@@ -174,10 +227,10 @@ class Admission:
             if w.future.done():
                 served.append(w)
                 continue
-            ep = self._pick(w.model, w.priority, w.exclude, w.weight)
-            if ep is None:
+            got = self._pick_take(w.model, w.priority, w.exclude, w.weight)
+            if got is None:
                 continue
-            w.future.set_result(self._take(ep, w.weight))
+            w.future.set_result(got)
             served.append(w)
         for w in served:
             self._forget(w)

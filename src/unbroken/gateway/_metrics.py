@@ -133,8 +133,9 @@ class _PoolCollector(Collector):
             "Requests waiting for a slot, by priority.",
             labels=["priority"],
         )
+        queued = self.admission.queue_depth()
         for p in PRIORITIES:
-            depth.add_metric([p], self.admission.depth[p])
+            depth.add_metric([p], queued[p])
         buffered = GaugeMetricFamily(
             "unbroken_gateway_stream_buffered_bytes",
             "Bytes held for clients reading slower than their engine writes.",
@@ -295,3 +296,49 @@ class GatewayMetrics:
             return await handler(request)
 
         return middleware
+
+
+# Gauges that each worker holds for its own streams: the gateway's value is their sum. Every
+# other gauge (endpoints, caps, queue depth, build info) is the main process's, which sees the
+# shared admission table.
+PER_WORKER_GAUGES = frozenset(
+    {
+        "unbroken_gateway_active_streams",
+        "unbroken_gateway_stream_buffered_bytes",
+        "unbroken_gateway_endpoint_slow_clients",
+    }
+)
+
+
+def merge_expositions(main: str, workers: list[str]) -> str:
+    """One exposition for the whole gateway: the main process's families, with the workers'
+    counters, histograms and per-worker gauges added up sample by sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString
+
+    fams: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
+    for i, text in enumerate([main, *workers]):
+        for f in text_string_to_metric_families(text):
+            summed = f.type in ("counter", "histogram", "summary") or f.name in PER_WORKER_GAUGES
+            if i > 0 and not summed:
+                continue
+            if f.name not in fams:
+                fams[f.name] = (f.type, f.documentation, {})
+            samples = fams[f.name][2]
+            for s in f.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                samples[key] = samples.get(key, 0.0) + s.value if i > 0 else s.value
+    out: list[str] = []
+    for name, (typ, doc, samples) in fams.items():
+        doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {typ}\n")
+        for (sname, labels), v in samples.items():
+            lab = ",".join(
+                '{}="{}"'.format(
+                    k, str(val).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+                )
+                for k, val in labels
+            )
+            head = f"{sname}{{{lab}}}" if lab else sname
+            out.append(f"{head} {floatToGoString(v)}\n")
+    return "".join(out)

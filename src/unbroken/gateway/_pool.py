@@ -8,8 +8,14 @@ override per endpoint (the effective cap is the lower of the two) and a routes o
 priority. Clearing an override restores the configured value exactly, so undoing an action
 never needs the controller to remember the original.
 
-Picking walks the priority's pool preference list and takes the least-loaded candidate of the
-first pool that has one.
+Picking walks the priority's pool preference list; within the first pool that has candidates
+(ready, healthy, serving the model, room under the cap) a routing policy chooses one. The
+policy is one object with `pick(candidates, request)`; least-load is the default, and a new
+policy (prefix or session affinity) is one class plus its test.
+
+An endpoint's in-flight count lives in its `slot`: a plain counter in a single-process
+gateway, a column of the shared table (`_shared.py`) when several workers serve, so that the
+cap holds for all of them together.
 """
 
 from __future__ import annotations
@@ -23,9 +29,21 @@ import termios
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["CONDITIONS", "KV_WEIGHT", "SLOW_CLIENT_BYTES", "Endpoint", "Pool", "State"]
+__all__ = [
+    "CONDITIONS",
+    "KV_WEIGHT",
+    "SLOW_CLIENT_BYTES",
+    "Endpoint",
+    "LeastLoad",
+    "LocalSlot",
+    "PickRequest",
+    "Pool",
+    "RoutingPolicy",
+    "Slot",
+    "State",
+]
 
 # What the controller last concluded about an endpoint (it sets it; the gateway shows it).
 CONDITIONS = ("normal", "contended", "recovering")
@@ -45,6 +63,26 @@ class State(enum.StrEnum):
     GONE = "gone"
 
 
+class Slot(Protocol):
+    def get(self) -> int: ...
+    def add(self, n: int) -> None: ...
+
+
+class LocalSlot:
+    """In-flight count of a single-process gateway."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def get(self) -> int:
+        return self.n
+
+    def add(self, n: int) -> None:
+        self.n += n
+
+
 @dataclass(eq=False)
 class Endpoint:
     name: str
@@ -56,7 +94,7 @@ class Endpoint:
     condition_since: float = field(default_factory=time.time)
     state: State = State.STARTING
     warmup: bool = True
-    inflight: int = 0
+    slot: Slot = field(default_factory=LocalSlot, repr=False)
     models: set[str] = field(default_factory=set)
     waiting: float = 0.0  # scraped vllm:num_requests_waiting
     running: float = 0.0  # scraped vllm:num_requests_running
@@ -69,6 +107,10 @@ class Endpoint:
     state_since: float = field(default_factory=time.time)
     relays: set[Any] = field(default_factory=set)  # streams being relayed from here
     _rr: int = 0
+
+    @property
+    def inflight(self) -> int:
+        return self.slot.get()
 
     @property
     def load(self) -> float:
@@ -146,16 +188,47 @@ def _backlog(sink: Any) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class PickRequest:
+    """What a routing policy may look at besides the candidates."""
+
+    model: str
+    priority: str
+
+
+class RoutingPolicy(Protocol):
+    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None: ...
+
+
+class LeastLoad:
+    """The least-loaded candidate (in-flight + engine queue + KV); ties go to the one picked
+    longest ago, so equal loads round-robin."""
+
+    def __init__(self) -> None:
+        self._tick = itertools.count()
+
+    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
+        best: Endpoint | None = None
+        best_key = (0.0, 0)
+        for e in candidates:
+            key = (e.load, e._rr)
+            if best is None or key < best_key:
+                best, best_key = e, key
+        if best is not None:
+            best._rr = next(self._tick)
+        return best
+
+
 class Pool:
     """All endpoints the gateway knows, by name."""
 
-    def __init__(self, default_cap: int) -> None:
+    def __init__(self, default_cap: int, policy: RoutingPolicy | None = None) -> None:
         self.default_cap = default_cap
         self.endpoints: dict[str, Endpoint] = {}
         self.pool_order: list[str] = []
         self.routes: dict[str, list[str]] = {}
         self.routes_override: dict[str, list[str]] = {}
-        self._tick = itertools.count()
+        self.policy: RoutingPolicy = policy or LeastLoad()
 
     def add(self, ep: Endpoint) -> None:
         if ep.name in self.endpoints and self.endpoints[ep.name].state != State.GONE:
@@ -173,9 +246,7 @@ class Pool:
         return self.endpoints.get(name)
 
     def pools_for(self, priority: str) -> list[str]:
-        return (
-            self.routes_override.get(priority) or self.routes.get(priority) or self.pool_order
-        )
+        return self.routes_override.get(priority) or self.routes.get(priority) or self.pool_order
 
     def configured_pools_for(self, priority: str) -> list[str]:
         return self.routes.get(priority) or self.pool_order
@@ -191,24 +262,20 @@ class Pool:
     def pick(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
         excluded = set(map(id, exclude))
         cap = self.default_cap
+        request = PickRequest(model, priority)
         for pool in self.pools_for(priority):
-            best: Endpoint | None = None
-            for e in self.endpoints.values():
-                if (
-                    e.pool != pool
-                    or e.state != State.READY
-                    or not e.healthy
-                    or model not in e.models
-                    or id(e) in excluded
-                    or not e.has_room(cap)
-                ):
-                    continue
-                # Ties go to the endpoint picked longest ago, so equal loads round-robin.
-                if best is None or (e.load, e._rr) < (best.load, best._rr):
-                    best = e
-            if best is not None:
-                best._rr = next(self._tick)
-                return best
+            candidates = [
+                e
+                for e in self.endpoints.values()
+                if e.pool == pool
+                and e.state == State.READY
+                and e.healthy
+                and model in e.models
+                and id(e) not in excluded
+                and e.has_room(cap)
+            ]
+            if candidates and (ep := self.policy.pick(candidates, request)) is not None:
+                return ep
         return None
 
     def could_serve(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> bool:

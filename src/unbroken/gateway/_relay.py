@@ -61,8 +61,8 @@ class BufferBudget:
         self.used -= n
 
 
-def _error_event(message: str) -> bytes:
-    err = {"message": message, "type": "server_error", "param": None, "code": "slow_client"}
+def _error_event(message: str, code: str = "slow_client") -> bytes:
+    err = {"message": message, "type": "server_error", "param": None, "code": code}
     return b"data: " + orjson.dumps({"error": err}) + b"\n\ndata: [DONE]\n\n"
 
 
@@ -164,9 +164,10 @@ class ClientSink:
         except (ConnectionError, RuntimeError) as e:
             self._error = e
 
-    def evict(self, why: str) -> None:
-        """End this stream for being too slow: drop what is queued, send an error event
-        behind what the socket already holds, and close once that is flushed."""
+    def evict(self, why: str, code: str = "slow_client") -> None:
+        """End this stream for being too slow (or for a shutdown that cannot wait, `code`
+        "shutdown"): drop what is queued, send an error event behind what the socket
+        already holds, and close once that is flushed."""
         if self._evicted is not None:
             return
         self._evicted = why
@@ -180,7 +181,7 @@ class ClientSink:
         t = self.transport
         if t is None or t.is_closing():
             return
-        ev = _error_event(why)
+        ev = _error_event(why, code)
         with contextlib.suppress(Exception):
             t.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(ev), ev) if self._can_frame else ev)
             t.close()  # close() flushes what is buffered first; abort() would not

@@ -1,13 +1,20 @@
-"""The gateway process: public OpenAI routes, the admin API on its own port, the prober."""
+"""The gateway process: public OpenAI routes, the admin API on its own port, the prober.
+
+`run_gateway` with `workers=1` runs all of it in this process. With more, this process is
+the main one (`_main.py`): it owns the listening socket, the admin API, the prober and
+discovery, and supervises worker processes (`_worker.py`) that serve the public routes.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,7 +25,7 @@ from unbroken.gateway._admission import Admission
 from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
-from unbroken.gateway._proxy import Proxy
+from unbroken.gateway._proxy import PASSTHROUGH_ROUTES, Proxy
 from unbroken.wire.http import (
     ServerLimits,
     body_middleware,
@@ -28,9 +35,12 @@ from unbroken.wire.http import (
 )
 
 if TYPE_CHECKING:
-    from unbroken.gateway._discovery import Discovery, K8sSettings
+    from collections.abc import Callable
 
-__all__ = ["Gateway", "GatewayConfig", "StaticEndpoint", "run_gateway"]
+    from unbroken.gateway._discovery import Discovery, K8sSettings
+    from unbroken.gateway._shared import SharedCounters
+
+__all__ = ["Gateway", "GatewayConfig", "StaticEndpoint", "default_workers", "run_gateway"]
 
 log = logging.getLogger("unbroken.gateway")
 
@@ -45,7 +55,9 @@ class StaticEndpoint:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, admin_token: str) -> None:
+    def __init__(
+        self, cfg: GatewayConfig, admin_token: str, shared: SharedCounters | None = None
+    ) -> None:
         self.cfg = cfg
         self.admin_token = admin_token
         self.pool = Pool(cfg.default_cap)
@@ -55,6 +67,7 @@ class Gateway:
             queue_timeout=cfg.queue_timeout_s,
             max_queue=cfg.max_queue,
             max_queue_bytes=cfg.max_queue_bytes,
+            shared=shared,
         )
         self.proxy = Proxy(cfg, self.pool, self.admission, None, self._after_release)
         self.metrics = GatewayMetrics(self.pool, self.admission, self.proxy.sinks)
@@ -66,6 +79,8 @@ class Gateway:
         self._runners: list[web.AppRunner] = []
         self._drain_timers: dict[str, asyncio.TimerHandle] = {}
         self.discovery: Discovery | None = None
+        self.closing: str | None = None  # why /health says not ready (shutting down)
+        self.inflight_requests = 0  # public requests being answered, for the drain
 
     # -- endpoint lifecycle (called by the admin API and at start) ------------------------
     def add_endpoint(
@@ -78,6 +93,7 @@ class Gateway:
         warmup: bool = True,
     ) -> Endpoint:
         ep = Endpoint(name=name, url=url.rstrip("/"), pool=pool_name, cap=cap, warmup=warmup)
+        self._attach(ep)
         self.pool.add(ep)
         assert self.prober is not None
         self.prober.watch(ep)
@@ -120,13 +136,49 @@ class Gateway:
             self.remove_endpoint(ep)
 
     def _on_change(self, ep: Endpoint) -> None:
+        self._changed()
+
+    def _attach(self, ep: Endpoint) -> None:
+        """A new endpoint joins: where its in-flight count lives (see the main process)."""
+
+    def _changed(self) -> None:
+        """Endpoints, caps or routes changed: queued requests may fit now."""
         self.admission.wake()
+
+    # -- what the admin API changes --------------------------------------------------------
+    def patch_endpoint(self, ep: Endpoint, fields: dict[str, Any]) -> None:
+        """Apply an admin PATCH: `cap` and `cap_override` (None clears), `condition`, `pool`."""
+        if "cap" in fields:
+            ep.cap = fields["cap"]
+        if "cap_override" in fields:
+            ep.cap_override = fields["cap_override"]
+        if fields.get("condition") is not None:
+            ep.set_condition(fields["condition"])
+        if (pool := fields.get("pool")) is not None:
+            ep.pool = pool
+            if pool not in self.pool.pool_order:
+                self.pool.pool_order.append(pool)
+        self._changed()
+
+    def set_routes(self, routes: dict[str, list[str]]) -> None:
+        self.pool.routes = routes
+        self._changed()
+
+    def set_routes_override(self, routes: dict[str, list[str]]) -> None:
+        """The controller's temporary routes; {} restores the configured ones."""
+        self.pool.routes_override = routes
+        self._changed()
+
+    def process_status(self) -> dict[str, Any]:
+        """The process model, for /admin/status."""
+        return {"workers": {"serving": 1, "draining": 0, "pids": [os.getpid()]}}
 
     # -- HTTP ---------------------------------------------------------------------------------
     def public_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.cfg.max_body_bytes,
             middlewares=[
+                self._count_inflight,
                 error_middleware,
                 body_middleware(self.cfg.body_timeout_s),
                 self.metrics.count_unknown_routes(),
@@ -135,15 +187,28 @@ class Gateway:
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
         app.router.add_get("/v1/models", self.proxy.models)
+        for method, route in PASSTHROUGH_ROUTES:  # engine routes forwarded as they are
+            app.router.add_route(method, route, self.proxy.passthrough)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         return app
 
+    @web.middleware
+    async def _count_inflight(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.inflight_requests += 1
+        try:
+            return await handler(request)
+        finally:
+            self.inflight_requests -= 1
+
     async def health(self, request: web.Request) -> web.Response:
+        if self.closing is not None:  # readiness false first, so a Service stops sending
+            return web.Response(status=503, text=f"not ready: {self.closing}\n")
         return web.Response(text=self.readiness() + "\n")
 
     def readiness(self) -> str:
-        """The gateway is up either way (200); the text says whether it can serve."""
+        """The gateway is up either way (200); the text says whether it can serve. While it
+        shuts down /health answers 503 with the reason instead."""
         eps = list(self.pool.endpoints.values())
         if not eps:
             return (
@@ -213,6 +278,46 @@ class Gateway:
             self.admin_port,
         )
 
+    async def drain_public(
+        self, runner: web.AppRunner, timeout: float, force: asyncio.Event, why: str
+    ) -> int:
+        """Stop accepting on `runner`'s listener, let open requests and streams finish up to
+        `timeout` (or until `force` is set), then end what is left with an SSE error event.
+        Returns how many streams had to be ended."""
+        self.closing = self.closing or why
+        for site in list(runner.sites):
+            await site.stop()  # this process's listener only; a shared socket lives on
+        server = runner.server
+        await asyncio.sleep(0)
+        if server is not None:
+            server.pre_shutdown()  # each connection closes once its current request is done
+        deadline = time.monotonic() + timeout
+        while self.inflight_requests > 0 and not force.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(force.wait(), min(left, 0.05))
+        ended = 0
+        if self.inflight_requests > 0:
+            for sink in list(self.proxy.sinks):
+                ended += 1
+                sink.evict(
+                    f"the gateway is shutting down ({why}) and this stream did not finish "
+                    "in time; it was ended",
+                    code="shutdown",
+                )
+            log.warning(
+                "%d request(s) still open after the drain, %d stream(s) ended with an error "
+                "event",
+                self.inflight_requests,
+                ended,
+            )
+            t_end = time.monotonic() + 1.0  # let the error events reach their clients
+            while self.inflight_requests > 0 and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+        return ended
+
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
@@ -238,14 +343,9 @@ async def serve(
     static: list[StaticEndpoint],
     warmup: bool = True,
     k8s: K8sSettings | None = None,
+    shutdown_timeout: float = 30.0,
 ) -> None:
-    token = admin_token
-    if not token:  # say where the token is, never what it is
-        from unbroken.config.paths import admin_token as stored_token
-        from unbroken.config.paths import state_dir
-
-        token, path, _ = stored_token(state_dir())
-        log.warning("no admin token given: the admin API takes the one in %s", path)
+    token = resolve_token(admin_token)
     gw = Gateway(cfg, token)
     try:
         await gw.start(static, warmup=warmup, k8s=k8s)
@@ -255,16 +355,57 @@ async def serve(
     # No endpoint, or none that answers (wrong URL, not started), is worth a line in the log;
     # after a moment, so that a supervisor registering its engines causes no false alarm.
     asyncio.get_running_loop().call_later(UNREADY_WARNING_S, _warn_unready, gw)
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _second_forces, stop, force)
+    loop.add_signal_handler(
+        signal.SIGHUP,
+        lambda: log.warning("SIGHUP: a reload needs --workers 2 or more; nothing done"),
+    )
     await stop.wait()
-    log.info("gateway stopping")
+    log.info("gateway stopping: draining for up to %.0f s", shutdown_timeout)
+    gw.closing = "shutting down"
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(force.wait(), READINESS_LEAD_S)
+    await gw.drain_public(gw._runners[0], shutdown_timeout, force, "shutting down")
     await gw.stop()
 
 
+def _second_forces(stop: asyncio.Event, force: asyncio.Event) -> None:
+    """The first SIGTERM drains; a second one ends what is left at once."""
+    if stop.is_set():
+        log.warning("second signal: ending the streams still open")
+        force.set()
+    stop.set()
+
+
+def resolve_token(admin_token: str | None) -> str:
+    if admin_token:
+        return admin_token
+    from unbroken.config.paths import admin_token as stored_token
+    from unbroken.config.paths import state_dir
+
+    token, path, _ = stored_token(state_dir())  # say where the token is, never what it is
+    log.warning("no admin token given: the admin API takes the one in %s", path)
+    return token
+
+
+# Between readiness going false and the listener closing: a load balancer polling /health
+# stops sending first, and requests that still arrive are served, not refused.
+READINESS_LEAD_S = 0.5
 UNREADY_WARNING_S = 5.0
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_workers() -> int:
+    """One per core this process may run on, at most MAX_DEFAULT_WORKERS: past that the main
+    process's admin API and the shared lock, not the cores, bound the gain."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_DEFAULT_WORKERS))
 
 
 def _warn_unready(gw: Gateway) -> None:
@@ -279,7 +420,29 @@ def run_gateway(
     static: list[StaticEndpoint],
     warmup: bool = True,
     k8s: K8sSettings | None = None,
+    *,
+    workers: int = 1,
+    shutdown_timeout: float = 30.0,
+    reload_cfg: Callable[[], GatewayConfig] | None = None,
 ) -> None:
+    """Serve until SIGTERM. `workers` > 1: a main process and that many serving workers
+    (SIGHUP reloads them); `reload_cfg` reads the settings on disk again for a reload."""
     import uvloop
 
-    uvloop.run(serve(cfg, admin_token, static, warmup, k8s))
+    if workers <= 1:
+        uvloop.run(serve(cfg, admin_token, static, warmup, k8s, shutdown_timeout))
+        return
+    from unbroken.gateway._main import serve_main
+
+    uvloop.run(
+        serve_main(
+            cfg,
+            admin_token,
+            static,
+            warmup,
+            k8s,
+            workers=workers,
+            shutdown_timeout=shutdown_timeout,
+            reload_cfg=reload_cfg,
+        )
+    )

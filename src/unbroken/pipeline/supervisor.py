@@ -192,7 +192,14 @@ class Supervisor:
         with os.fdopen(fd, "w") as f:
             f.write(settings.model_dump_json(indent=1))
         os.chmod(cfg, 0o600)  # a file left by an older run may have been 0644
-        return [sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)]
+        # Workers (at least 2, so that `unbroken reload` can replace them: SIGHUP keeps the
+        # main process, and so its pid, which is why a reload never looks like a crash here).
+        # The drain fits in the 10 s that stop() waits before SIGKILL.
+        workers = max(2, min(len(os.sched_getaffinity(0)), 8))
+        return [
+            *[sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)],
+            *["--workers", str(workers), "--shutdown-timeout", "8"],
+        ]
 
     def weights_for(self, pool: PoolSpec) -> Path | None:
         if pool.engine.kind != "simulator":

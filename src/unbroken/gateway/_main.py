@@ -1,0 +1,532 @@
+"""The gateway's main process when it runs worker processes (`--workers N`, N > 1).
+
+It owns the listening socket (one socket, inherited by every worker: the kernel's one accept
+queue is shared, so a worker that stops accepting leaves what is queued to the others and no
+connection is refused), the admin API, the prober and discovery, and the shared admission
+table. It sends workers the endpoint state whenever it changes and every STATE_S, merges
+their metrics into one /metrics, and:
+
+- SIGHUP (reload): starts N new workers (the code and settings on disk now) on the same
+  socket, waits until they serve, then tells the old ones to drain: they stop accepting,
+  finish each connection's current request or stream, and exit. An old worker lives until its
+  last stream ends, at most `request_timeout_s` (no stream outlives that anyway); how many
+  are still draining is `unbroken_gateway_workers{state="draining"}`. If a new worker fails
+  to start, the old ones keep serving and the log says why.
+- SIGTERM: /health answers 503 first, the workers close their listeners READINESS_LEAD_S
+  later and finish their streams up to `--shutdown-timeout`; what is left then (or at a
+  second SIGTERM) ends with an SSE error event; exit 0.
+- A worker that dies is replaced at once; its shared row is zeroed, so the slots its streams
+  held come back, and only its own streams are lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from unbroken.config.spec import GatewaySettings
+from unbroken.gateway._admin import admin_app
+from unbroken.gateway._metrics import merge_expositions
+from unbroken.gateway._pool import Endpoint, State
+from unbroken.gateway._prober import Prober
+from unbroken.gateway._server import (
+    READINESS_LEAD_S,
+    UNREADY_WARNING_S,
+    Gateway,
+    StaticEndpoint,
+    _bound_port,
+    _second_forces,
+    _warn_unready,
+    resolve_token,
+)
+from unbroken.gateway._shared import MAX_ENDPOINTS, MAX_WORKERS, SharedCounters, SharedSlot
+from unbroken.wire.http import ServerLimits, client_session, start_site
+
+if TYPE_CHECKING:
+    from unbroken.gateway._discovery import K8sSettings
+
+__all__ = ["MainGateway", "serve_main"]
+
+log = logging.getLogger("unbroken.gateway.main")
+
+STATE_S = 0.25  # scraped engine load reaches the workers at least this often
+START_TIMEOUT_S = 30.0  # a new worker must serve within this, or the reload is abandoned
+
+
+@dataclass(eq=False)
+class Worker:
+    proc: asyncio.subprocess.Process
+    row: int
+    generation: int
+    writer: asyncio.StreamWriter
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+    draining: bool = False
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(orjson.dumps(msg) + b"\n")
+
+
+class _WorkerGauge(Collector):
+    def __init__(self, main: MainGateway) -> None:
+        self.main = main
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "unbroken_gateway_workers",
+            "Worker processes: serving, and old ones still finishing their streams after a "
+            "reload or during shutdown.",
+            labels=["state"],
+        )
+        ws = self.main.workers
+        g.add_metric(["serving"], sum(not w.draining for w in ws))
+        g.add_metric(["draining"], sum(w.draining for w in ws))
+        r = GaugeMetricFamily(
+            "unbroken_gateway_worker_restarts",
+            "Workers that died and were replaced, and reloads done, since start.",
+            labels=["kind"],
+        )
+        r.add_metric(["replaced"], self.main.replaced)
+        r.add_metric(["reload"], self.main.reloads)
+        yield from (g, r)
+
+
+class MainGateway(Gateway):
+    def __init__(
+        self,
+        cfg: GatewaySettings,
+        token: str,
+        shared: SharedCounters,
+        listen: socket.socket,
+        tmp: Path,
+        n_workers: int,
+    ) -> None:
+        super().__init__(cfg, token, shared)
+        self.shared = shared
+        self.listen = listen
+        self.tmp = tmp
+        self.n_workers = n_workers
+        self.workers: list[Worker] = []
+        self.generation = 0
+        self.replaced = 0
+        self.reloads = 0
+        self.stopping = False
+        self._free_cols = list(range(MAX_ENDPOINTS - 1, -1, -1))
+        self._retired: list[int] = []  # columns of removed endpoints, until their count is 0
+        self._free_rows = list(range(MAX_WORKERS - 1, -1, -1))
+        self._ids = itertools.count()
+        self._asked: dict[int, tuple[asyncio.Future[str], int]] = {}
+        self._broadcast_soon = False
+        self._reloading: asyncio.Task[None] | None = None
+        self.metrics.registry.register(_WorkerGauge(self))
+
+    # -- endpoints: columns of the shared table -------------------------------------------------
+    def _attach(self, ep: Endpoint) -> None:
+        if not self._free_cols:
+            self._reclaim()
+        if not self._free_cols:
+            raise RuntimeError(f"more than {MAX_ENDPOINTS} endpoints")
+        ep.slot = SharedSlot(self.shared, self._free_cols.pop())
+
+    def _reclaim(self) -> None:
+        still = []
+        for col in self._retired:
+            (self._free_cols if self.shared.total(col) == 0 else still).append(col)
+        self._retired = still
+
+    def remove_endpoint(self, ep: Endpoint) -> None:
+        was = self.pool.get(ep.name) is ep
+        super().remove_endpoint(ep)
+        if was:
+            self._retired.append(ep.slot.col)  # type: ignore[attr-defined]
+        self._changed()
+
+    def drain_endpoint(self, ep: Endpoint, deadline_s: float | None) -> None:
+        super().drain_endpoint(ep, deadline_s)
+        self._changed()
+
+    def _changed(self) -> None:
+        super()._changed()
+        if not self._broadcast_soon:
+            self._broadcast_soon = True
+            asyncio.get_running_loop().call_soon(self.broadcast)
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        pool = self.pool
+        return {
+            "t": "state",
+            "default_cap": pool.default_cap,
+            "routes": pool.routes,
+            "routes_override": pool.routes_override,
+            "pool_order": pool.pool_order,
+            "closing": self.closing,
+            "endpoints": [
+                {
+                    "name": e.name,
+                    "col": e.slot.col,  # type: ignore[attr-defined]
+                    "url": e.url,
+                    "pool": e.pool,
+                    "cap": e.cap,
+                    "cap_ov": e.cap_override,
+                    "condition": e.condition,
+                    "condition_since": e.condition_since,
+                    "state": str(e.state),
+                    "healthy": e.healthy,
+                    "models": sorted(e.models),
+                    "error": e.last_error,
+                    "waiting": e.waiting,
+                    "running": e.running,
+                    "kv": e.kv_usage,
+                    "deadline": None
+                    if e.state != State.DRAINING or e.drain_deadline is None
+                    else max(0.0, e.drain_deadline - now),
+                }
+                for e in pool.endpoints.values()
+            ],
+        }
+
+    def broadcast(self) -> None:
+        self._broadcast_soon = False
+        msg = orjson.dumps(self.snapshot()) + b"\n"
+        for w in self.workers:
+            if not w.writer.is_closing():
+                w.writer.write(msg)
+
+    async def _tick(self) -> None:
+        """Remove drained endpoints once no worker holds a slot on them; refresh the
+        workers' view of engine load."""
+        while True:
+            await asyncio.sleep(STATE_S)
+            for ep in list(self.pool.endpoints.values()):
+                if ep.state == State.DRAINING and ep.inflight == 0:
+                    self.remove_endpoint(ep)
+            self._reclaim()
+            self.broadcast()
+
+    def process_status(self) -> dict[str, Any]:
+        return {
+            "workers": {
+                "serving": sum(not w.draining for w in self.workers),
+                "draining": sum(w.draining for w in self.workers),
+                "pids": [w.proc.pid for w in self.workers if not w.draining],
+                "draining_pids": [w.proc.pid for w in self.workers if w.draining],
+                "main_pid": os.getpid(),
+                "generation": self.generation,
+            }
+        }
+
+    # -- workers ------------------------------------------------------------------------------
+    async def spawn(self, generation: int) -> Worker:
+        row = self._free_rows.pop()
+        self.shared.clear_row(row)
+        cfg_path = self.tmp / f"settings-{generation}.json"
+        if not cfg_path.exists():
+            cfg_path.write_text(self.cfg.model_dump_json())
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spec = {
+            "cfg": str(cfg_path),
+            "shm": str(self.shared.path),
+            "row": row,
+            "ctl_fd": child.fileno(),
+            "listen_fd": self.listen.fileno(),
+            "log_level": logging.getLogger().getEffectiveLevel(),
+        }
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "unbroken.gateway._worker",
+                pass_fds=(child.fileno(), self.listen.fileno()),
+                env={**os.environ, "UNBROKEN_GW_WORKER": orjson.dumps(spec).decode()},
+            )
+        except OSError:
+            self._free_rows.append(row)
+            raise
+        finally:
+            child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent, limit=64 * 2**20)
+        w = Worker(proc, row, generation, writer)
+        w.send(self.snapshot())
+        self.workers.append(w)
+        w.tasks = [
+            asyncio.create_task(self._read(w, reader)),
+            asyncio.create_task(self._watch(w)),
+        ]
+        log.info("worker pid %d started (row %d, generation %d)", proc.pid, row, generation)
+        return w
+
+    async def _read(self, w: Worker, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionError):
+            while line := await reader.readline():
+                msg = orjson.loads(line)
+                t = msg["t"]
+                if t == "up":
+                    w.up.set()
+                elif t == "suspect":
+                    ep = self.pool.get(msg["name"])
+                    if ep is not None and self.prober is not None:
+                        self.prober.suspect(ep)
+                elif t == "metrics":
+                    got = self._asked.get(msg["id"])
+                    if got is not None and not got[0].done():
+                        got[0].set_result(msg["text"])
+                elif t == "aggr?":
+                    task = asyncio.create_task(self._answer_metrics(w, msg["id"]))
+                    w.tasks.append(task)
+                    task.add_done_callback(w.tasks.remove)
+
+    async def _watch(self, w: Worker) -> None:
+        code = await w.proc.wait()
+        self.workers.remove(w)
+        self.shared.clear_row(w.row)  # what its streams held is free again
+        self._free_rows.append(w.row)
+        w.writer.close()
+        for fut, row in self._asked.values():
+            if row == w.row and not fut.done():
+                fut.set_result("")
+        self._changed()  # waiters may fit in the freed slots
+        if w.draining or self.stopping:
+            log.info("worker pid %d exited (%s) after draining", w.proc.pid, code)
+            return
+        log.error("worker pid %d died (exit %s): replacing it", w.proc.pid, code)
+        self.replaced += 1
+        while not self.stopping:
+            try:
+                await self.spawn(w.generation)
+                return
+            except OSError as e:
+                log.error("cannot start a worker: %s; retrying", e)
+                await asyncio.sleep(1.0)
+
+    async def start_workers(self) -> None:
+        ws = [await self.spawn(self.generation) for _ in range(self.n_workers)]
+        await self._wait_up(ws)
+
+    async def _wait_up(self, ws: list[Worker]) -> None:
+        async def one(w: Worker) -> None:
+            up = asyncio.create_task(w.up.wait())
+            done, _ = await asyncio.wait(
+                [up, asyncio.create_task(w.proc.wait())],
+                timeout=START_TIMEOUT_S,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if up not in done:
+                up.cancel()
+                raise RuntimeError(f"worker pid {w.proc.pid} did not start serving")
+
+        await asyncio.gather(*(one(w) for w in ws))
+
+    def reload(self, reload_cfg: Callable[[], GatewaySettings] | None) -> None:
+        if self.stopping:
+            return
+        if self._reloading is not None and not self._reloading.done():
+            log.warning("SIGHUP: a reload is already under way; ignored")
+            return
+        self._reloading = asyncio.create_task(self._reload(reload_cfg))
+
+    async def _reload(self, reload_cfg: Callable[[], GatewaySettings] | None) -> None:
+        old = [w for w in self.workers if not w.draining]
+        gen = self.generation + 1
+        if reload_cfg is not None:
+            try:
+                new = reload_cfg()
+            except Exception as e:  # the settings on disk are broken: keep serving
+                log.error("reload: cannot read the settings (%s); nothing changed", e)
+                return
+            fixed = ("host", "port", "admin_host", "admin_port")
+            if any(getattr(new, k) != getattr(self.cfg, k) for k in fixed):
+                log.warning("reload: listen addresses cannot change without a restart; kept")
+            self.cfg = new.model_copy(update={k: getattr(self.cfg, k) for k in fixed})
+            self.pool.default_cap = self.cfg.default_cap
+        log.info("reload: starting %d new worker(s), generation %d", self.n_workers, gen)
+        new_ws: list[Worker] = []
+        try:
+            for _ in range(self.n_workers):
+                new_ws.append(await self.spawn(gen))
+            await self._wait_up(new_ws)
+        except (OSError, RuntimeError) as e:
+            log.error("reload failed (%s): the old workers keep serving", e)
+            for w in new_ws:
+                w.draining = True
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+            return
+        self.generation = gen
+        self.reloads += 1
+        for w in old:
+            w.draining = True
+            w.send({"t": "drain", "timeout": self.cfg.request_timeout_s, "why": "reload"})
+        log.info(
+            "reload: generation %d serving; %d old worker(s) finish their streams",
+            gen,
+            len(old),
+        )
+
+    async def shutdown(self, timeout: float, force: asyncio.Event) -> None:
+        self.stopping = True
+        if self._reloading is not None:
+            self._reloading.cancel()
+        for w in self.workers:
+            w.draining = True
+            w.send({"t": "drain", "timeout": timeout, "why": "shutting down"})
+        with contextlib.suppress(OSError):
+            self.listen.close()  # with every worker's copy closed, the port is free
+
+        async def forward_force() -> None:
+            await force.wait()
+            for w in list(self.workers):
+                w.send({"t": "force"})
+
+        fwd = asyncio.create_task(forward_force())
+        procs = [w.proc for w in list(self.workers)]
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(p.wait() for p in procs)), timeout + READINESS_LEAD_S + 5
+            )
+        except TimeoutError:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+        fwd.cancel()
+
+    # -- metrics: one gateway -----------------------------------------------------------------
+    async def merged_metrics(self) -> str:
+        own = generate_latest(self.metrics.registry).decode()
+        asks = []
+        for w in list(self.workers):
+            k = next(self._ids)
+            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            self._asked[k] = (fut, w.row)
+            w.send({"t": "metrics", "id": k})
+            asks.append((k, fut))
+        texts = []
+        for k, fut in asks:
+            with contextlib.suppress(TimeoutError):
+                texts.append(await asyncio.wait_for(fut, 2.0))
+            self._asked.pop(k, None)
+        return merge_expositions(own, [t for t in texts if t])
+
+    async def _answer_metrics(self, w: Worker, k: int) -> None:
+        w.send({"t": "aggr", "id": k, "text": await self.merged_metrics()})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        text = await self.merged_metrics()
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start_main(
+        self, static: list[StaticEndpoint], *, warmup: bool, k8s: K8sSettings | None
+    ) -> None:
+        cfg = self.cfg
+        session = client_session(connect_timeout=cfg.connect_timeout_s)
+        self.proxy.session = session
+        self.prober = Prober(
+            session,
+            interval=cfg.probe_interval_s,
+            fail_threshold=cfg.health_fail_threshold,
+            warmup_timeout=cfg.warmup_timeout_s,
+            on_change=self._on_change,
+            headers_for=lambda ep: self.proxy.upstream_headers({}, ep),
+        )
+        for s in static:
+            self.add_endpoint(
+                s.url,
+                name=s.name or s.url.split("://", 1)[-1].rstrip("/"),
+                pool_name=s.pool,
+                warmup=warmup,
+            )
+        if k8s is not None:
+            from unbroken.gateway._discovery import Discovery
+
+            self.discovery = Discovery(self, k8s)
+            self.discovery.start()
+        await self.start_workers()
+        admin = admin_app(self, self.admin_token)
+        admin.router.add_get("/metrics", self.metrics_handler)
+        runner = await start_site(
+            admin, cfg.admin_host, cfg.admin_port, limits=ServerLimits(cfg.header_timeout_s)
+        )
+        self._runners = [runner]
+        self.admin_port = _bound_port(runner) or cfg.admin_port
+        self.port = int(self.listen.getsockname()[1])
+        log.info(
+            "gateway on http://%s:%d (%d workers), admin on http://%s:%d",
+            cfg.host,
+            self.port,
+            self.n_workers,
+            cfg.admin_host,
+            self.admin_port,
+        )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=4096)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_main(
+    cfg: GatewaySettings,
+    admin_token: str | None,
+    static: list[StaticEndpoint],
+    warmup: bool,
+    k8s: K8sSettings | None,
+    *,
+    workers: int,
+    shutdown_timeout: float,
+    reload_cfg: Callable[[], GatewaySettings] | None,
+) -> None:
+    token = resolve_token(admin_token)
+    tmp = Path(tempfile.mkdtemp(prefix="unbroken-gateway-"))
+    shared = SharedCounters(tmp / "admission", create=True)
+    listen = _listen(cfg.host, cfg.port)
+    gw = MainGateway(cfg, token, shared, listen, tmp, workers)
+    loop = asyncio.get_running_loop()
+    try:
+        try:
+            await gw.start_main(static, warmup=warmup, k8s=k8s)
+        except (OSError, RuntimeError):
+            await gw.shutdown(0.0, asyncio.Event())
+            await gw.stop()
+            raise
+        loop.call_later(UNREADY_WARNING_S, _warn_unready, gw)
+        tick = asyncio.create_task(gw._tick())
+        stop, force = asyncio.Event(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _second_forces, stop, force)
+        loop.add_signal_handler(signal.SIGHUP, gw.reload, reload_cfg)
+        await stop.wait()
+        log.info("gateway stopping: draining for up to %.0f s", shutdown_timeout)
+        gw.closing = "shutting down"
+        gw.broadcast()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(force.wait(), READINESS_LEAD_S)
+        await gw.shutdown(shutdown_timeout, force)
+        tick.cancel()
+        await gw.stop()
+    finally:
+        with contextlib.suppress(OSError):
+            listen.close()
+        shared.close()
+        shutil.rmtree(tmp, ignore_errors=True)

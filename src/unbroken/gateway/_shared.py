@@ -1,0 +1,95 @@
+"""Admission state shared by the gateway's worker processes (docs/gateway.md, "Process model").
+
+One file mapped by every process holds two tables of int64:
+
+    inflight[row, col]   slots worker `row` holds on endpoint `col`
+    depth[row, prio]     requests worker `row` has queued, per priority
+
+A process writes only its own row, so giving slots back needs no lock; an endpoint's load is
+the sum of its column. Taking slots is check-then-add, so it runs under one POSIX record lock
+(`lockf`), held for a few microseconds, which the kernel releases if its holder dies. When a
+worker dies the main process zeroes its row: the slots of its streams come back at once.
+Rows are handed out by the main process (a reload's new workers take free rows while the old
+ones drain); columns are endpoints, assigned by the main process by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["MAX_ENDPOINTS", "MAX_WORKERS", "SharedCounters", "SharedSlot"]
+
+MAX_WORKERS = 64  # rows: serving workers plus old ones still draining after reloads
+MAX_ENDPOINTS = 1024  # columns
+_PRIOS = 3
+
+
+class SharedCounters:
+    def __init__(self, path: Path, *, create: bool = False, row: int = -1) -> None:
+        self.path = path
+        self.row = row
+        size = 8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._fd = os.open(path, flags, 0o600)
+        if create:
+            os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size)
+        flat = np.frombuffer(self._map, dtype=np.int64)
+        self.inflight = flat[: MAX_WORKERS * MAX_ENDPOINTS].reshape(MAX_WORKERS, MAX_ENDPOINTS)
+        self.depth = flat[MAX_WORKERS * MAX_ENDPOINTS :].reshape(MAX_WORKERS, _PRIOS)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+
+    def total(self, col: int) -> int:
+        return int(self.inflight[:, col].sum())
+
+    def add(self, col: int, n: int) -> None:
+        self.inflight[self.row, col] += n
+
+    def queued(self, prio: int) -> int:
+        """Requests of priority `prio` waiting in all workers."""
+        return int(self.depth[:, prio].sum())
+
+    def set_depth(self, prio: int, n: int) -> None:
+        self.depth[self.row, prio] = n
+
+    def clear_row(self, row: int) -> None:
+        """A worker is gone: what it held is free again."""
+        self.inflight[row, :] = 0
+        self.depth[row, :] = 0
+
+    def close(self) -> None:
+        # The numpy views hold the buffer; drop them before the map.
+        del self.inflight, self.depth
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        os.close(self._fd)
+
+
+class SharedSlot:
+    """An endpoint's in-flight count in the shared table (see `Endpoint.slot`)."""
+
+    __slots__ = ("col", "shared")
+
+    def __init__(self, shared: SharedCounters, col: int) -> None:
+        self.shared = shared
+        self.col = col
+
+    def get(self) -> int:
+        return self.shared.total(self.col)
+
+    def add(self, n: int) -> None:
+        self.shared.add(self.col, n)

@@ -1,0 +1,206 @@
+"""A gateway worker process: serves the public routes on the listening socket it inherited
+from the main process (`_main.py`), with admission in the shared table (`_shared.py`).
+
+It learns endpoints, caps and routes from the main process's state messages over its control
+socket (newline-delimited JSON) and runs no prober, discovery or admin API of its own.
+
+    main → worker   state (endpoints, caps, routes), metrics (send your registry),
+                    aggr (the merged /metrics it asked for), drain, force
+    worker → main   up (serving), suspect (an endpoint hung), metrics, aggr? (a /metrics
+                    scrape landed here: ask for all workers' merged)
+
+A drain (reload or shutdown) closes this worker's copy of the listener, lets each connection
+finish its current request, and exits 0; `force` ends the streams still open with an SSE
+error event. A lost control socket means the main process died: the worker drains and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from unbroken.config.spec import GatewaySettings
+from unbroken.gateway._pool import Endpoint, State
+from unbroken.gateway._server import Gateway
+from unbroken.gateway._shared import SharedCounters, SharedSlot
+from unbroken.wire.http import ServerLimits, client_session, start_site
+
+__all__ = ["WorkerGateway", "main"]
+
+log = logging.getLogger("unbroken.gateway.worker")
+
+
+class WorkerGateway(Gateway):
+    def __init__(self, cfg: GatewaySettings, shared: SharedCounters, writer: Any) -> None:
+        super().__init__(cfg, "", shared)
+        self.shared = shared
+        self.writer: asyncio.StreamWriter = writer
+        self._ids = itertools.count()
+        self._asked: dict[int, asyncio.Future[str]] = {}
+        self.force = asyncio.Event()
+        self.draining: asyncio.Task[None] | None = None
+        self.runner: web.AppRunner | None = None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(orjson.dumps(msg) + b"\n")
+
+    def _after_release(self, ep: Endpoint) -> None:
+        """Drained endpoints are removed by the main process, which sees all workers."""
+
+    # -- state from the main process -----------------------------------------------------------
+    def apply(self, snap: dict[str, Any]) -> None:
+        pool = self.pool
+        pool.default_cap = snap["default_cap"]
+        pool.routes = snap["routes"]
+        pool.routes_override = snap["routes_override"]
+        pool.pool_order = snap["pool_order"]
+        if snap.get("closing"):
+            self.closing = snap["closing"]
+        seen = set()
+        for d in snap["endpoints"]:
+            name = d["name"]
+            seen.add(name)
+            ep = pool.get(name)
+            if ep is None or getattr(ep.slot, "col", None) != d["col"]:
+                if ep is not None:
+                    pool.remove(name)
+                ep = Endpoint(
+                    name=name,
+                    url=d["url"],
+                    pool=d["pool"],
+                    warmup=False,
+                    slot=SharedSlot(self.shared, d["col"]),
+                )
+                pool.add(ep)
+            ep.url, ep.pool, ep.cap, ep.cap_override = d["url"], d["pool"], d["cap"], d["cap_ov"]
+            ep.condition, ep.condition_since = d["condition"], d["condition_since"]
+            ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
+            ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
+            ep.set_state(State(d["state"]))
+            if ep.state == State.DRAINING and d["deadline"] is not None:
+                if name not in self._drain_timers:  # the stream migration at the deadline
+                    ep.drain_deadline = time.monotonic() + d["deadline"]
+                    self._drain_timers[name] = asyncio.get_running_loop().call_later(
+                        d["deadline"], self._drain_deadline, ep
+                    )
+            elif (h := self._drain_timers.pop(name, None)) is not None:
+                h.cancel()
+        for name in [n for n in pool.endpoints if n not in seen]:
+            pool.remove(name)  # streams still on it finish; their slots go back all the same
+            if (h := self._drain_timers.pop(name, None)) is not None:
+                h.cancel()
+        self.admission.wake()
+
+    # -- /metrics: one gateway, all workers merged by the main process -------------------------
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        k = next(self._ids)
+        fut = self._asked[k] = asyncio.get_running_loop().create_future()
+        self.send({"t": "aggr?", "id": k})
+        try:
+            text = await asyncio.wait_for(fut, 5.0)
+        except TimeoutError:
+            text = generate_latest(self.metrics.registry).decode()  # main busy: ours alone
+        finally:
+            self._asked.pop(k, None)
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start_worker(self, listen: socket.socket) -> None:
+        cfg = self.cfg
+        self.proxy.session = client_session(connect_timeout=cfg.connect_timeout_s)
+        self.proxy.on_hang = lambda ep: self.send({"t": "suspect", "name": ep.name})
+        limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
+        self.runner = await start_site(
+            self.public_app(), cfg.host, cfg.port, sock=listen, limits=limits
+        )
+        self._runners = [self.runner]
+
+    def drain(self, timeout: float, why: str) -> None:
+        if self.draining is None:
+            self.draining = asyncio.create_task(self._drain(timeout, why))
+
+    async def _drain(self, timeout: float, why: str) -> None:
+        assert self.runner is not None
+        ended = await self.drain_public(self.runner, timeout, self.force, why)
+        log.info("worker %d drained (%s); %d stream(s) ended", os.getpid(), why, ended)
+        await self.stop()
+
+    async def control(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            msg = orjson.loads(line)
+            t = msg["t"]
+            if t == "state":
+                self.apply(msg)
+            elif t == "metrics":
+                text = generate_latest(self.metrics.registry).decode()
+                self.send({"t": "metrics", "id": msg["id"], "text": text})
+            elif t == "aggr":
+                fut = self._asked.get(msg["id"])
+                if fut is not None and not fut.done():
+                    fut.set_result(msg["text"])
+            elif t == "drain":
+                self.drain(msg["timeout"], msg["why"])
+            elif t == "force":
+                self.force.set()
+        log.warning("worker %d lost the main process: draining", os.getpid())
+        self.drain(self.cfg.request_timeout_s, "main process gone")
+
+
+async def _run(spec: dict[str, Any]) -> None:
+    cfg = GatewaySettings.model_validate_json(Path(spec["cfg"]).read_text())
+    shared = SharedCounters(Path(spec["shm"]), row=spec["row"])
+    ctl = socket.socket(fileno=spec["ctl_fd"])
+    reader, writer = await asyncio.open_unix_connection(sock=ctl, limit=64 * 2**20)
+    gw = WorkerGateway(cfg, shared, writer)
+    listen = socket.socket(fileno=spec["listen_fd"])
+    # The first state arrives before we serve, so the first request finds the endpoints.
+    first = orjson.loads(await reader.readline())
+    gw.apply(first)
+    await gw.start_worker(listen)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C: the main process decides
+
+    def on_term() -> None:
+        if gw.draining is not None:
+            gw.force.set()
+        gw.drain(cfg.request_timeout_s, "SIGTERM")
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    control = asyncio.create_task(gw.control(reader))
+    gw.send({"t": "up", "pid": os.getpid()})
+    await writer.drain()
+    while gw.draining is None:
+        await asyncio.sleep(0.05)
+    await gw.draining
+    control.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await control
+
+
+def main() -> None:
+    spec = orjson.loads(os.environ["UNBROKEN_GW_WORKER"])
+    logging.basicConfig(
+        level=spec.get("log_level", logging.INFO),
+        format=f"%(asctime)s %(levelname)s %(name)s[w{spec['row']}]: %(message)s",
+        stream=sys.stderr,
+    )
+    import uvloop
+
+    uvloop.run(_run(spec))
+
+
+if __name__ == "__main__":
+    main()
