@@ -121,6 +121,7 @@ class _Measured:
     corrupted: int
     stall_spikes: int
     stall_spikes_steady: int
+    stall_spikes_last_third: int
     rollout_ok: bool
     rollout_s: float | None
     rejected: int
@@ -149,6 +150,12 @@ def measure(p: PassResult, windows: dict[str, dict[str, Any]], stall_s: float) -
         corrupted=windows["whole run"]["open"]["corrupted"],
         stall_spikes=stall_spikes(p.records, m["contention_start"], m["contention_end"], stall_s),
         # the same length of steady state, for scale: spikes the threshold sees without contention
+        stall_spikes_last_third=stall_spikes(
+            p.records,
+            m["contention_end"] - (m["contention_end"] - m["contention_start"]) / 3,
+            m["contention_end"],
+            stall_s,
+        ),
         stall_spikes_steady=stall_spikes(
             p.records, m["steady_start"], m["steady_start"] + steady_len, stall_s
         ),
@@ -254,6 +261,8 @@ def seed_rows(
             "note": f"inter-token gaps > {stall_ms:g} ms in the contention window "
             f"(same length of steady state: {ub.stall_spikes_steady} unbroken"
             + ("" if std is None else f", {std.stall_spikes_steady} standard")
+            + f"; the window's last third alone: {ub.stall_spikes_last_third} unbroken"
+            + ("" if std is None else f", {std.stall_spikes_last_third} standard")
             + ")",
         },
         {
