@@ -133,6 +133,8 @@ def gateway(
         str(port),
         "--admin-port",
         str(admin),
+        "--workers",  # one process unless a test asks for more (args come later and win)
+        "1",
     ]
     for e in endpoints:
         argv += ["--endpoint", e]

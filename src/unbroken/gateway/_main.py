@@ -460,7 +460,6 @@ class MainGateway(Gateway):
 
             self.discovery = Discovery(self, k8s)
             self.discovery.start()
-        await self.start_workers()
         admin = admin_app(self, self.admin_token)
         admin.router.add_get("/metrics", self.metrics_handler)
         runner = await start_site(
@@ -469,6 +468,7 @@ class MainGateway(Gateway):
         self._runners = [runner]
         self.admin_port = _bound_port(runner) or cfg.admin_port
         self.port = int(self.listen.getsockname()[1])
+        await self.start_workers()  # after the admin API: once /health answers, so does it
         log.info(
             "gateway on http://%s:%d (%d workers), admin on http://%s:%d",
             cfg.host,

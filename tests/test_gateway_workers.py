@@ -1,0 +1,206 @@
+"""The gateway with worker processes (`--workers N`): one port, caps that hold across the
+workers, one /metrics, one admin API, a dead worker replaced at once. Real engines
+(simulator), real gateway processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers import MODEL, Proc, admin, engine, gateway, metric, wait_for
+from unbroken.engine.textmodel import expected_completion
+from unbroken.wire.sse import SSEDecoder
+
+
+def workers_of(g: Proc) -> dict[str, Any]:
+    return admin(g, "GET", "/admin/status").json()["workers"]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def stream_text(url: str, prompt: str, max_tokens: int, timeout: float = 60) -> tuple[str, Any]:
+    """Stream a completion on a fresh connection; (text, last error event or None)."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    dec = SSEDecoder()
+    text, error, done = [], None, False
+    with (
+        httpx.Client(timeout=timeout) as c,
+        c.stream("POST", url + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200, r.read()
+        for chunk in r.iter_bytes():
+            for ev in dec.feed(chunk):
+                if ev.data is None:
+                    continue
+                if ev.is_done:
+                    done = True
+                    continue
+                obj = ev.json()
+                if "error" in obj:
+                    error = obj["error"]
+                    continue
+                text.append(obj["choices"][0]["text"])
+    assert done, "stream ended without [DONE]"
+    return "".join(text), error
+
+
+class Sampler:
+    """Reads an engine's running and waiting gauges every few ms in a thread; keeps maxima."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.max_running = 0.0
+        self.max_waiting = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as c:
+            while not self._stop.is_set():
+                text = c.get(self.url + "/metrics").text
+                for line in text.splitlines():
+                    if line.startswith("vllm:num_requests_running"):
+                        self.max_running = max(self.max_running, float(line.rsplit(" ", 1)[1]))
+                    elif line.startswith("vllm:num_requests_waiting"):
+                        self.max_waiting = max(self.max_waiting, float(line.rsplit(" ", 1)[1]))
+                self.samples += 1
+                time.sleep(0.005)
+
+    def __enter__(self) -> Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+@pytest.fixture
+def eng(tmp_path: Path) -> Iterator[Proc]:
+    # Room for far more than the cap, so that only the gateway can hold the line.
+    e = engine(tmp_path, "--max-num-seqs", "64", "--decode-base-s", "0.01")
+    yield e
+    e.stop()
+
+
+def test_cap_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
+    """3 workers, 24 concurrent streams on fresh connections, one endpoint whose cap the
+    controller's override lowers to 3 through the main process's admin API: the engine never
+    runs more than 3, yet reaches 3, and every worker served."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "3", "--cap", "8"))
+    try:
+        ws = workers_of(g)
+        assert ws["serving"] == 3 and len(ws["pids"]) == 3
+        r = admin(g, "PATCH", f"/admin/endpoints/127.0.0.1:{eng.port}", {"cap_override": 3})
+        assert r.status_code == 200 and r.json()["cap"] == 3
+        time.sleep(0.5)  # the main process has sent the new cap to the workers
+        before = {pid: cpu_ticks(pid) for pid in ws["pids"]}
+        with Sampler(eng.url) as s, ThreadPoolExecutor(24) as pool:
+            jobs = [pool.submit(stream_text, g.url, f"cap test {i}", 30) for i in range(72)]
+            results = [j.result() for j in jobs]
+        for i, (text, err) in enumerate(results):
+            assert err is None
+            assert text == expected_completion(f"cap test {i}", 30).text
+        assert s.samples > 50
+        assert s.max_running == 3, s.max_running  # the cap holds, and the load reached it
+        assert s.max_waiting == 0  # nothing over the cap was even queued at the engine
+        for pid in ws["pids"]:  # the kernel's accept queue fed every worker
+            assert cpu_ticks(pid) - before[pid] >= 5, (pid, before)
+        # One gateway on /metrics: 72 requests counted once, whichever worker served them.
+        assert metric(g.url, "unbroken_gateway_requests_total", status="200") == 72
+        assert metric(g.url, "unbroken_gateway_workers", state="serving") == 3
+        assert metric(g.url, "unbroken_gateway_inflight") == 0
+    finally:
+        assert g.stop() == 0
+
+
+def test_queue_waiters_get_slots_freed_by_other_workers(tmp_path: Path, eng: Proc) -> None:
+    """Cap 1, 2 workers, 8 requests at once: requests queue in both workers and each gets
+    the single slot in turn, whichever worker freed it (no queue timeout, all complete)."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2", "--cap", "1", "--queue-timeout", "60"))
+    try:
+        with Sampler(eng.url) as s, ThreadPoolExecutor(8) as pool:
+            jobs = [pool.submit(stream_text, g.url, f"queue {i}", 20) for i in range(8)]
+            results = [j.result() for j in jobs]
+        assert [t for t, _ in results] == [
+            expected_completion(f"queue {i}", 20).text for i in range(8)
+        ]
+        assert s.max_running == 1
+        assert metric(g.url, "unbroken_gateway_queue_wait_seconds_count") >= 1
+    finally:
+        g.stop()
+
+
+def test_killed_worker_costs_only_its_streams_and_is_replaced(tmp_path: Path, eng: Proc) -> None:
+    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+    try:
+        victim, other = workers_of(g)["pids"]
+        with ThreadPoolExecutor(10) as pool:
+            jobs = [pool.submit(_try_stream, g.url, f"kill {i}", 150) for i in range(10)]
+            time.sleep(1.0)  # streams under way on both workers
+            os.kill(victim, signal.SIGKILL)
+            results = [j.result() for j in jobs]
+        ok = [i for i, r in enumerate(results) if r == expected_completion(f"kill {i}", 150).text]
+        broken = [i for i, r in enumerate(results) if r is None]
+        assert len(ok) + len(broken) == 10  # a stream is whole or visibly broken, never altered
+        assert ok, "the surviving worker's streams completed"
+        # Replaced at once: two serving workers again, the victim gone, the survivor kept.
+        ws = wait_for(
+            lambda: (w := workers_of(g))["serving"] == 2 and victim not in w["pids"] and w,
+            timeout=15,
+        )
+        assert other in ws["pids"]
+        assert metric(g.url, "unbroken_gateway_worker_restarts", kind="replaced") == 1
+        # The dead worker's slots came back: nothing counts as in flight any more.
+        wait_for(lambda: metric(g.url, "unbroken_gateway_inflight") == 0, timeout=10)
+        text, err = stream_text(g.url, "after the kill", 20)
+        assert err is None and text == expected_completion("after the kill", 20).text
+    finally:
+        g.stop()
+
+
+def _try_stream(url: str, prompt: str, n: int) -> str | None:
+    try:
+        text, err = stream_text(url, prompt, n)
+    except (httpx.HTTPError, AssertionError):
+        return None
+    return None if err is not None else text
+
+
+def test_admin_api_is_one_api_for_all_workers(tmp_path: Path, eng: Proc) -> None:
+    """Routes and drains set on the main process reach every worker: after a drain with no
+    other endpoint, each worker answers 503 rather than sending to the draining engine."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+    try:
+        name = f"127.0.0.1:{eng.port}"
+        r = admin(g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 5})
+        assert r.status_code == 200
+        wait_for(lambda: admin(g, "GET", "/admin/endpoints").json()["endpoints"] == [], timeout=5)
+        time.sleep(0.5)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        codes = set()
+        for _ in range(8):
+            with httpx.Client(timeout=10) as c:  # fresh connections: both workers answer
+                codes.add(c.post(g.url + "/v1/completions", json=body).status_code)
+        assert codes == {404} or codes == {503}, codes
+    finally:
+        g.stop()
