@@ -1,11 +1,19 @@
 """Mid-stream continuation: which requests can be continued on another engine, and the
 request that continues one.
 
-Completions continue with prompt + text generated so far; chat with a trailing assistant
-message holding that text and `continue_final_message: true, add_generation_prompt: false`
-(vLLM semantics). Token budgets shrink by what the client already received. Requests whose
-output cannot be spliced safely are refused: several choices (`n > 1`), tools, structured or
-guided output, logprobs, and token-id prompts.
+Two paths. **Tokens** (when the engine returned the prompt's and the generated token ids,
+vLLM's `return_token_ids`): the continuation is a `/v1/completions` request whose prompt is
+those ids, so the engine resumes from exactly the state it was in; a chat stream's
+continuation is re-wrapped into chat chunks by the relay. Byte-exact for greedy decoding with
+any tokenizer. **Text** (any other engine): completions continue with prompt + text generated
+so far; chat with a trailing assistant message holding that text and
+`continue_final_message: true, add_generation_prompt: false` (vLLM semantics). Exact only
+where the text re-tokenizes to the same ids.
+
+Token budgets shrink by the tokens the client already received (counted as the engine counts
+them, see `_stream`). Requests whose output cannot be spliced safely are refused: several
+choices (`n > 1`), tools, structured or guided output, logprobs; on the text path also
+token-id prompts and `suffix`.
 """
 
 from __future__ import annotations
@@ -13,7 +21,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["continuation_body", "not_migratable"]
+__all__ = [
+    "augment",
+    "continuation_body",
+    "not_migratable",
+    "token_continuation_body",
+]
 
 _GUIDED = (
     "guided_json",
@@ -24,11 +37,46 @@ _GUIDED = (
     "structured_outputs",
     "guided_whitespace_pattern",
 )
+# Chat-only fields that a /v1/completions continuation must not carry.
+_CHAT_ONLY = (
+    "messages",
+    "max_completion_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "mm_processor_kwargs",
+    "reasoning_effort",
+    "include_reasoning",
+    "add_special_tokens",
+)
 
 
-def not_migratable(raw: dict[str, Any], chat: bool) -> str | None:
-    """Why this request cannot be continued elsewhere, or None if it can."""
-    if raw.get("n", 1) != 1 or raw.get("best_of", 1) not in (1, None):
+def augment(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` asking the engine for what exact continuation needs: usage on every chunk (the
+    exact token count) and the token ids. The relay strips what the client did not ask for."""
+    body = dict(raw)
+    so = raw.get("stream_options")
+    so = dict(so) if isinstance(so, dict) else {}
+    so["include_usage"] = True
+    so["continuous_usage_stats"] = True
+    body["stream_options"] = so
+    body["return_token_ids"] = True
+    return body
+
+
+def not_migratable(raw: dict[str, Any], chat: bool, *, tokens: bool = False) -> str | None:
+    """Why this request cannot be continued elsewhere, or None if it can. `tokens`: the
+    token path is available (a token-id prompt can then be continued too)."""
+    if raw.get("n", 1) not in (1, None) or raw.get("best_of", 1) not in (1, None):
         return "n>1"
     if any(raw.get(k) is not None for k in _GUIDED):
         return "structured_output"
@@ -43,34 +91,54 @@ def not_migratable(raw: dict[str, Any], chat: bool) -> str | None:
     else:
         if raw.get("logprobs") is not None:
             return "logprobs"
+        if raw.get("suffix"):
+            return "suffix"
         p = raw.get("prompt")
-        if not (
+        if not tokens and not (
             isinstance(p, str) or (isinstance(p, list) and len(p) == 1 and isinstance(p[0], str))
         ):
             return "prompt_form"
-        if raw.get("suffix"):
-            return "suffix"
+        if isinstance(p, list) and len(p) != 1 and not all(isinstance(t, int) for t in p):
+            return "prompt_form"  # several prompts
     return None
 
 
-def continuation_body(
-    raw: dict[str, Any], chat: bool, text: str, sent: int
-) -> dict[str, Any] | None:
-    """The request that continues `raw` after `text` (`sent` tokens) reached the client.
-    None when the token budget is already spent (the stream only lacks its finish)."""
-    body = copy.deepcopy(raw)
-    body["stream"] = True
+def _limit(raw: dict[str, Any], chat: bool) -> tuple[str, Any]:
     if chat:
         key = (
             "max_completion_tokens"
             if raw.get("max_completion_tokens") is not None
             else "max_tokens"
         )
-        if raw.get(key) is not None:
-            left = raw[key] - sent
-            if left <= 0:
-                return None
-            body[key] = left
+        return key, raw.get(key)
+    return "max_tokens", raw.get("max_tokens", 16)
+
+
+def _left(limit: Any, sent: int) -> int | bool | None:
+    """Tokens left of `limit` after `sent`; False when spent; None when unlimited."""
+    if limit is None:
+        return None
+    try:
+        left = int(limit) - sent
+    except (TypeError, ValueError):
+        return None
+    return left if left > 0 else False
+
+
+def continuation_body(
+    raw: dict[str, Any], chat: bool, text: str, sent: int
+) -> dict[str, Any] | None:
+    """The text-path request that continues `raw` after `text` (`sent` tokens) reached the
+    client. None when the token budget is already spent (the stream only lacks its finish)."""
+    body = copy.deepcopy(raw)
+    body["stream"] = True
+    key, limit = _limit(raw, chat)
+    left = _left(limit, sent)
+    if left is False:
+        return None
+    if left is not None:
+        body[key] = left
+    if chat:
         if text:
             msgs = body["messages"]
             if raw.get("continue_final_message"):
@@ -81,18 +149,37 @@ def continuation_body(
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
     else:
-        limit = raw.get("max_tokens", 16)
-        if limit is not None:
-            left = limit - sent
-            if left <= 0:
-                return None
-            body["max_tokens"] = left
         p = raw["prompt"]
         body["prompt"] = (p if isinstance(p, str) else p[0]) + text
         body["echo"] = False
+    _min_tokens(raw, body, sent)
+    return body
+
+
+def token_continuation_body(
+    raw: dict[str, Any], chat: bool, ids: list[int], sent: int
+) -> dict[str, Any] | None:
+    """The token-path request (always for `/v1/completions`) that continues `raw` from `ids`
+    (the prompt's token ids followed by the `sent` generated ones). None when the budget is
+    spent."""
+    _, limit = _limit(raw, chat)
+    left = _left(limit, sent)
+    if left is False:
+        return None
+    body = {k: v for k, v in raw.items() if k not in _CHAT_ONLY} if chat else dict(raw)
+    body.pop("suffix", None)
+    body["prompt"] = list(ids)
+    body["stream"] = True
+    body["echo"] = False
+    # Unlimited chat: completions would default to 16, so say "up to the context" (null).
+    body["max_tokens"] = left
+    _min_tokens(raw, body, sent)
+    return body
+
+
+def _min_tokens(raw: dict[str, Any], body: dict[str, Any], sent: int) -> None:
     if isinstance(raw.get("min_tokens"), int):
         body["min_tokens"] = max(0, raw["min_tokens"] - sent)
-    return body
 
 
 def _content_text(content: Any) -> str:

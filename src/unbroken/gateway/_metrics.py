@@ -221,6 +221,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # Which continuation each migration took: token ids (exact) or text (re-tokenized).
+        self.migration_path = Counter(
+            "unbroken_gateway_migration_path",
+            "Migrations by how the continuation was built (tokens, text).",
+            ["path"],
+            registry=r,
+        )
         self.shed = Counter(
             "unbroken_gateway_shed",
             "Requests refused for lack of capacity.",
@@ -266,6 +273,8 @@ class GatewayMetrics:
             self.migrated.labels(reason)
         for why in UNMIGRATABLE:
             self.unmigratable.labels(why)
+        for path in ("tokens", "text"):
+            self.migration_path.labels(path)
         for m in METHODS:
             self.unknown_routes.labels(m)
 

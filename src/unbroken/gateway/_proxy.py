@@ -24,17 +24,18 @@ import orjson
 from aiohttp import web
 
 from unbroken.gateway._admission import PRIORITIES, Admission
+from unbroken.gateway._continuation import augment
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._relay import BufferBudget, ClientSink
 from unbroken.gateway._stream import UPSTREAM_ERRORS, Retry, StreamRelay
 from unbroken.wire.errors import ApiError
-from unbroken.wire.openai import ChatRequest, CompletionRequest, parse_request
+from unbroken.wire.openai import gateway_view, lax_bool
 
 if TYPE_CHECKING:
     from unbroken.gateway._metrics import GatewayMetrics
     from unbroken.gateway._server import GatewayConfig
 
-__all__ = ["Proxy"]
+__all__ = ["PASSTHROUGH_ROUTES", "Proxy"]
 
 log = logging.getLogger("unbroken.gateway")
 
@@ -58,10 +59,31 @@ _HOP = {
     "content-type",
     "x-request-id",
 }
+# Engine routes the gateway forwards without interpreting them (vLLM's names).
+PASSTHROUGH_ROUTES = (
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/pooling"),
+    ("POST", "/classify"),
+    ("POST", "/score"),
+    ("POST", "/v1/score"),
+    ("POST", "/rerank"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/v2/rerank"),
+    ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v1/audio/translations"),
+)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Hang detection learns each endpoint's time to first byte from this many recent streams.
 _TTFB_SAMPLES = 32
 _TTFB_FACTOR = 4.0
+# vLLM's answer to new requests during its graceful shutdown (its /health stays 200).
+_SHUTTING_DOWN = "cannot schedule new futures after shutdown"
+# This many 5xx in a row (no success between) take an endpoint out until readiness.
+_5XX_RUN = 3
 
 
 class Proxy:
@@ -83,6 +105,8 @@ class Proxy:
         self.buffer_budget = BufferBudget(cfg.stream_buffer_budget_bytes)
         self._skip = _HOP | {cfg.priority_header.lower()}
         self._ttfb: dict[str, deque[float]] = {}
+        self._5xx: dict[str, int] = {}  # 5xx answers in a row, per endpoint
+        self.plain: set[str] = set()  # endpoints that refuse usage/token-id stream options
         self.on_hang: Callable[[Endpoint], None] | None = None  # the prober's `suspect`
         self.pool_keys = {
             pool: key for pool, env in cfg.upstream_key_env.items() if (key := os.environ.get(env))
@@ -96,14 +120,211 @@ class Proxy:
         return await self._handle(request, "/v1/chat/completions", chat=True)
 
     async def models(self, request: web.Request) -> web.Response:
+        """The models of the ready endpoints, with each engine's own fields (vLLM's
+        `max_model_len`, `root`, ...); a model no endpoint listed just now keeps a plain
+        entry."""
+        assert self.session is not None
+        eps = [e for e in self.pool.endpoints.values() if e.state == State.READY and e.healthy]
+        lists = await asyncio.gather(*(self._models_of(e) for e in eps))
+        merged: dict[str, dict[str, Any]] = {}
+        for data in lists:
+            for m in data:
+                merged.setdefault(m["id"], m)
         now = int(time.time())
-        data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
-            for m in sorted(self.pool.known_models())
-        ]
+        for m in self.pool.known_models():
+            merged.setdefault(
+                m, {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
+            )
+        data = [merged[k] for k in sorted(merged)]
         return web.Response(
             body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
         )
+
+    async def _models_of(self, ep: Endpoint) -> list[dict[str, Any]]:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                ep.url + "/v1/models",
+                headers=self.upstream_headers({}, ep),
+                timeout=aiohttp.ClientTimeout(total=2.0),
+            ) as r:
+                if r.status != 200:
+                    return []
+                obj = orjson.loads(await r.read())
+        except (*UPSTREAM_ERRORS, orjson.JSONDecodeError):
+            return []
+        data = obj.get("data") if isinstance(obj, dict) else None
+        if not isinstance(data, list):
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """An engine route the gateway does not interpret (`/tokenize`, `/v1/embeddings`,
+        `/v1/responses`, ...): forwarded as is to a ready endpoint of the request's model (of
+        any model when it names none), with the same admission, retry before the first byte
+        (connect error, 5xx) and 4xx pass-through as completions. A stream is relayed byte for
+        byte; it is not migrated if its engine dies mid-way."""
+        t0 = time.monotonic()
+        rid = _request_id(request)
+        priority = self.cfg.default_priority
+        status = 500
+        pool_label = "none"
+        try:
+            priority = self._priority(request)
+            body = await request.read()
+            obj: Any = None
+            if body and "json" in (request.content_type or ""):
+                try:
+                    obj = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    obj = None
+            model = obj.get("model") if isinstance(obj, dict) else None
+            stream = bool(lax_bool(obj.get("stream"))) if isinstance(obj, dict) else False
+            known = sorted(self.pool.known_models())
+            if not isinstance(model, str) or not model:
+                if not known:
+                    raise ApiError(
+                        503, "no endpoint is ready yet", code="no_endpoint",
+                        headers={"Retry-After": "1"},
+                    )
+                model = known[0]
+            elif model not in known:
+                raise ApiError(
+                    404,
+                    f"The model `{model}` does not exist.",
+                    param="model",
+                    code="model_not_found",
+                )
+            headers = self._headers(request, rid)
+            if body:
+                headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+            else:
+                del headers["Content-Type"]
+            resp, pool_label = await self._pass(
+                request, model, priority, body, headers, stream, t0
+            )
+            status = resp.status
+            return resp
+        except ApiError as e:
+            status = e.status
+            e.headers.setdefault("X-Request-ID", rid)
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(str(status), priority, pool_label).inc()
+
+    async def _pass(
+        self,
+        request: web.Request,
+        model: str,
+        priority: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        t0: float,
+    ) -> tuple[web.StreamResponse, str]:
+        assert self.session is not None
+        url_path = request.rel_url.raw_path_qs
+        tried: list[Endpoint] = []
+        deadline = t0 + self.cfg.request_timeout_s
+        for attempt in range(self.cfg.max_attempts):
+            if attempt and not self.pool.could_serve(model, priority, tried):
+                break
+            ep, n, _ = await self.admission.acquire(model, priority, tried, size=len(body))
+            try:
+                limit = self.ttfb_limit(ep) if stream else deadline - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(limit, 0.0)):
+                        up = await self.session.request(
+                            request.method,
+                            ep.url + url_path,
+                            data=body or None,
+                            headers=self.upstream_headers(headers, ep),
+                        )
+                        sse = up.content_type == "text/event-stream"
+                        if up.status != 200 or not sse:
+                            data = await _read(up)
+                except (*UPSTREAM_ERRORS, Retry) as e:
+                    self.upstream_failed(ep, "connect", f"{type(e).__name__}: {e}")
+                    tried.append(ep)
+                    self.metrics.retries.labels("connect").inc()
+                    continue
+                if up.status >= 500:
+                    self.upstream_failed(
+                        ep, f"status_{up.status}", data[:300].decode(errors="replace")
+                    )
+                    tried.append(ep)
+                    self.metrics.retries.labels(f"status_{up.status}").inc()
+                    last = web.Response(
+                        status=up.status,
+                        body=data,
+                        content_type=up.content_type,
+                        headers=self.response_headers(headers, ep),
+                    )
+                    if attempt + 1 == self.cfg.max_attempts:
+                        return last, ep.pool
+                    continue
+                if up.status < 400:
+                    self.upstream_ok(ep)
+                if not sse or up.status != 200:
+                    return web.Response(
+                        status=up.status,
+                        body=data,
+                        content_type=up.content_type,
+                        headers=self.response_headers(headers, ep),
+                    ), ep.pool
+                return await self._pass_stream(request, up, ep, headers), ep.pool
+            finally:
+                self.release(ep, n)
+        raise ApiError(
+            502,
+            f"no endpoint could serve the request after {len(tried)} attempt(s)",
+            code="upstream_unavailable",
+        )
+
+    async def _pass_stream(
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        ep: Endpoint,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Relay an event stream byte for byte; a stall past `stall_timeout_s` or a broken
+        upstream ends it with an error event (no silent truncation)."""
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **self.response_headers(headers, ep),
+            }
+        )
+        await resp.prepare(request)
+        stall = self.cfg.stall_timeout_s
+        it = up.content.iter_any().__aiter__()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(stall):
+                        chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                await resp.write(chunk)
+        except (*UPSTREAM_ERRORS, TimeoutError) as e:
+            kind = "stall" if isinstance(e, TimeoutError) else "reset"
+            self.upstream_failed(ep, kind, f"pass-through stream: {type(e).__name__}")
+            err = {
+                "message": f"the upstream stream broke ({kind})",
+                "type": "upstream_error",
+                "param": None,
+                "code": "stream_broken",
+            }
+            await resp.write(b"event: error\ndata: " + orjson.dumps({"error": err}) + b"\n\n")
+        finally:
+            up.close()
+        await resp.write_eof()
+        return resp
 
     # -- the request path ---------------------------------------------------------------------
     def _priority(self, request: web.Request) -> str:
@@ -133,10 +354,18 @@ class Proxy:
         try:
             priority = self._priority(request)
             body = await request.read()
-            req, raw = parse_request(ChatRequest if chat else CompletionRequest, body)
-            model, streaming = req.model, req.stream
-            weight = _sequences(req, raw)
-            del req, raw  # a waiter keeps its body's bytes, nothing bigger
+            view = gateway_view(body, chat)
+            model, streaming, weight = view.model, view.stream, view.sequences
+            if model is None:
+                # The engine serves its one model when none is named; so does the gateway.
+                known = self.pool.known_models()
+                if len(known) != 1:
+                    raise ApiError(
+                        400, "'model' is a required property", param="model", code="invalid_value"
+                    )
+                model = next(iter(known))
+            wants = _wants(view.raw) if streaming else None
+            del view  # a waiter keeps its body's bytes, nothing bigger
             if weight > self.cfg.max_sequences_per_request:
                 raise ApiError(
                     400,
@@ -166,7 +395,7 @@ class Proxy:
                     code="model_not_found",
                 )
             resp, pool_label = await self._forward(
-                request, path, model, streaming, weight, body, priority, t0, chat, rid
+                request, path, model, streaming, weight, body, priority, t0, chat, rid, wants
             )
             status = resp.status
             return resp
@@ -228,9 +457,15 @@ class Proxy:
         t0: float,
         chat: bool,
         rid: str,
+        wants: tuple[bool, bool, bool] | None = None,
     ) -> tuple[web.StreamResponse, str]:
         assert self.session is not None
         headers = self._headers(request, rid)
+        # A stream asks the engine for exact token counts and ids (see `_continuation.augment`);
+        # an engine that refuses them (4xx) gets the client's own body, and is remembered.
+        plus: bytes | None = None
+        if streaming and wants is not None:
+            plus = orjson.dumps(augment(orjson.loads(body)))
         tried: list[Endpoint] = []
         last: tuple[int, bytes] | None = None
         deadline = t0 + self.cfg.request_timeout_s  # non-streaming requests, all attempts
@@ -248,9 +483,21 @@ class Proxy:
                 tmo = asyncio.timeout(max(limit, 0.0))
                 try:
                     async with tmo:
+                        augmented = plus is not None and ep.name not in self.plain
                         up = await self.session.post(
-                            ep.url + path, data=body, headers=self.upstream_headers(headers, ep)
+                            ep.url + path,
+                            data=plus if augmented else body,
+                            headers=self.upstream_headers(headers, ep),
                         )
+                        if augmented and 400 <= up.status < 500:
+                            up.release()
+                            augmented = False
+                            up = await self.session.post(
+                                ep.url + path, data=body, headers=self.upstream_headers(headers, ep)
+                            )
+                            if up.status == 200:
+                                log.info("%s refuses usage/token-id options", ep.name)
+                                self.plain.add(ep.name)
                         if not streaming or up.status != 200:
                             data = await _read(up)
                 except UPSTREAM_ERRORS as e:
@@ -272,7 +519,11 @@ class Proxy:
                         # the cause. Not this endpoint's fault, and no third try.
                         log.info("upstream %s: HTTP %d again for this body", ep.name, up.status)
                         break
-                    raise Retry(f"status_{up.status}", f"HTTP {up.status}")
+                    raise Retry(
+                        f"status_{up.status}",
+                        f"HTTP {up.status}: {data[:300].decode(errors='replace')}",
+                    )
+                self.upstream_ok(ep)
                 if up.status >= 400 or not streaming:
                     # A 4xx is the request's fault: passed on as is, never retried elsewhere.
                     out = web.Response(
@@ -294,6 +545,8 @@ class Proxy:
                     headers=headers,
                     t0=t0,
                     weight=weight,
+                    augmented=augmented,
+                    wants=wants or (False, False, False),
                 )
                 return await relay.run(up, ep, n), ep.pool
             except Retry as r:
@@ -321,15 +574,26 @@ class Proxy:
         self.admission.release(ep, n)
         self._on_release(ep)  # type: ignore[operator]
 
+    def upstream_ok(self, ep: Endpoint) -> None:
+        self._5xx.pop(ep.name, None)
+
     def upstream_failed(self, ep: Endpoint, kind: str, detail: str) -> None:
         self.metrics.upstream_errors.labels(ep.name, kind).inc()
         ep.last_error = f"{kind}: {detail}"
+        run = 0
+        if kind.startswith("status_5"):
+            run = self._5xx[ep.name] = self._5xx.get(ep.name, 0) + 1
         if kind in ("connect", "reset"):
             # Out of rotation until its next health check passes.
             ep.healthy = False
-        elif kind in ("ttfb", "stall", "timeout") and self.on_hang is not None:
-            # /health may stay green while the engine hangs: out of rotation until it
-            # serves a real completion again.
+        elif self.on_hang is not None and (
+            kind in ("ttfb", "stall", "timeout", "abort")
+            or _SHUTTING_DOWN in detail
+            or run >= _5XX_RUN
+        ):
+            # /health may stay green while the engine hangs, or while it shuts down (vLLM
+            # answers 200 there and refuses new requests with a 500): out of rotation until
+            # it serves a real completion again (readiness).
             self.on_hang(ep)
         log.warning("upstream %s failed (%s): %s", ep.name, kind, detail)
 
@@ -349,15 +613,16 @@ def _request_id(request: web.Request) -> str:
     return rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex
 
 
-def _sequences(req: CompletionRequest | ChatRequest, raw: dict[str, Any]) -> int:
-    """How many sequences the engine runs for this request: prompts times max(n, best_of)."""
-    prompts = 1
-    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list):
-        p = req.prompt
-        prompts = len(p) if p and not isinstance(p[0], int) else 1
-    best_of = raw.get("best_of")
-    fan = max(req.n, best_of if isinstance(best_of, int) and best_of > 0 else 1)
-    return max(prompts, 1) * fan
+def _wants(raw: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """What the client asked of the stream: (include_usage, continuous_usage_stats,
+    return_token_ids). The relay strips what it did not ask for."""
+    so = raw.get("stream_options")
+    so = so if isinstance(so, dict) else {}
+    return (
+        bool(lax_bool(so.get("include_usage"))),
+        bool(lax_bool(so.get("continuous_usage_stats"))),
+        bool(lax_bool(raw.get("return_token_ids"))),
+    )
 
 
 def _is_openai_error(body: bytes) -> bool:

@@ -21,7 +21,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from unbroken.gateway._continuation import continuation_body, not_migratable
+from unbroken.gateway._continuation import (
+    augment,
+    continuation_body,
+    not_migratable,
+    token_continuation_body,
+)
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
 from unbroken.wire.http import SSE_HEADERS
@@ -35,6 +40,33 @@ __all__ = ["UPSTREAM_ERRORS", "Retry", "StreamRelay"]
 log = logging.getLogger("unbroken.gateway")
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+# A leg learns its stall limit from its own gaps between events: STALL_FACTOR x the longest
+# gap seen, once STALL_LEARN gaps are known, never below STALL_FLOOR_S nor above the
+# configured `stall_timeout_s`. An endpoint on which another stream has just died is given
+# less: SIBLING_FACTOR x the gap, at least SIBLING_FLOOR_S, from a stream's last event.
+STALL_FACTOR = 8.0
+STALL_LEARN = 16
+STALL_FLOOR_S = 2.0
+SIBLING_FACTOR = 4.0
+SIBLING_FLOOR_S = 1.0
+# Breaks that say the engine process is going away (not just this request failing).
+_DYING = ("reset", "truncated", "abort")
+
+
+async def _body_text(up: aiohttp.ClientResponse) -> str:
+    try:
+        return (await up.read())[:1000].decode(errors="replace")
+    except UPSTREAM_ERRORS:
+        return ""
+    finally:
+        up.release()
+
+
+def _has_text(obj: dict[str, Any]) -> bool:
+    for ch in obj.get("choices") or ():
+        if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
+            return True
+    return False
 
 
 class Retry(Exception):
@@ -59,6 +91,8 @@ class StreamRelay:
         headers: dict[str, str],
         t0: float,
         weight: int = 1,
+        augmented: bool = False,
+        wants: tuple[bool, bool, bool] = (False, False, False),
     ) -> None:
         self.p = proxy
         self.request = request
@@ -79,7 +113,26 @@ class StreamRelay:
         self.interrupted: str | None = None
         self.failed: list[Endpoint] = []
         self.migrations = 0
-        self.base_tokens = 0
+        # Leg 0 went out with `augment`: what the client did not ask for is stripped here.
+        self.augmented = augmented
+        self.want_usage, self.want_cont, self.want_ids = wants
+        # Tokens as the engine counts them (usage on every chunk, or token ids; events only
+        # when an engine gives neither, `exact` then False).
+        self.sent = 0
+        self.leg_base = 0
+        self.leg_count = 0
+        self.exact = True
+        self.prompt_tokens: int | None = None
+        self.prompt_ids: list[int] | None = None
+        self.gen_ids: list[int] = []
+        self.ids_ok = True
+        self.legs = 0
+        self._wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
+        self._tmo: asyncio.Timeout | None = None
+        self._last_event = 0.0
+        self._armed = 0.0
+        self._gaps = 0
+        self._gap_max = 0.0
         self._last_token = 0.0
         self._itl: Any = None
         self._detail: str | None = None
@@ -114,37 +167,41 @@ class StreamRelay:
             while reason is not None:
                 assert self.ep is not None
                 self.failed.append(self.ep)
-                why = not_migratable(self.raw, self.chat)
+                tokens = self._token_path()
+                why = not_migratable(self.raw, self.chat, tokens=tokens)
                 if why is None and self.migrations >= self.p.cfg.max_migrations:
                     why = "migration_limit"
                 if why is not None:
                     await self._give_up(reason, why)
                     return self._response()
-                body = continuation_body(
-                    self.raw, self.chat, self.tracker.text(0), self.tracker.token_events
-                )
+                tries = self._continuations(tokens)
                 self.migrations += 1
                 m.migrated.labels(reason).inc()
-                if body is None:  # every token was delivered; only the finish was lost
+                if not tries:  # every token was delivered; only the finish was lost
                     await self._send(self._finish_chunk())
                     await self._send(encode_data(b"[DONE]"))
                     break
-                leg = await self._open(body)
+                leg = await self._open(tries)
                 if leg is None:
                     await self._give_up(reason, "no_endpoint")
                     return self._response()
+                up, ep, n, kind = leg
+                m.migration_path.labels(kind).inc()
                 log.info(
-                    "stream %s: %s on %s, continued on %s after %d tokens",
+                    "stream %s: %s on %s, continued on %s after %d tokens (%s path)",
                     self.tracker.id,
                     reason,
                     self.failed[-1].name,
-                    leg[1].name,
-                    self.tracker.token_events,
+                    ep.name,
+                    self.sent,
+                    kind,
                 )
-                self.base_tokens = self.tracker.token_events
+                if kind == "text":
+                    self.ids_ok = False  # later ids would follow a re-tokenized prompt
+                self._wrap_chat = self.chat and kind == "tokens"
                 self.interrupted = None
                 self.tracker.error = None  # handled: this leg replaces the one that failed
-                reason = await self._leg(*leg, rewrite=True)
+                reason = await self._leg(up, ep, n, rewrite=True)
             assert self.sink is not None
             await self.sink.finish()
         except ClientGone:
@@ -169,38 +226,71 @@ class StreamRelay:
         assert self.resp is not None
         return self.resp
 
+    def _token_path(self) -> bool:
+        """Can this stream continue from token ids (prompt ids and every generated id)?"""
+        return (
+            self.ids_ok
+            and self.exact
+            and self.prompt_ids is not None
+            and len(self.gen_ids) == self.sent
+        )
+
+    def _continuations(self, tokens: bool) -> list[tuple[str, str, bytes]]:
+        """(path kind, route, body) to try in order on the next endpoint; empty when the
+        token budget is spent."""
+        out: list[tuple[str, str, bytes]] = []
+        if tokens:
+            assert self.prompt_ids is not None
+            b = token_continuation_body(
+                self.raw, self.chat, self.prompt_ids + self.gen_ids, self.sent
+            )
+            if b is None:
+                return []
+            out.append(("tokens", "/v1/completions", orjson.dumps(augment(b))))
+        b = continuation_body(self.raw, self.chat, self.tracker.text(0), self.sent)
+        if b is None:
+            return []
+        if tokens and not_migratable(self.raw, self.chat) is not None:
+            return out  # a token-id prompt, or other forms only the token path continues
+        out.append(("text", self.path, orjson.dumps(augment(b) if self.augmented else b)))
+        return out
+
     async def _open(
-        self, body: dict[str, Any]
-    ) -> tuple[aiohttp.ClientResponse, Endpoint, int] | None:
-        """Slots on another endpoint and its upstream response, or None."""
+        self, tries: list[tuple[str, str, bytes]]
+    ) -> tuple[aiohttp.ClientResponse, Endpoint, int, str] | None:
+        """Slots on another endpoint and its upstream response, or None. An endpoint that
+        refuses a form of continuation with a 4xx is asked for the next form."""
         p = self.p
         assert p.session is not None
-        data = orjson.dumps(body)
         for _ in range(p.cfg.max_attempts):
             if not p.pool.could_serve(self.model, self.priority, self.failed):
                 return None
             ep, n, _waited = await p.admission.acquire(
                 self.model, self.priority, self.failed, weight=self.weight
             )
-            tmo = asyncio.timeout(p.ttfb_limit(ep))
-            try:
-                async with tmo:
-                    up = await p.session.post(
-                        ep.url + self.path, data=data, headers=p.upstream_headers(self.headers, ep)
-                    )
-            except UPSTREAM_ERRORS as e:
-                kind = "ttfb" if tmo.expired() else "connect"
-                p.upstream_failed(ep, kind, f"{type(e).__name__}: {e}")
-                self.failed.append(ep)
-                p.release(ep, n)
-                continue
-            if up.status != 200:
-                up.close()
-                p.upstream_failed(ep, f"status_{up.status}", "continuation refused")
-                self.failed.append(ep)
-                p.release(ep, n)
-                continue
-            return up, ep, n
+            for kind, path, data in tries:
+                tmo = asyncio.timeout(p.ttfb_limit(ep))
+                try:
+                    async with tmo:
+                        up = await p.session.post(
+                            ep.url + path, data=data, headers=p.upstream_headers(self.headers, ep)
+                        )
+                except UPSTREAM_ERRORS as e:
+                    kind_ = "ttfb" if tmo.expired() else "connect"
+                    p.upstream_failed(ep, kind_, f"{type(e).__name__}: {e}")
+                    break
+                if up.status == 200:
+                    p.upstream_ok(ep)
+                    return up, ep, n, kind
+                detail = await _body_text(up)
+                if 400 <= up.status < 500:
+                    log.info("%s refused a %s continuation: HTTP %d %s", ep.name, kind,
+                             up.status, detail[:200])
+                    continue
+                p.upstream_failed(ep, f"status_{up.status}", f"continuation refused: {detail}")
+                break
+            self.failed.append(ep)
+            p.release(ep, n)
         return None
 
     async def _leg(
@@ -209,10 +299,33 @@ class StreamRelay:
         """One leg, and the one place its failure is put on the endpoint's record (a break
         we caused ourselves, the drain deadline, is not the endpoint's failure)."""
         self._detail = None
+        self.legs += 1
+        self.leg_base, self.leg_count = self.sent, 0
         reason = await self._pump(up, ep, n, rewrite=rewrite)
         if reason is not None and reason != self.interrupted:
             self.p.upstream_failed(ep, reason, self._detail or f"stream {reason}")
+            if reason in _DYING:
+                self._alert_siblings(ep)
         return reason
+
+    def _alert_siblings(self, ep: Endpoint) -> None:
+        """A stream of `ep` just died: the engine may be going away. Its other streams get a
+        short stall limit from their last event, so a connection the dying server holds open
+        without events is migrated in about a second, not after `stall_timeout_s`."""
+        for r in list(ep.relays):
+            if r is self or r._tmo is None or r._last_event == 0.0:
+                continue
+            when = r._last_event + max(SIBLING_FLOOR_S, SIBLING_FACTOR * r._gap_max)
+            cur = r._tmo.when()
+            if cur is None or when < cur:
+                r._tmo.reschedule(when)
+                r._armed = 0.0  # its next event, if one comes, re-arms the normal limit
+
+    def _stall_limit(self) -> float:
+        stall = self.p.cfg.stall_timeout_s
+        if self._gaps < STALL_LEARN:
+            return stall
+        return min(stall, max(STALL_FLOOR_S, STALL_FACTOR * self._gap_max))
 
     async def _pump(
         self, up: aiohttp.ClientResponse, ep: Endpoint, n: int, *, rewrite: bool
@@ -221,16 +334,18 @@ class StreamRelay:
         why the leg broke. Releases the leg's slots."""
         self.up, self.ep = up, ep
         ep.relays.add(self)
-        stall = self.p.cfg.stall_timeout_s
         loop = asyncio.get_running_loop()
         dec = SSEDecoder()
         finished_read = False
         started = loop.time()
         first = True
+        self._last_event = 0.0
         try:
-            # Until the first event: the endpoint's time-to-first-byte limit.
+            # Until the first event: the endpoint's time-to-first-byte limit; then the stall
+            # limit, learned from this stream's own gaps.
             async with asyncio.timeout_at(started + self.p.ttfb_limit(ep)) as tmo:
-                armed = 0.0
+                self._tmo = tmo
+                self._armed = 0.0
                 async for chunk in up.content.iter_any():
                     events = dec.feed(chunk)
                     if not events:
@@ -239,9 +354,16 @@ class StreamRelay:
                     if first:
                         first = False
                         self.p.observe_ttfb(ep, now - started)
-                    if now - armed > stall / 4:  # re-arm sparingly: a timer per chunk costs
-                        tmo.reschedule(now + stall)
-                        armed = now
+                    elif self._last_event:
+                        gap = now - self._last_event
+                        self._gaps += 1
+                        if gap > self._gap_max:
+                            self._gap_max = gap
+                    self._last_event = now
+                    limit = self._stall_limit()
+                    if now - self._armed > limit / 4:  # re-arm sparingly: a timer per chunk
+                        tmo.reschedule(now + limit)
+                        self._armed = now
                     verdict = await self._take(events, rewrite)
                     if verdict is not None:
                         return None if verdict == "done" else verdict
@@ -263,6 +385,7 @@ class StreamRelay:
             self._detail = f"{type(e).__name__}: {e}"
             return self.interrupted or "reset"
         finally:
+            self._tmo = None
             ep.relays.discard(self)
             self.up = None
             if finished_read:
@@ -301,12 +424,28 @@ class StreamRelay:
                 tracker.observe_obj(obj)
                 verdict = "error_event"
                 break
+            if self._wrap_chat:
+                obj = self._as_chat(obj)
+            n, aborted, changed = self._account(obj, rewrite)
+            tokens += n
+            if aborted:
+                # vLLM ended the request itself (shutdown): a break, not a finish. Its text
+                # so far goes to the client; the rest comes from another engine.
+                verdict = "abort"
+                if n or _has_text(obj):
+                    tracker.observe_obj(obj)
+                    out.append(encode_json(obj))
+                break
+            if changed is None:  # a chunk only the gateway asked for
+                continue
             raw = ev.raw
             if rewrite:
                 raw = self._rewrite(obj)
                 if raw is None:
                     continue
-            tokens += tracker.observe_obj(obj)
+            elif changed:
+                raw = encode_json(obj)
+            tracker.observe_obj(obj)
             out.append(raw)
         if out:
             if tokens:
@@ -338,6 +477,102 @@ class StreamRelay:
             self.p.sinks.add(self.sink)
         await self.sink.send(data)
 
+    def _account(self, obj: dict[str, Any], rewrite: bool) -> tuple[int, bool, bool | None]:
+        """Count the event's tokens as the engine does, note its token ids, take out what the
+        client did not ask for. (tokens, aborted, changed); changed None: drop the event."""
+        changed: bool | None = False
+        aborted = False
+        choices = obj.get("choices") or ()
+        u = obj.get("usage")
+        text_events = 0
+        ids: list[int] | None = None
+        for ch in choices:
+            if not isinstance(ch, dict):
+                continue
+            if ch.get("finish_reason") == "abort":
+                ch["finish_reason"] = None
+                aborted = changed = True
+            if ch.get("index", 0) != 0:
+                continue
+            t = ch.get("token_ids")
+            if isinstance(t, list):
+                ids = t
+            if self.legs == 1 and isinstance(ch.get("prompt_token_ids"), list):
+                self.prompt_ids = ch["prompt_token_ids"]
+            txt = ch.get("delta", {}).get("content") if self.chat else ch.get("text")
+            if txt:
+                text_events += 1
+        if self.legs == 1 and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_ids = obj["prompt_token_ids"]
+        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
+            n = max(0, u["completion_tokens"] - self.leg_count)
+            self.leg_count = u["completion_tokens"]
+            if self.legs == 1 and self.prompt_tokens is None:
+                pt = u.get("prompt_tokens")
+                self.prompt_tokens = pt if isinstance(pt, int) else None
+        elif ids is not None:
+            n = len(ids)
+            self.leg_count += n
+        else:
+            n = text_events
+            self.leg_count += n
+            if n:
+                self.exact = False  # events, not tokens: this engine gives no counts
+        if n:
+            if ids is not None and len(ids) == n:
+                self.gen_ids.extend(ids)
+            else:
+                self.ids_ok = False
+        self.sent = self.leg_base + self.leg_count
+        if self.augmented or rewrite:
+            # vLLM keeps these keys, null, when they were not asked for: so does the relay.
+            for ch in choices:
+                if not isinstance(ch, dict):
+                    continue
+                if ch.get("prompt_token_ids") is not None and (rewrite or not self.want_ids):
+                    ch["prompt_token_ids"] = None
+                    changed = True
+                if ch.get("token_ids") is not None and not self.want_ids:
+                    ch["token_ids"] = None
+                    changed = True
+            if obj.get("prompt_token_ids") is not None and (rewrite or not self.want_ids):
+                obj["prompt_token_ids"] = None
+                changed = True
+            if self.augmented and u is not None:
+                if choices and not self.want_cont:
+                    del obj["usage"]
+                    changed = True
+                elif not choices and not self.want_usage:
+                    changed = None
+        return n, aborted, changed
+
+    def _as_chat(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A /v1/completions chunk of a token-path leg, as the chat stream's chunk."""
+        choices = []
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            c: dict[str, Any] = {
+                "index": ch.get("index", 0),
+                "delta": {"content": ch.get("text") or ""},
+                "logprobs": None,
+                "finish_reason": ch.get("finish_reason"),
+            }
+            for k in ("stop_reason", "token_ids"):
+                if k in ch:
+                    c[k] = ch[k]
+            choices.append(c)
+        out: dict[str, Any] = {
+            "id": obj.get("id"),
+            "object": "chat.completion.chunk",
+            "created": obj.get("created"),
+            "model": obj.get("model"),
+            "choices": choices,
+        }
+        if "usage" in obj:
+            out["usage"] = obj["usage"]
+        return out
+
     def _rewrite(self, obj: dict[str, Any]) -> bytes | None:
         """An event of a continuation leg, as the original stream would have sent it."""
         t = self.tracker
@@ -362,13 +597,13 @@ class StreamRelay:
                 return None
             obj["choices"] = keep
         u = obj.get("usage")
-        if isinstance(u, dict) and "prompt_tokens" in u:
-            b = self.base_tokens
-            obj["usage"] = {
-                **u,
-                "prompt_tokens": u["prompt_tokens"] - b,
-                "completion_tokens": u.get("completion_tokens", 0) + b,
-            }
+        if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int):
+            # The client's usage: its own prompt, every token it was sent on every leg.
+            b = self.leg_base
+            pt = self.prompt_tokens if self.prompt_tokens is not None else u["prompt_tokens"] - b
+            ct = (u.get("completion_tokens") or 0) + b
+            obj["usage"] = {**u, "prompt_tokens": pt, "completion_tokens": ct,
+                            "total_tokens": pt + ct}
         return encode_json(obj)
 
     def _finish_chunk(self) -> bytes:

