@@ -81,6 +81,7 @@ class Gateway:
         self.discovery: Discovery | None = None
         self.closing: str | None = None  # why /health says not ready (shutting down)
         self.inflight_requests = 0  # public requests being answered, for the drain
+        self.draining = False  # the listener is closed; connections close after a request
 
     # -- endpoint lifecycle (called by the admin API and at start) ------------------------
     def add_endpoint(
@@ -184,6 +185,7 @@ class Gateway:
                 self.metrics.count_unknown_routes(),
             ],
         )
+        app.on_response_prepare.append(self._close_when_draining)
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
         app.router.add_get("/v1/models", self.proxy.models)
@@ -283,21 +285,33 @@ class Gateway:
     ) -> int:
         """Stop accepting on `runner`'s listener, let open requests and streams finish up to
         `timeout` (or until `force` is set), then end what is left with an SSE error event.
-        Returns how many streams had to be ended."""
-        self.closing = self.closing or why
+        Returns how many streams had to be ended.
+
+        Keep-alive connections are not cut between requests (a client that reuses one would
+        see it close under its next request): each answers its next request with
+        `Connection: close` and closes after it. Connections idle for IDLE_GRACE_S with
+        nothing in flight are closed then."""
+        self.draining = True
         for site in list(runner.sites):
             await site.stop()  # this process's listener only; a shared socket lives on
         server = runner.server
-        await asyncio.sleep(0)
-        if server is not None:
-            server.pre_shutdown()  # each connection closes once its current request is done
         deadline = time.monotonic() + timeout
-        while self.inflight_requests > 0 and not force.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
+        quiet_since: float | None = None
+        while not force.is_set():
+            now = time.monotonic()
+            conns = len(getattr(server, "_connections", ())) if server is not None else 0
+            if self.inflight_requests == 0 and conns == 0:
+                break
+            if self.inflight_requests > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= IDLE_GRACE_S:
+                break  # only idle keep-alive connections are left
+            if now >= deadline:
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(force.wait(), min(left, 0.05))
+                await asyncio.wait_for(force.wait(), min(deadline - now, 0.05))
         ended = 0
         if self.inflight_requests > 0:
             for sink in list(self.proxy.sinks):
@@ -316,7 +330,14 @@ class Gateway:
             t_end = time.monotonic() + 1.0  # let the error events reach their clients
             while self.inflight_requests > 0 and time.monotonic() < t_end:
                 await asyncio.sleep(0.02)
+        if server is not None:
+            server.pre_shutdown()  # idle connections close now, busy ones after their request
         return ended
+
+    async def _close_when_draining(self, request: web.Request, resp: web.StreamResponse) -> None:
+        if self.draining:
+            resp.force_close()
+            resp.headers["Connection"] = "close"
 
     async def stop(self) -> None:
         if self.discovery is not None:
@@ -394,6 +415,8 @@ def resolve_token(admin_token: str | None) -> str:
 # Between readiness going false and the listener closing: a load balancer polling /health
 # stops sending first, and requests that still arrive are served, not refused.
 READINESS_LEAD_S = 0.5
+# A draining process closes keep-alive connections that stayed idle this long.
+IDLE_GRACE_S = 1.0
 UNREADY_WARNING_S = 5.0
 MAX_DEFAULT_WORKERS = 8
 

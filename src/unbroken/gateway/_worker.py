@@ -51,7 +51,7 @@ class WorkerGateway(Gateway):
         self._ids = itertools.count()
         self._asked: dict[int, asyncio.Future[str]] = {}
         self.force = asyncio.Event()
-        self.draining: asyncio.Task[None] | None = None
+        self.drain_task: asyncio.Task[None] | None = None
         self.runner: web.AppRunner | None = None
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -129,8 +129,8 @@ class WorkerGateway(Gateway):
         self._runners = [self.runner]
 
     def drain(self, timeout: float, why: str) -> None:
-        if self.draining is None:
-            self.draining = asyncio.create_task(self._drain(timeout, why))
+        if self.drain_task is None:
+            self.drain_task = asyncio.create_task(self._drain(timeout, why))
 
     async def _drain(self, timeout: float, why: str) -> None:
         assert self.runner is not None
@@ -174,7 +174,7 @@ async def _run(spec: dict[str, Any]) -> None:
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C: the main process decides
 
     def on_term() -> None:
-        if gw.draining is not None:
+        if gw.drain_task is not None:
             gw.force.set()
         gw.drain(cfg.request_timeout_s, "SIGTERM")
 
@@ -182,9 +182,9 @@ async def _run(spec: dict[str, Any]) -> None:
     control = asyncio.create_task(gw.control(reader))
     gw.send({"t": "up", "pid": os.getpid()})
     await writer.drain()
-    while gw.draining is None:
+    while gw.drain_task is None:
         await asyncio.sleep(0.05)
-    await gw.draining
+    await gw.drain_task
     control.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await control
