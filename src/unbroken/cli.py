@@ -643,6 +643,20 @@ def bench(
     model: Annotated[str, typer.Option(help="Model name to request.")] = "unbroken-sim",
     max_error_rate: Annotated[
         float, typer.Option(help="Exit 1 when more than this share of requests end in an error.")
+    reference_url: Annotated[
+        str | None,
+        typer.Option(
+            help="An engine to verify against (the same greedy request, undisturbed); "
+            "without it a target that is not the simulator is not verified."
+        ),
+    ] = None,
+    scenario_command: Annotated[
+        str | None,
+        typer.Option(
+            help="Without `unbroken up`: the shell command that is the rollout or the chaos "
+            "on your own engines (e.g. 'kill -TERM 4242'), run at --at."
+        ),
+    ] = None,
     ] = 0.01,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("bench-out"),
 ) -> None:
@@ -681,8 +695,17 @@ def bench(
         except OSError:
             sampler = None
     elif scenario != "steady":
-        _fail(f"scenario {scenario} needs a running `unbroken up`")
+        _fail(
+            f"scenario {scenario} needs a running `unbroken up`, or --scenario-command with "
+            "what to do to your own engines"
+        )
+    if reference_url is not None and not reference_url.startswith(("http://", "https://")):
+        _fail(f"--reference-url {reference_url!r}: expected http(s)://HOST:PORT")
     cfg = LoadConfig(
+    elif scenario != "steady" and scenario_command:
+        from unbroken.bench.usercontrol import CommandControl
+
+        control = CommandControl(scenario_command)  # type: ignore[assignment]
         url=url.rstrip("/"),
         model=model,
         users=users,
@@ -697,6 +720,7 @@ def bench(
     )
     if not 0 <= max_error_rate <= 1:
         _fail("--max-error-rate must be between 0 and 1")
+        reference_url=reference_url,
     result = asyncio.run(
         run_bench(
             cfg,

@@ -4,11 +4,20 @@ Closed loop: each user sends a streaming request, reads it to the end (slowly, f
 slow-reader fraction), and sends the next, until the run stops. Every request is recorded:
 start, TTFT, every inter-token gap, end, tokens, outcome. Outcomes:
 
-- ok: its finish, then [DONE], and (when verifying against the simulator) the exact text;
+- ok: its finish, then [DONE], and (when verifying) the exact text;
 - dropped: it ended without its finish (reset, truncated, error event);
-- corrupted: it finished, but the text differs from what the simulator must produce;
+- corrupted: it finished, but the text differs from the reference: the simulator's own
+  output (when the target serves the simulator), or the same greedy request made without
+  disruption straight to `reference_url` (any engine, e.g. one vLLM replica). Against an
+  engine that is not the simulator and no reference, verification is off, and the run says
+  so (`verification` in its events);
 - rejected: 429/503 (shed, queue timeout, no capacity);
 - error: any other HTTP status, or no response at all (refused, reset before the headers).
+
+Tokens are counted as the engine counts them: every stream asks for
+`stream_options.continuous_usage_stats` and takes `usage.completion_tokens` (one SSE event
+can carry several tokens, or none for a partial UTF-8 character); events are counted only
+where an engine sends no usage. TPOT and the inter-token gaps follow those counts.
 
 A user backs off after an error (exponentially, 0.1 s to 5 s) and after a rejection
 (Retry-After when given), so a wrong URL costs a few requests, not a flood.
@@ -65,6 +74,7 @@ class LoadConfig:
     slow_fraction: float = 0.0
     slow_delay_s: float = 0.05  # pause after each read by a slow reader
     verify: bool = True
+    reference_url: str | None = None  # verify against this engine's own greedy answers
     sim_seed: int = 0
     seed: int = 1
     api_key: str | None = None
@@ -115,6 +125,9 @@ class LoadRun:
         self._stop = asyncio.Event()
         self.outcomes: Counter[str] = Counter()
         self._rng = random.Random(cfg.seed)
+        self.verify_mode = "sim"  # sim, reference or off; decided when the run starts
+        self.verify_note = ""
+        self._refs: dict[bytes, asyncio.Future[str | None]] = {}
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -137,6 +150,7 @@ class LoadRun:
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=10)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            await self._decide_verify(session)
             tasks = []
             for i in range(cfg.users):
                 tasks.append(asyncio.create_task(self._user(session, i)))
@@ -153,6 +167,62 @@ class LoadRun:
             self._stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         return self.records
+
+    async def _decide_verify(self, session: aiohttp.ClientSession) -> None:
+        cfg = self.cfg
+        if not cfg.verify:
+            self.verify_mode, self.verify_note = "off", "verification turned off"
+            return
+        if cfg.reference_url:
+            self.verify_mode = "reference"
+            self.verify_note = (
+                f"texts compared with the same greedy request sent to {cfg.reference_url}"
+            )
+            return
+        owner = None
+        try:
+            async with session.get(self.base + "/v1/models", headers=self._auth()) as r:
+                data = (await r.json(content_type=None)).get("data", [])
+            owner = next((m.get("owned_by") for m in data if m.get("id") == cfg.model), None)
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            owner = None
+        if owner in (None, "unbroken"):
+            self.verify_mode = "sim"
+            self.verify_note = "texts compared with the simulator's expected output"
+        else:
+            self.verify_mode = "off"
+            self.verify_note = (
+                f"verification off: {cfg.model} is served by {owner!r}, not the simulator, and "
+                "no reference engine was given (--reference-url)"
+            )
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
+    async def _reference(
+        self, session: aiohttp.ClientSession, path: str, body: dict[str, Any]
+    ) -> str | None:
+        """The reference engine's answer to the same greedy request, once per request."""
+        ref = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        key = path.encode() + orjson.dumps(ref, option=orjson.OPT_SORT_KEYS)
+        fut = self._refs.get(key)
+        if fut is None:
+            fut = self._refs[key] = asyncio.get_running_loop().create_future()
+            text: str | None = None
+            try:
+                assert self.cfg.reference_url is not None
+                async with session.post(
+                    base_url(self.cfg.reference_url) + path,
+                    data=orjson.dumps(ref),
+                    headers={"Content-Type": "application/json", **self._auth()},
+                ) as r:
+                    if r.status == 200:
+                        c = (await r.json(content_type=None))["choices"][0]
+                        text = c["message"]["content"] if "message" in c else c["text"]
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError):
+                text = None
+            fut.set_result(text)
+        return await fut
 
     def _prompt(self) -> str:
         lo, hi = self.cfg.prompt_words
@@ -208,6 +278,8 @@ class LoadRun:
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,
+            # Usage on every chunk: tokens counted as the engine counts them.
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if chat:
             msgs = [{"role": "user", "content": prompt}]
@@ -242,6 +314,7 @@ class LoadRun:
                     return rec, retry_after
                 dec = SSEDecoder()
                 last = None
+                counted = False  # the engine reports usage: events are not tokens
                 async for chunk in r.content.iter_any():
                     now = time.monotonic()
                     for ev in dec.feed(chunk):
@@ -255,20 +328,30 @@ class LoadRun:
                             error = True
                             rec.detail = str(obj["error"].get("message"))[:200]
                             continue
+                        pieces = 0
                         for ch in obj.get("choices") or ():
                             piece = (
                                 (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                             )
                             if piece:
                                 texts.append(piece)
-                                rec.tokens += 1
-                                if last is None:
-                                    rec.ttft = now - t0
-                                else:
-                                    rec.gaps.append(now - last)
-                                last = now
+                                pieces += 1
                             if ch.get("finish_reason"):
                                 finish = ch["finish_reason"]
+                        u = obj.get("usage")
+                        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
+                            counted = True
+                            new = max(0, u["completion_tokens"] - rec.tokens)
+                        else:
+                            new = 0 if counted else pieces
+                        if new:
+                            rec.tokens += new
+                            if last is None:
+                                rec.ttft = now - t0
+                            else:
+                                rec.gaps.append(now - last)
+                            rec.gaps.extend([0.0] * (new - 1))  # tokens of one event
+                            last = now
                     if slow:
                         await asyncio.sleep(cfg.slow_delay_s)
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
@@ -280,8 +363,11 @@ class LoadRun:
             self.active -= 1
             rec.end = rec.start + (time.monotonic() - t0)
             if rec.outcome == "pending":
+                ref = None
+                if self.verify_mode == "reference" and done and not error:
+                    ref = await self._reference(session, path, body)
                 rec.outcome = self._judge(
-                    rec, chat, prompt, max_tokens, "".join(texts), finish, done, error
+                    rec, chat, prompt, max_tokens, "".join(texts), finish, done, error, ref
                 )
             self.records.append(rec)
             self.outcomes[rec.outcome] += 1
@@ -297,19 +383,26 @@ class LoadRun:
         finish: str | None,
         done: bool,
         error: bool,
+        ref: str | None = None,
     ) -> str:
         if error or not done or finish is None:
             rec.detail = rec.detail or ("no finish" if done else "stream ended without [DONE]")
             return "dropped"
-        if self.cfg.verify:
-            exp = (
+        want: str | None = None
+        if self.verify_mode == "sim":
+            want = (
                 expected_chat([("user", prompt)], max_tokens, seed=self.cfg.sim_seed)
                 if chat
                 else expected_completion(prompt, max_tokens, seed=self.cfg.sim_seed)
-            )
-            if exp.text != text:
-                rec.detail = f"text differs at char {_diff_at(exp.text, text)}"
-                return "corrupted"
+            ).text
+        elif self.verify_mode == "reference":
+            if ref is None:
+                rec.detail = "the reference engine gave no answer: not verified"
+                return "ok"
+            want = ref
+        if want is not None and want != text:
+            rec.detail = f"text differs at char {_diff_at(want, text)}"
+            return "corrupted"
         return "ok"
 
 

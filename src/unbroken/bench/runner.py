@@ -221,6 +221,9 @@ async def run_bench(
         )
     md = markdown_table(windows, records)
     extra = {"target": base_url(cfg.url), "scenario": scenario}
+    extra["verification"] = load.verify_note  # what "corrupted" was checked against, or why not
+    if load.verify_mode == "off":
+        console.print(f"[yellow]{load.verify_note}[/]")
     if control is not None:
         extra["pipeline"] = await _pipeline_line(control)
     meta = run_metadata(command=command or " ".join(sys.argv), started=started, extra=extra)
