@@ -638,11 +638,11 @@ def bench(
     ] = "standard=1",
     slow_fraction: Annotated[float, typer.Option(help="Share of slow-reading users.")] = 0.0,
     verify: Annotated[
-        bool, typer.Option(help="Check every text against the simulator's expected output.")
+        bool,
+        typer.Option(
+            help="Check every text: against the simulator's output, or --reference-url's."
+        ),
     ] = True,
-    model: Annotated[str, typer.Option(help="Model name to request.")] = "unbroken-sim",
-    max_error_rate: Annotated[
-        float, typer.Option(help="Exit 1 when more than this share of requests end in an error.")
     reference_url: Annotated[
         str | None,
         typer.Option(
@@ -657,6 +657,9 @@ def bench(
             "on your own engines (e.g. 'kill -TERM 4242'), run at --at."
         ),
     ] = None,
+    model: Annotated[str, typer.Option(help="Model name to request.")] = "unbroken-sim",
+    max_error_rate: Annotated[
+        float, typer.Option(help="Exit 1 when more than this share of requests end in an error.")
     ] = 0.01,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("bench-out"),
 ) -> None:
@@ -694,6 +697,10 @@ def bench(
             sampler = Sampler(info.admin_url, token)
         except OSError:
             sampler = None
+    elif scenario != "steady" and scenario_command:
+        from unbroken.bench.usercontrol import CommandControl
+
+        control = CommandControl(scenario_command)  # type: ignore[assignment]
     elif scenario != "steady":
         _fail(
             f"scenario {scenario} needs a running `unbroken up`, or --scenario-command with "
@@ -702,10 +709,6 @@ def bench(
     if reference_url is not None and not reference_url.startswith(("http://", "https://")):
         _fail(f"--reference-url {reference_url!r}: expected http(s)://HOST:PORT")
     cfg = LoadConfig(
-    elif scenario != "steady" and scenario_command:
-        from unbroken.bench.usercontrol import CommandControl
-
-        control = CommandControl(scenario_command)  # type: ignore[assignment]
         url=url.rstrip("/"),
         model=model,
         users=users,
@@ -717,10 +720,10 @@ def bench(
         priorities=mix,
         slow_fraction=slow_fraction,
         verify=verify,
+        reference_url=reference_url,
     )
     if not 0 <= max_error_rate <= 1:
         _fail("--max-error-rate must be between 0 and 1")
-        reference_url=reference_url,
     result = asyncio.run(
         run_bench(
             cfg,
