@@ -18,7 +18,7 @@ ALLOWED = {
     "agent": {"wire", "config"},
     "prewarm": set(),
     "k8s": {"wire", "config"},  # the one place that imports lightkube
-    "controller": {"wire", "config", "clients"},
+    "controller": {"wire", "config", "clients", "k8s"},
     "pipeline": {"wire", "config", "clients", "engine", "prewarm"},
     "bench": {"wire", "config", "clients", "engine", "prewarm", "pipeline"},
     "cli": {

@@ -920,8 +920,13 @@ def agent(
 @app.command()
 def controller(
     gateway_admin: Annotated[
-        str, typer.Option(help="The gateway's admin API URL.")
-    ] = "http://127.0.0.1:8081",
+        list[str] | None,
+        typer.Option(help="A gateway's admin API URL [http://127.0.0.1:8081]. Repeat."),
+    ] = None,
+    gateway_service: Annotated[
+        str | None,
+        typer.Option(help="Kubernetes: every gateway replica, NAMESPACE/SERVICE[:PORTNAME]."),
+    ] = None,
     admin_token: Annotated[
         str | None,
         typer.Option(envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token of the admin API."),
@@ -930,8 +935,12 @@ def controller(
         Path | None, typer.Option(help="Read the admin token from this file.")
     ] = None,
     agent_url: Annotated[
+        list[str] | None,
+        typer.Option("--agent", help="A node agent's URL (omit: engine signals only). Repeat."),
+    ] = None,
+    agent_service: Annotated[
         str | None,
-        typer.Option("--agent", help="The node agent's URL (omit: engine signals only)."),
+        typer.Option(help="Kubernetes: every node's agent, NAMESPACE/SERVICE[:PORTNAME]."),
     ] = None,
     config: Annotated[
         Path | None, typer.Option(help="Controller settings (JSON or YAML); flags override.")
@@ -997,17 +1006,26 @@ def controller(
             _fail(f"--token-file {token_file}: {e.strerror}")
     if not token:
         _fail("an admin token is needed: --admin-token, UNBROKEN_ADMIN_TOKEN or --token-file")
-    if not gateway_admin.startswith(("http://", "https://")):
-        _fail(f"--gateway-admin {gateway_admin!r}: expected http(s)://HOST:PORT")
+    gateways = list(gateway_admin or ([] if gateway_service else ["http://127.0.0.1:8081"]))
+    for url in [*gateways, *(agent_url or [])]:
+        if not url.startswith(("http://", "https://")):
+            _fail(f"{url!r}: expected http(s)://HOST:PORT")
+    for opt, ref in (("--gateway-service", gateway_service), ("--agent-service", agent_service)):
+        if ref is not None:
+            ns, sep, svc = ref.partition("/")
+            if not sep or not ns or not svc:
+                _fail(f"{opt} {ref!r}: expected NAMESPACE/SERVICE[:PORTNAME]")
     tiers = Tiers(tuple(settings.full_pools), tuple(settings.degraded_pools))
     run_controller(
         ControllerConfig(
             settings=settings,
-            admin_url=gateway_admin.rstrip("/"),
+            admin_urls=[u.rstrip("/") for u in gateways],
             admin_token=token,
             tiers=tiers,
-            agent_url=agent_url,
+            agent_urls=[u.rstrip("/") for u in agent_url or []],
             supervisor_socket=supervisor_socket,
+            gateway_service=gateway_service,
+            agent_service=agent_service,
         )
     )
 

@@ -13,7 +13,7 @@ import collections
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -34,6 +34,7 @@ from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
 from unbroken.controller.precision import Converter, PrecisionState, plan
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
+from unbroken.controller.sources import Sources
 from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["Controller", "ControllerConfig", "run_controller", "serve"]
@@ -46,11 +47,14 @@ DETECTION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 @dataclass
 class ControllerConfig:
     settings: ControllerSettings
-    admin_url: str
+    admin_urls: list[str]
     admin_token: str
     tiers: Tiers
-    agent_url: str | None = None
+    agent_urls: list[str] = field(default_factory=list)
     supervisor_socket: str | None = None  # dynamic precision under `unbroken up`
+    # On Kubernetes: discover every gateway replica's admin API and every node's agent.
+    gateway_service: str | None = None
+    agent_service: str | None = None
 
 
 class _Metrics:
@@ -143,17 +147,26 @@ class Controller:
     def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
         self.s = cfg.settings
-        self.admin = GatewayAdmin(cfg.admin_url, cfg.admin_token, timeout=2.0)
+        self.sources = Sources(
+            cfg.admin_urls,
+            cfg.agent_urls,
+            gateway_service=cfg.gateway_service,
+            agent_service=cfg.agent_service,
+        )
+        self._admins: dict[str, GatewayAdmin] = {}
+        # What each gateway listed last window: name → view (to apply only what differs).
+        self._gateway_views: dict[str, dict[str, EndpointView]] = {}
         self.actuator = Actuator(self.s, cfg.tiers)
         self.detectors: dict[str, Detector] = {}
         self.views: dict[str, EndpointView] = {}
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=2000)
         self.metrics = _Metrics()
-        self._agent_deltas = HistogramDelta()
+        self._agent_deltas: dict[str, HistogramDelta] = {}
         self._engine_deltas: dict[str, HistogramDelta] = {}
         self._session: aiohttp.ClientSession | None = None
-        self.agent_state = "off" if not cfg.agent_url else "unknown"
-        self._routes_applied: dict[str, list[str]] | None = None
+        self.agent_state = "off" if not self.sources.has_agents else "unknown"
+        self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
+        self._routes_wanted: dict[str, list[str]] | None = None
         self._stop = asyncio.Event()
         self.polls = 0
         self._probing: set[str] = set()
@@ -175,22 +188,78 @@ class Controller:
             return await r.text()
 
     async def _read_agent(self) -> dict[str, Any] | None:
-        if not self.cfg.agent_url:
+        """Every agent's windows, merged by endpoint (each node's agent sees its own)."""
+        urls = self.sources.agents
+        if not urls:
+            if self.sources.has_agents:
+                self._agent_now("unreachable", "no agent endpoints discovered yet")
             return None
-        try:
-            text = await self._get(self.cfg.agent_url.rstrip("/") + "/metrics")
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            self.metrics.errors.labels("agent").inc()
-            self._agent_now("unreachable", f"agent at {self.cfg.agent_url} unreachable: {e}")
-            return None
-        windows, ebpf = agent_windows(text, self._agent_deltas)
-        if not ebpf:
+        texts = await asyncio.gather(
+            *(self._get(u + "/metrics") for u in urls), return_exceptions=True
+        )
+        merged: dict[str, Any] = {}
+        live, errors = 0, []
+        for url, text in zip(urls, texts, strict=True):
+            if isinstance(text, BaseException):
+                self.metrics.errors.labels("agent").inc()
+                errors.append(f"{url}: {text}")
+                continue
+            windows, ebpf = agent_windows(
+                text, self._agent_deltas.setdefault(url, HistogramDelta())
+            )
+            if not ebpf:
+                continue
+            live += 1
+            for ep, w in windows.items():
+                merged[ep] = merged[ep].merge(w) if ep in merged else w
+        if live:
+            self._agent_now("live", f"reading CUDA call latency from {live} agent(s): {urls}")
+            return merged
+        if errors:
+            self._agent_now("unreachable", "agent unreachable: " + "; ".join(errors))
+        else:
             self._agent_now(
                 "no-ebpf", "the agent runs without eBPF (not root or no BTF): no CUDA signal"
             )
-            return None
-        self._agent_now("live", f"reading CUDA call latency from the agent at {self.cfg.agent_url}")
-        return windows
+        return None
+
+    def _admin(self, url: str) -> GatewayAdmin:
+        a = self._admins.get(url)
+        if a is None:
+            a = self._admins[url] = GatewayAdmin(url, self.cfg.admin_token, timeout=2.0)
+        return a
+
+    async def _read_gateways(self) -> dict[str, EndpointView] | None:
+        """Every gateway's listing. Endpoints are the union; in-flight and slow clients are
+        summed over the replicas (each holds its own share of the streams)."""
+        urls = self.sources.gateways
+        listings = await asyncio.gather(
+            *(self._admin(u).endpoints() for u in urls), return_exceptions=True
+        )
+        merged: dict[str, EndpointView] = {}
+        self._gateway_views = {}
+        for url, listing in zip(urls, listings, strict=True):
+            if isinstance(listing, BaseException):
+                self.metrics.errors.labels("gateway").inc()
+                log.debug("gateway admin %s unreachable: %s", url, listing)
+                continue
+            mine = {
+                v.name: v
+                for v in map(EndpointView.from_admin, listing)
+                if v.state in ("ready", "draining")
+            }
+            self._gateway_views[url] = mine
+            for name, v in mine.items():
+                if name not in merged:
+                    merged[name] = replace(v)
+                else:
+                    m = merged[name]
+                    m.inflight += v.inflight
+                    m.slow_clients += v.slow_clients
+        for gone in set(self._admins) - set(urls):
+            await self._admins.pop(gone).close()
+            self._routes_applied.pop(gone, None)
+        return merged if self._gateway_views else None
 
     def _agent_now(self, state: str, message: str) -> None:
         if state != self.agent_state:
@@ -213,17 +282,9 @@ class Controller:
     # -- one window ---------------------------------------------------------------------------
     async def poll_once(self) -> None:
         t0 = time.monotonic()
-        try:
-            listing = await self.admin.endpoints()
-        except AdminError as e:
-            self.metrics.errors.labels("gateway").inc()
-            log.debug("gateway admin unreachable: %s", e)
+        views = await self._read_gateways()
+        if views is None:
             return
-        views = {
-            v.name: v
-            for v in map(EndpointView.from_admin, listing)
-            if v.state in ("ready", "draining")
-        }
         agent, engines = await asyncio.gather(
             self._read_agent(), asyncio.gather(*(self._read_engine(v) for v in views.values()))
         )
@@ -266,7 +327,15 @@ class Controller:
         self.polls += 1
 
     def _maybe_convert(self, mono: float, now: float) -> None:
-        if self.converter is None or self._converting is not None:
+        if self.converter is None:
+            return
+        if any(
+            d.condition == "contended" and self.views.get(n, None) is not None
+            and self.views[n].pool in self.cfg.tiers.full
+            for n, d in self.detectors.items()
+        ):  # fmt: skip
+            self.precision.last_contended = mono  # also while a conversion runs
+        if self._converting is not None:
             return
         p = plan(
             self.s,
@@ -293,6 +362,9 @@ class Controller:
             finally:
                 self._converting = None
             if res.get("ok"):
+                # The quiet period before converting back starts now, not at the last
+                # contended window before the conversion (which took seconds).
+                self.precision.last_contended = time.monotonic()
                 if p.back:
                     self.precision.converted.pop(p.endpoint, None)
                 else:
@@ -378,43 +450,48 @@ class Controller:
 
     # -- acting -------------------------------------------------------------------------------
     async def _apply(self, now: float) -> None:
-        """Make the gateway match what we want: condition and cap override per endpoint, and
-        the routes override. Compared with what the gateway reports, so a restarted gateway is
-        brought back in line on the next window."""
+        """Make every gateway match what we want: condition and cap override per endpoint,
+        and the routes override. Compared with what each gateway reports, so a restarted (or
+        new) gateway replica is brought in line on the next window."""
         for name, det in self.detectors.items():
-            v = self.views.get(name)
-            if v is None:
-                continue
             for c in CONDITIONS:
                 self.metrics.condition.labels(name, c).set(1 if det.condition == c else 0)
-            want_cap = self.actuator.caps.get(name)
-            patch: dict[str, Any] = {}
-            if v.condition != det.condition:
-                patch["condition"] = det.condition
-            if v.cap_override != want_cap:
-                patch["cap_override"] = want_cap
-            if patch:
-                try:
-                    await self.admin.patch(name=name, **patch)
-                except AdminError as e:
-                    self.metrics.errors.labels("apply").inc()
-                    log.warning("could not update %s on the gateway: %s", name, e)
+        for url, views in self._gateway_views.items():
+            for name, v in views.items():
+                det = self.detectors.get(name)
+                if det is None:
+                    continue
+                want_cap = self.actuator.caps.get(name)
+                patch: dict[str, Any] = {}
+                if v.condition != det.condition:
+                    patch["condition"] = det.condition
+                if v.cap_override != want_cap:
+                    patch["cap_override"] = want_cap
+                if patch:
+                    try:
+                        await self._admin(url).patch(name=name, **patch)
+                    except AdminError as e:
+                        self.metrics.errors.labels("apply").inc()
+                        log.warning("could not update %s on the gateway %s: %s", name, url, e)
         conditions = {n: d.condition for n, d in self.detectors.items()}
         pools = {n: v.pool for n, v in self.views.items()}
         want = self.actuator.routes(conditions, pools)
-        if want == self._routes_applied:
+        for url in self._gateway_views:
+            if self._routes_applied.get(url) == want:
+                continue
+            try:
+                if want:
+                    await self._admin(url).set_routes_override(routes=want)
+                else:
+                    await self._admin(url).clear_routes_override()
+                self._routes_applied[url] = want
+            except AdminError as e:
+                self.metrics.errors.labels("apply").inc()
+                log.warning("could not update the routes of the gateway %s: %s", url, e)
+        if want == self._routes_wanted or (not want and self._routes_wanted is None):
+            self._routes_wanted = want
             return
-        try:
-            if want:
-                await self.admin.set_routes_override(routes=want)
-            else:
-                await self.admin.clear_routes_override()
-        except AdminError as e:
-            self.metrics.errors.labels("apply").inc()
-            log.warning("could not update the gateway's routes: %s", e)
-            return
-        first = self._routes_applied is None
-        self._routes_applied = want
+        self._routes_wanted = want
         if want:
             self.metrics.actions.labels("route to degraded").inc()
             self._record(
@@ -430,7 +507,7 @@ class Controller:
                     )
                 ]
             )
-        elif not first:
+        else:
             self.metrics.actions.labels("restore routes").inc()
             self._record(
                 [Decision(now, "*", "restore routes", "no full-precision endpoint is contended")]
@@ -443,14 +520,15 @@ class Controller:
             connector=aiohttp.TCPConnector(limit=64),
         )
         log.info(
-            "controller: every %.0f ms; tiers full=%s degraded=%s; agent %s",
+            "controller: every %.0f ms; tiers full=%s degraded=%s; %s",
             self.s.interval_s * 1e3,
             ",".join(self.cfg.tiers.full) or "-",
             ",".join(self.cfg.tiers.degraded) or "-",
-            self.cfg.agent_url or "off (engine and gateway signals only)",
+            self.sources.describe(),
         )
-        if not self.cfg.agent_url:
+        if not self.sources.has_agents:
             log.warning("no agent configured: judging endpoints by engine and gateway signals")
+        self.sources.start()
         try:
             next_t = time.monotonic()
             while not self._stop.is_set():
@@ -470,8 +548,10 @@ class Controller:
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.sources.stop()
             await self._session.close()
-            await self.admin.close()
+            for a in self._admins.values():
+                await a.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -495,7 +575,9 @@ class Controller:
             "agent": self.agent_state,
             "interval_s": self.s.interval_s,
             "polls": self.polls,
-            "routes_override": self._routes_applied or {},
+            "routes_override": self._routes_wanted or {},
+            "gateways": self.sources.gateways,
+            "agents": self.sources.agents,
             "endpoints": eps,
         }
 

@@ -100,6 +100,13 @@ class CudaWindow:
     count: float = 0.0
     backpressure_s: float = 0.0
 
+    def merge(self, other: CudaWindow) -> CudaWindow:
+        out = CudaWindow(dict(self.buckets), self.count + other.count,
+                         self.backpressure_s + other.backpressure_s)  # fmt: skip
+        for le, n in other.buckets.items():
+            out.buckets[le] = out.buckets.get(le, 0.0) + n
+        return out
+
     def quantile(self, q: float) -> float | None:
         """The q-quantile in seconds, interpolated geometrically inside its log2 bucket."""
         if self.count <= 0:
@@ -137,7 +144,7 @@ def agent_windows(
         if s.name == "unbroken_agent_ebpf":
             ebpf = s.value >= 1
             continue
-        ep = s.label("endpoint")
+        ep = _endpoint(s)
         if not ep:
             continue
         if s.name.endswith("_bucket"):
@@ -157,6 +164,16 @@ def agent_windows(
             if not math.isnan(d):
                 out.setdefault(ep, CudaWindow()).backpressure_s += d
     return out, ebpf
+
+
+def _endpoint(s: Sample) -> str:
+    """The gateway's name for the process: the agent's `endpoint` label beside `unbroken up`;
+    on Kubernetes `POD.NAMESPACE`, the name EndpointSlice discovery gives it."""
+    ep = s.label("endpoint")
+    if ep:
+        return ep
+    pod, ns = s.label("pod"), s.label("namespace")
+    return f"{pod}.{ns}" if pod and ns else pod
 
 
 @dataclass

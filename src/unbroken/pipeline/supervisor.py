@@ -629,7 +629,8 @@ class Supervisor:
                 return web.json_response({"error": {"message": msg}}, status=409)
 
             async def progress(ev: dict[str, Any]) -> None:
-                log.info("convert %s -> %s: %s", req.endpoint, req.to_pool, ev.get("event"))
+                detail = ev.get("reason") or ev.get("new") or ""
+                log.info("convert %s -> %s: %s %s", req.endpoint, req.to_pool, ev["event"], detail)
 
             async with self._rollout_lock:
                 try:
