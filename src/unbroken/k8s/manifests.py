@@ -565,7 +565,10 @@ def controller_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
             },
         ],
     }
-    args = ["controller", "--gateway-admin", f"http://{_admin_host(o)}"]
+    # Every gateway replica and every node's agent, from their Services' EndpointSlices (the
+    # Role above allows exactly that): each gateway replica keeps its own caps and routes.
+    args = ["controller", "--gateway-service", f"{o.namespace}/{o.prefix}-gateway-admin:admin"]
+    args += ["--agent-service", f"{o.namespace}/{o.prefix}-agent:metrics"]
     args += ["--listen", f"0.0.0.0:{CONTROLLER_PORT}"]
     for p in spec.pools:
         args += ["--degraded-pool" if p.precision == "fp8" else "--full-pool", p.name]
@@ -695,7 +698,19 @@ def agent_objects(o: RenderOptions) -> list[Obj]:
             },
         },
     }
-    return [sa, role, _binding(o, name, "agent", "ClusterRole"), daemonset]
+    # Headless: one EndpointSlice entry per node's agent, which the controller reads directly
+    # (the CUDA signal is per node; a load-balanced Service would give one random node).
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(o, name, "agent"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": _selector(o, "agent"),
+            "ports": [{"name": "metrics", "port": AGENT_PORT, "targetPort": "metrics"}],
+        },
+    }
+    return [sa, role, _binding(o, name, "agent", "ClusterRole"), daemonset, service]
 
 
 # -- monitoring ------------------------------------------------------------------------------
