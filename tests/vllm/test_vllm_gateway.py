@@ -108,7 +108,8 @@ def streams(s: Stack, bodies: list[tuple[str, dict[str, Any]]]) -> list[Reader]:
 
 def check_exact(r: Reader, ref: dict[str, Any]) -> None:
     """Byte-exact text, one finish, exact usage, one id, [DONE] last, no error."""
-    r.join(300)
+    if r.ident is not None:  # a thread, not a Reader run in the test itself
+        r.join(300)
     assert r.error is None, r.error
     assert r.status == 200
     objs = [e for e in r.events if isinstance(e, dict)]
@@ -148,9 +149,6 @@ USAGE = {"stream_options": {"include_usage": True}}
 # -- item 1: tokens, not events; what the client did not ask for is stripped -------------------
 def test_events_carry_several_tokens_and_extras_are_stripped(stack_random: Stack) -> None:
     s = stack_random
-    s.a.restart("--shutdown-timeout", "0", *A_ARGS)
-    s.a.wait_ready()
-    s.wait_in_rotation(s.a)
     body = comp("The quick brown fox", 200)
     ref = reference(s.b.url, "/v1/completions", body)
     plain = Reader(s.g.url, "/v1/completions", body)
@@ -211,10 +209,10 @@ def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
 def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_random: Stack) -> None:
     s = stack_random
     bodies = [
-        ("/v1/completions", comp("Once upon a time", 600, **USAGE)),
-        ("/v1/completions", comp("import os", 600)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", 600, **USAGE)),
-        ("/v1/chat/completions", chat("Write a poem", 600)),
+        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
+        ("/v1/completions", comp("import os", 400)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
+        ("/v1/chat/completions", chat("Write a poem", 400)),
     ]
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     rs = streams(s, bodies)
@@ -234,7 +232,7 @@ def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_ran
 # -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
 def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack) -> None:
     s = stack_random
-    body = comp("Once upon a time", 700, **USAGE)
+    body = comp("Once upon a time", 500, **USAGE)
     ref = reference(s.b.url, "/v1/completions", body)
     (r,) = streams(s, [("/v1/completions", body)])
     assert r.endpoint == f"127.0.0.1:{s.a.port}"
@@ -259,8 +257,8 @@ def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack
 def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
     s = stack_random
     bodies = [
-        ("/v1/completions", comp("Once upon a time", 600, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", 600, **USAGE)),
+        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
     ]
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     rs = streams(s, bodies)
@@ -339,8 +337,8 @@ def test_engine_routes_pass_through(stack_random: Stack) -> None:
 def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
     s = stack_random
     bodies = [
-        ("/v1/completions", comp("Once upon a time", 600, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", 600, **USAGE)),
+        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
     ]
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     rs = streams(s, bodies)

@@ -206,9 +206,13 @@ class Stack:
 
 
 def make_stack(
-    tmp: Path, venv: Path, model: Path, gw_settings: dict[str, Any] | None = None
+    tmp: Path,
+    venv: Path,
+    model: Path,
+    a_args: tuple[str, ...] = (),
+    gw_settings: dict[str, Any] | None = None,
 ) -> Stack:
-    a = Vllm(venv, model, 0, tmp / "vllm-a.log").start("--shutdown-timeout", "0")
+    a = Vllm(venv, model, 0, tmp / "vllm-a.log").start("--shutdown-timeout", "0", *a_args)
     b = Vllm(venv, model, 1, tmp / "vllm-b.log").start()
     a.wait_ready()
     b.wait_ready()
@@ -228,7 +232,8 @@ def stack_random(
     tmp_path_factory: pytest.TempPathFactory, vllm_venv: Path, model_dirs: dict[str, Path]
 ) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("vllm-random")
-    s = make_stack(tmp, vllm_venv, model_dirs["random"])
+    # `a` sends several tokens per event (--stream-interval): events are not tokens.
+    s = make_stack(tmp, vllm_venv, model_dirs["random"], a_args=("--stream-interval", "4"))
     yield s
     s.g.stop()
     s.a.stop()
