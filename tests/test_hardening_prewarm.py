@@ -4,6 +4,7 @@ path, and a verdict whose figures never contradict it. The real command on real 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,5 +74,9 @@ def test_verdict_figures_are_exact(tmp_path: Path) -> None:
     r = _prewarm(str(f), "--check")
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
-    assert "2048 of 2049 pages (99.951 %)" in out, out
-    assert "1 page(s) not resident" in out and "100.0 %" not in out, out
+    # 2048 of 2049 unless memory pressure took more meanwhile: the figures must still be exact.
+    m = re.search(r"resident: (\d+) of 2049 pages \(([\d.]+) %\)", out)
+    assert m is not None, out
+    got = int(m.group(1))
+    assert got < 2049 and float(m.group(2)) == int(100 * got / 2049 * 1000) / 1000, out
+    assert f"{2049 - got} page(s) not resident" in out and "100.0 %" not in out, out
