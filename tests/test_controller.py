@@ -570,13 +570,17 @@ def test_dynamic_precision_converts_and_back_without_breaking_streams(tmp_path: 
                 timeout=90,
                 what="converted to fp8",
             )
-            assert pools() == {"primary": ["primary-2"], "fallback": ["fallback-1", "fallback-2"]}
+            done = next(d for d in _decisions(ctl) if d["action"] == "convert done")
+            assert done["result"]["from_pool"] == "primary", done
+            assert (done["endpoint"], done["result"]["new"]) == ("primary-1", "fallback-2"), done
             # Contention left with the converted replica; after the quiet period it goes back.
             wait_for(
                 lambda: any(d["action"] == "convert back done" for d in _decisions(ctl)),
                 timeout=90,
                 what="converted back",
             )
+            back = next(d for d in _decisions(ctl) if d["action"] == "convert back done")
+            assert (back["endpoint"], back["result"]["new"]) == ("fallback-2", "primary-3"), back
             assert pools() == {"primary": ["primary-2", "primary-3"], "fallback": ["fallback-1"]}
             time.sleep(1.0)
         decisions = httpx.get(ctl + "/decisions").json()["decisions"]

@@ -10,7 +10,6 @@ persists; nothing here knows why.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unbroken.clients import AdminError
 from unbroken.pipeline.backend import Backend, ReplicaHandle
-from unbroken.pipeline.rollout import Progress, RolloutError, _retire, _wait_state, _warmup
+from unbroken.pipeline.rollout import Progress, RolloutError, _retire, _wait_state, surge
 
 __all__ = ["ConvertRequest", "run_convert"]
 
@@ -58,40 +57,10 @@ async def run_convert(sup: Backend, req: ConvertRequest, progress: Progress) -> 
         await progress({"event": kind, "t": time.time(), **data})
 
     await say("started", from_pool=source.name)
-    new: ReplicaHandle | None = None
-    registered = False
     try:
-        warmed = await sup.prewarm(target)
-        if warmed is not None:
-            await say("prewarm", **warmed)
-        new = await sup.start_replica(target)
-        await say("surge", new=new.name, pid=new.pid)
-        try:
-            await asyncio.wait_for(sup.wait_health(new), req.health_timeout_s)
-        except TimeoutError:
-            raise RolloutError(
-                f"{new.name} failed stage 1 within {req.health_timeout_s:g} s"
-            ) from None
-        await _warmup(sup, new, req.warmup_budget_s)
-        await sup.admin.add(url=new.url, name=new.name, pool=target.name, cap=target.cap,
-                            warmup=False)  # fmt: skip
-        registered = True
-        if not await _wait_state(
-            sup, new.name, lambda e: bool(e and e["state"] == "ready"), req.ready_timeout_s
-        ):
-            raise RolloutError(f"{new.name} did not become ready in the gateway")
-        sup.adopt(new)
-        await say("ready", new=new.name)
-    except Exception as e:
-        why = str(e) if isinstance(e, RolloutError) else f"{type(e).__name__}: {e}"
-        await say("rollback", new=new.name if new else None, reason=why)
-        if registered and new is not None:
-            with contextlib.suppress(AdminError):
-                await sup.admin.remove(name=new.name)
-        if new is not None:
-            with contextlib.suppress(Exception):
-                await sup.stop_replica(new, timeout=5)
-        return {"ok": False, "error": why, "endpoint": req.endpoint, "to_pool": target.name}
+        new = await surge(sup, target, req, say)
+    except RolloutError as e:
+        return {"ok": False, "error": str(e), "endpoint": req.endpoint, "to_pool": target.name}
     # The declared sizes follow before the old one stops, so the supervisor does not
     # "replace" the replica being retired.
     sup.set_pool(source.model_copy(update={"replicas": max(0, source.replicas - 1)}))

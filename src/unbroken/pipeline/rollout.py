@@ -21,16 +21,16 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unbroken.clients import AdminError, AdminRejected
-from unbroken.config.spec import EngineSpec
+from unbroken.config.spec import EngineSpec, PoolSpec
 from unbroken.pipeline.backend import Backend, ReplicaHandle
 
-__all__ = ["RolloutError", "RolloutRequest", "run_rollout"]
+__all__ = ["RolloutError", "RolloutRequest", "run_rollout", "surge"]
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -133,45 +133,28 @@ async def run_rollout(sup: Backend, req: RolloutRequest, progress: Progress) -> 
             step.error = "skipped: the replica had died (the supervisor replaces it)"
             await say("skipped", old=old.name, reason=step.error)
             continue
-        new: ReplicaHandle | None = None
-        registered = False
-        try:
-            t0 = time.monotonic()
-            warmed = await sup.prewarm(new_pool)
-            if warmed is not None:
-                await say("prewarm", **warmed)
-            new = await sup.start_replica(new_pool)
+        t0 = time.monotonic()
+
+        async def surged(
+            new: ReplicaHandle, step: Step = step, i: int = i, old: ReplicaHandle = old
+        ) -> None:
             step.new = new.name
             await say("surge", index=i, old=old.name, new=new.name, pid=new.pid)
-            try:
-                await asyncio.wait_for(sup.wait_health(new), req.health_timeout_s)
-            except TimeoutError:
-                raise RolloutError(
-                    f"{new.name} failed stage 1: no /health within {req.health_timeout_s:g} s"
-                ) from None
-            step.stage1_s = time.monotonic() - t0
-            await say("stage1", new=new.name, seconds=round(step.stage1_s, 3))
-            step.stage2_s = await _warmup(sup, new, req.warmup_budget_s)
-            await say("stage2", new=new.name, seconds=round(step.stage2_s, 3))
-            await sup.admin.add(
-                url=new.url, name=new.name, pool=pool.name, cap=pool.cap, warmup=False
-            )
-            registered = True
-            if not await _wait_state(
-                sup, new.name, lambda e: bool(e and e["state"] == "ready"), req.ready_timeout_s
-            ):
-                raise RolloutError(f"{new.name} did not become ready in the gateway")
-            sup.adopt(new)
-            await say("ready", new=new.name)
-        except Exception as e:  # any failure before the old replica is touched: undo the new
-            step.error = f"{type(e).__name__}: {e}" if not isinstance(e, RolloutError) else str(e)
-            await say("rollback", new=step.new, reason=step.error)
-            if registered and new is not None:
-                with contextlib.suppress(AdminError):
-                    await sup.admin.remove(name=new.name)
-            if new is not None:
-                with contextlib.suppress(Exception):
-                    await sup.stop_replica(new, timeout=5)
+
+        async def stage(
+            kind: str, new: ReplicaHandle, took: float, step: Step = step, t0: float = t0
+        ) -> None:
+            if kind == "stage1":
+                step.stage1_s = time.monotonic() - t0
+                await say("stage1", new=new.name, seconds=round(step.stage1_s, 3))
+            else:
+                step.stage2_s = took
+                await say("stage2", new=new.name, seconds=round(took, 3))
+
+        try:
+            new = await surge(sup, new_pool, req, say, on_surge=surged, on_stage=stage)
+        except RolloutError as e:
+            step.error = str(e)
             return await _finish(sup, say, pool.name, pool.replicas, steps, t_start, step.error)
         t0 = time.monotonic()
         try:
@@ -194,6 +177,67 @@ async def run_rollout(sup: Backend, req: RolloutRequest, progress: Progress) -> 
         )
     sup.set_pool(new_pool)  # replacements from now on run the new version
     return await _finish(sup, say, pool.name, pool.replicas, steps, t_start, None)
+
+
+class _Timeouts(Protocol):
+    warmup_budget_s: float
+    health_timeout_s: float
+    ready_timeout_s: float
+
+
+async def surge(
+    sup: Backend,
+    pool: PoolSpec,
+    req: _Timeouts,
+    say: Callable[..., Awaitable[None]],
+    *,
+    on_surge: Callable[[ReplicaHandle], Awaitable[None]] | None = None,
+    on_stage: Callable[[str, ReplicaHandle, float], Awaitable[None]] | None = None,
+) -> ReplicaHandle:
+    """Bring one new replica of `pool` into service beside the old ones: pre-warm its
+    weights, start it, stage 1 (`/health`), stage 2 (a warm-up completion within budget),
+    register it with the gateway in `pool`, wait until the gateway has it ready, adopt it.
+    Anything failing on the way tears the new replica down and raises RolloutError; the old
+    replicas were never touched (rollouts and conversions both start this way)."""
+    new: ReplicaHandle | None = None
+    registered = False
+    try:
+        warmed = await sup.prewarm(pool)
+        if warmed is not None:
+            await say("prewarm", **warmed)
+        new = await sup.start_replica(pool)
+        if on_surge is not None:
+            await on_surge(new)
+        try:
+            await asyncio.wait_for(sup.wait_health(new), req.health_timeout_s)
+        except TimeoutError:
+            raise RolloutError(
+                f"{new.name} failed stage 1: no /health within {req.health_timeout_s:g} s"
+            ) from None
+        if on_stage is not None:
+            await on_stage("stage1", new, 0.0)
+        took = await _warmup(sup, new, req.warmup_budget_s)
+        if on_stage is not None:
+            await on_stage("stage2", new, took)
+        await sup.admin.add(url=new.url, name=new.name, pool=pool.name, cap=pool.cap, warmup=False)
+        registered = True
+        if not await _wait_state(
+            sup, new.name, lambda e: bool(e and e["state"] == "ready"), req.ready_timeout_s
+        ):
+            raise RolloutError(f"{new.name} did not become ready in the gateway")
+        sup.adopt(new)
+        await say("ready", new=new.name)
+        return new
+    except Exception as e:  # any failure before an old replica is touched: undo the new one
+        why = str(e) if isinstance(e, RolloutError) else f"{type(e).__name__}: {e}"
+        await say("rollback", new=new.name if new else None, reason=why)
+        if registered and new is not None:
+            with contextlib.suppress(AdminError):
+                await sup.admin.remove(name=new.name)
+        if new is not None:
+            with contextlib.suppress(Exception):
+                await sup.stop_replica(new, timeout=5)
+        raise RolloutError(why) from None
 
 
 async def _retire(sup: Backend, old: ReplicaHandle, deadline_s: float) -> None:
