@@ -1,0 +1,106 @@
+"""The gateway is as permissive as its engine and hides its own plumbing (with the simulator;
+the same against real vLLM is in tests/vllm/): requests the gateway does not need to judge
+reach the engine, whose answer (status and body) reaches the client; the usage and token-id
+options the gateway asks upstream never reach a client that did not ask for them; engine
+routes pass through; /v1/models keeps the engine's fields."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers import MODEL, Proc, engine, gateway, metric, stream
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    tmp = tmp_path_factory.mktemp("compat")
+    e = engine(tmp)
+    g = gateway(tmp, e.url)
+    yield g, e
+    g.stop()
+    e.stop()
+
+
+def _same(g: Proc, e: Proc, path: str, body: Any) -> httpx.Response:
+    via = httpx.post(g.url + path, json=body, timeout=30)
+    direct = httpx.post(e.url + path, json=body, timeout=30)
+    assert via.status_code == direct.status_code, (body, via.text, direct.text)
+    if direct.status_code >= 400:
+        assert via.json() == direct.json()
+    return via
+
+
+def test_the_engine_judges_what_the_gateway_does_not_need(gw: tuple[Proc, Proc]) -> None:
+    g, e = gw
+    _same(g, e, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"})
+    _same(g, e, "/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": "5"})
+    _same(
+        g,
+        e,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}]},
+    )
+    ok = _same(g, e, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
+    assert ok.status_code == 200
+    # What the gateway needs is still its own to refuse.
+    assert httpx.post(g.url + "/v1/completions", content=b"[1]", timeout=10).status_code == 400
+    r = httpx.post(g.url + "/v1/completions", json={"model": 5, "prompt": "x"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def _usage_chunks(events: list[Any]) -> list[dict[str, Any]]:
+    return [e for e in events if isinstance(e, dict) and e.get("usage")]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_usage_reaches_the_client_only_as_asked(gw: tuple[Proc, Proc], chat: bool) -> None:
+    g, _ = gw
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base: dict[str, Any] = {"model": MODEL, "max_tokens": 20, "temperature": 0}
+    if chat:
+        base["messages"] = [{"role": "user", "content": "hello there"}]
+    else:
+        base["prompt"] = "hello there"
+    plain, r = stream(g.url, path, base)
+    assert r.status_code == 200 and plain[-1] == "[DONE]"
+    assert not _usage_chunks(plain)
+    assert not any("usage" in e for e in plain if isinstance(e, dict))
+    final, _ = stream(g.url, path, {**base, "stream_options": {"include_usage": True}})
+    u = _usage_chunks(final)
+    assert len(u) == 1 and u[0]["choices"] == [] and u[0]["usage"]["completion_tokens"] == 20
+    every, _ = stream(
+        g.url,
+        path,
+        {**base, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    counts = [e["usage"]["completion_tokens"] for e in _usage_chunks(every)]
+    assert len(counts) > 20 and counts == sorted(counts) and counts[-1] == 20
+
+
+def test_models_keep_the_engines_fields(gw: tuple[Proc, Proc]) -> None:
+    g, e = gw
+    direct = httpx.get(e.url + "/v1/models", timeout=10).json()["data"]
+    via = httpx.get(g.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in via] == [MODEL]
+    assert via[0] == direct[0]  # max_model_len, root, owned_by: the engine's own
+
+
+def test_engine_routes_pass_through(gw: tuple[Proc, Proc]) -> None:
+    g, e = gw
+    before = metric(g.url, "unbroken_gateway_requests_total", status="200")
+    r = httpx.get(g.url + "/version", timeout=10)
+    assert r.status_code == 200 and r.json() == httpx.get(e.url + "/version", timeout=10).json()
+    assert metric(g.url, "unbroken_gateway_requests_total", status="200") == before + 1
+    # A route the engine does not have: the engine's own 404 comes back.
+    r = httpx.post(g.url + "/tokenize", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert r.status_code == httpx.post(e.url + "/tokenize", json={}, timeout=10).status_code
+    # An unknown model is the gateway's to refuse.
+    r = httpx.post(g.url + "/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # A path neither serves is still the gateway's unknown route.
+    assert httpx.get(g.url + "/v1/v1/models", timeout=10).status_code == 404
+
