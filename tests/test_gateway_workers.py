@@ -204,3 +204,98 @@ def test_admin_api_is_one_api_for_all_workers(tmp_path: Path, eng: Proc) -> None
         assert codes == {404} or codes == {503}, codes
     finally:
         g.stop()
+
+
+# -- in-process pieces: the shared table and the routing-policy seam ---------------------------
+
+
+def test_shared_table_rows_add_up_and_a_dead_row_frees_its_slots(tmp_path: Path) -> None:
+    from unbroken.gateway._shared import SharedCounters, SharedSlot
+
+    main = SharedCounters(tmp_path / "t", create=True)
+    w0 = SharedCounters(tmp_path / "t", row=0)
+    w1 = SharedCounters(tmp_path / "t", row=1)
+    try:
+        SharedSlot(w0, 5).add(2)
+        SharedSlot(w1, 5).add(3)
+        SharedSlot(w1, 6).add(1)
+        assert SharedSlot(main, 5).get() == 5 and main.total(6) == 1
+        w0.set_depth(0, 4)
+        assert main.queued(0) == 4 and main.queued(1) == 0
+        main.clear_row(1)  # worker 1 died
+        assert main.total(5) == 2 and main.total(6) == 0
+        with w0.lock():  # the lock is taken and given back
+            pass
+    finally:
+        for c in (w0, w1, main):
+            c.close()
+
+
+def test_admission_with_two_rows_never_exceeds_the_cap(tmp_path: Path) -> None:
+    """Two admission objects (two workers' views) over one table: together they take at most
+    the cap; a slot one gives back is taken by the other."""
+    import asyncio
+
+    from unbroken.gateway._admission import Admission
+    from unbroken.gateway._pool import Endpoint, Pool, State
+    from unbroken.gateway._shared import SharedCounters, SharedSlot
+    from unbroken.wire.errors import ApiError
+
+    async def run() -> None:
+        tables = [SharedCounters(tmp_path / "t", create=True, row=0)]
+        tables.append(SharedCounters(tmp_path / "t", row=1))
+        adms, eps = [], []
+        for t in tables:
+            pool = Pool(default_cap=3)
+            ep = Endpoint(name="e", url="http://x", slot=SharedSlot(t, 0))
+            ep.models = {"m"}
+            ep.set_state(State.READY)
+            pool.add(ep)
+            adms.append(Admission(pool, queue_timeout=2.0, shared=t))
+            eps.append(ep)
+        got = [await adms[i % 2].acquire("m", "standard") for i in range(3)]
+        assert eps[0].inflight == eps[1].inflight == 3
+        with pytest.raises(ApiError):
+            await adms[1].acquire("m", "sheddable")  # full everywhere: shed at once
+        waiter = asyncio.create_task(adms[1].acquire("m", "standard"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and adms[0].queue_depth()["standard"] == 1
+        adms[0].release(got[0][0], got[0][1])  # worker 0 frees a slot; worker 1's waiter polls
+        ep, n, waited = await asyncio.wait_for(waiter, 1.0)
+        assert ep is eps[1] and n == 1 and waited > 0 and eps[0].inflight == 3
+        for t in tables:
+            t.close()
+
+    asyncio.run(run())
+
+
+def test_routing_policy_is_one_object() -> None:
+    """The pool filters candidates (state, health, model, room); a policy only chooses."""
+    from unbroken.gateway import Endpoint, LeastLoad, PickRequest, State
+    from unbroken.gateway._pool import Pool
+
+    def ep(name: str, waiting: float) -> Endpoint:
+        e = Endpoint(name=name, url=f"http://{name}")
+        e.models, e.waiting = {"m"}, waiting
+        e.set_state(State.READY)
+        return e
+
+    class Last:
+        def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
+            return candidates[-1]
+
+    for policy, want in ((LeastLoad(), "b"), (Last(), "c")):
+        pool = Pool(default_cap=4, policy=policy)
+        for e in (ep("a", 3), ep("b", 0), ep("c", 2), ep("full", 0)):
+            pool.add(e)
+        full = pool.get("full")
+        assert full is not None
+        full.slot.add(4)  # no room: never a candidate
+        picked = pool.pick("m", "standard")
+        assert picked is not None and picked.name == want
+    # Least load with equal loads goes round the candidates.
+    pool = Pool(default_cap=4)
+    for e in (ep("a", 0), ep("b", 0)):
+        pool.add(e)
+    names = [p.name for _ in range(4) if (p := pool.pick("m", "standard")) is not None]
+    assert names == ["a", "b", "a", "b"]

@@ -205,7 +205,7 @@ class LeastLoad:
     longest ago, so equal loads round-robin."""
 
     def __init__(self) -> None:
-        self._tick = itertools.count()
+        self._tick = itertools.count(1)  # above the initial 0, so a first pick counts
 
     def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
         best: Endpoint | None = None
