@@ -239,6 +239,12 @@ def test_gateway_and_controller_objects() -> None:
         by(objs, "ConfigMap", "unbroken-gateway-config")[0]["data"]["gateway.yaml"]
     )
     assert GatewaySettings.model_validate(cfg).drain_deadline_s == 12.5
+    assert GatewaySettings.model_validate(cfg).endpoint_header is False  # no pod names leak
+    ctl = by(objs, "Deployment", "unbroken-controller")[0]["spec"]["template"]["spec"]
+    ctl_args = ctl["containers"][0]["args"]
+    assert "--gateway-service" in ctl_args and "--agent-service" in ctl_args
+    agent_svc = by(objs, "Service", "unbroken-agent")[0]
+    assert agent_svc["spec"]["clusterIP"] == "None"
     role = by(objs, "Role", "unbroken-controller")[0]
     patch = [r for r in role["rules"] if "patch" in r["verbs"]]
     assert patch == [

@@ -365,6 +365,8 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     settings = spec.gateway.model_dump(mode="json")
     settings |= {"host": "0.0.0.0", "port": GATEWAY_PORT}
     settings |= {"admin_host": "0.0.0.0", "admin_port": ADMIN_PORT}
+    # X-Unbroken-Endpoint names internal pods: a debugging aid locally, a leak on a cluster.
+    settings |= {"endpoint_header": False}
     args = ["gateway", "--config", "/etc/unbroken/gateway.yaml"]
     for pool in spec.pools:
         args += ["--k8s-service", f"{pool.name}={o.namespace}/{o.prefix}-{pool.name}:http"]
