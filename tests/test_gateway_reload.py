@@ -231,3 +231,55 @@ def test_shutdown_timeout_ends_what_is_left(tmp_path: Path, engines: tuple[Proc,
     assert expected_completion("too long", 3000).text.startswith(text)
     assert 1.0 <= took < 8, took
     assert g.popen is not None and g.popen.wait(30) == 0
+
+
+def test_unbroken_reload_under_unbroken_up(tmp_path: Path) -> None:
+    """`unbroken reload` reloads the pipeline's gateway through SIGHUP: streams running
+    across it complete byte-exact, the gateway's pid stays, and the supervisor records no
+    gateway death or restart."""
+    from helpers import Up
+
+    up = Up(tmp_path)
+    try:
+        st = up.status()
+        pid = st["gateway_pid"]
+        wait_for(
+            lambda: sum(e["state"] == "ready" for e in up.status()["gateway"]["endpoints"]) >= 2,
+            timeout=60,
+        )
+        with ThreadPoolExecutor(6) as pool:
+            jobs = [
+                pool.submit(read_stream, httpx.Client(timeout=60), up.url, f"up {i}", 120)
+                for i in range(6)
+            ]
+            time.sleep(0.3)
+            r = up.run("reload")
+            assert r.returncode == 0, r.stderr
+            assert f"pid {pid}" in r.stdout
+            results = [j.result() for j in jobs]
+        for i, (text, err) in enumerate(results):
+            assert err is None and text == expected_completion(f"up {i}", 120).text
+        gw_admin = f"http://127.0.0.1:{up.admin_port}"
+        token = (up.state / "admin-token").read_text().strip()
+        ws = wait_for(
+            lambda: (
+                (
+                    w := httpx.get(
+                        gw_admin + "/admin/status", headers={"Authorization": f"Bearer {token}"}
+                    ).json()["workers"]
+                )["generation"]
+                == 1
+                and w["draining"] == 0
+                and w
+            ),
+            timeout=60,
+        )
+        assert ws["main_pid"] == pid
+        st = up.status()
+        assert st["gateway_pid"] == pid
+        assert "exited unexpectedly" not in up.log.read_text()  # no crash seen, no restart
+        with httpx.Client(timeout=30) as c:
+            text, err = read_stream(c, up.url, "after reload", 10)
+        assert err is None and text == expected_completion("after reload", 10).text
+    finally:
+        assert up.stop() == 0
