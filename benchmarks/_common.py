@@ -69,6 +69,8 @@ def gateway_service(*endpoints: str, args: tuple[str, ...] = ()) -> tuple[Servic
         str(port),
         "--admin-port",
         str(admin),
+        "--workers",  # one process, whose CPU cpu_seconds() reads (args come later and win)
+        "1",
         *args,
     ]
     for e in endpoints:
