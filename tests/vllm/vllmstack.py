@@ -179,6 +179,8 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
+        # As uvicorn binds: connections of the killed server in TIME_WAIT do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

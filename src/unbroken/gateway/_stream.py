@@ -179,6 +179,8 @@ class StreamRelay:
                 m.migrated.labels(reason).inc()
                 if not tries:  # every token was delivered; only the finish was lost
                     await self._send(self._finish_chunk())
+                    if self.want_usage and self.exact and self.prompt_tokens is not None:
+                        await self._send(self._usage_chunk())
                     await self._send(encode_data(b"[DONE]"))
                     break
                 leg = await self._open(tries)
@@ -605,6 +607,24 @@ class StreamRelay:
             obj["usage"] = {**u, "prompt_tokens": pt, "completion_tokens": ct,
                             "total_tokens": pt + ct}
         return encode_json(obj)
+
+    def _usage_chunk(self) -> bytes:
+        t = self.tracker
+        assert self.prompt_tokens is not None
+        return encode_json(
+            {
+                "id": t.id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": t.created,
+                "model": t.model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": self.prompt_tokens,
+                    "total_tokens": self.prompt_tokens + self.sent,
+                    "completion_tokens": self.sent,
+                },
+            }
+        )
 
     def _finish_chunk(self) -> bytes:
         t = self.tracker
