@@ -283,3 +283,28 @@ def test_unbroken_reload_under_unbroken_up(tmp_path: Path) -> None:
         assert err is None and text == expected_completion("after reload", 10).text
     finally:
         assert up.stop() == 0
+
+
+def test_workers_exit_when_the_main_process_is_killed(
+    tmp_path: Path, engines: tuple[Proc, Proc]
+) -> None:
+    """SIGKILL of the main process: its workers (told by the kernel) finish what they hold
+    within --shutdown-timeout and exit, so no orphan keeps the port."""
+    import os
+
+    a, _ = engines
+    g = gateway(tmp_path, a.url, args=("--workers", "2", "--shutdown-timeout", "2"))
+    pids = admin(g, "GET", "/admin/status").json()["workers"]["pids"]
+    g.signal(signal.SIGKILL)
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie is gone too (its parent, the killed main process, cannot reap it).
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_for(lambda: all(gone(p) for p in pids), timeout=15, what="workers gone")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(g.url + "/health", timeout=2)

@@ -126,6 +126,7 @@ class MainGateway(Gateway):
         self.listen = listen
         self.tmp = tmp
         self.n_workers = n_workers
+        self.shutdown_timeout = 30.0  # what a worker allows its streams if this process dies
         self.workers: list[Worker] = []
         self.generation = 0
         self.replaced = 0
@@ -251,6 +252,8 @@ class MainGateway(Gateway):
             "ctl_fd": child.fileno(),
             "listen_fd": self.listen.fileno(),
             "log_level": logging.getLogger().getEffectiveLevel(),
+            "main_pid": os.getpid(),
+            "shutdown_timeout": self.shutdown_timeout,
         }
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -502,6 +505,7 @@ async def serve_main(
     shared = SharedCounters(tmp / "admission", create=True)
     listen = _listen(cfg.host, cfg.port)
     gw = MainGateway(cfg, token, shared, listen, tmp, workers)
+    gw.shutdown_timeout = shutdown_timeout
     loop = asyncio.get_running_loop()
     try:
         try:

@@ -53,6 +53,7 @@ class WorkerGateway(Gateway):
         self.force = asyncio.Event()
         self.drain_task: asyncio.Task[None] | None = None
         self.runner: web.AppRunner | None = None
+        self.shutdown_timeout = 30.0
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -155,8 +156,14 @@ class WorkerGateway(Gateway):
                 self.drain(msg["timeout"], msg["why"])
             elif t == "force":
                 self.force.set()
+        self.lost_main()
+
+    def lost_main(self) -> None:
+        """The main process is gone (its end of the control socket closed, or the kernel's
+        parent-death signal): no more state, so finish what is open and exit."""
         log.warning("worker %d lost the main process: draining", os.getpid())
-        self.drain(self.cfg.request_timeout_s, "main process gone")
+        self.closing = "the gateway's main process is gone"
+        self.drain(self.shutdown_timeout, "main process gone")
 
 
 async def _run(spec: dict[str, Any]) -> None:
@@ -165,6 +172,7 @@ async def _run(spec: dict[str, Any]) -> None:
     ctl = socket.socket(fileno=spec["ctl_fd"])
     reader, writer = await asyncio.open_unix_connection(sock=ctl, limit=64 * 2**20)
     gw = WorkerGateway(cfg, shared, writer)
+    gw.shutdown_timeout = spec["shutdown_timeout"]
     listen = socket.socket(fileno=spec["listen_fd"])
     # The first state arrives before we serve, so the first request finds the endpoints.
     first = orjson.loads(await reader.readline())
@@ -173,10 +181,10 @@ async def _run(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C: the main process decides
 
-    def on_term() -> None:
+    def on_term() -> None:  # from the kernel when the main process dies (PR_SET_PDEATHSIG)
         if gw.drain_task is not None:
             gw.force.set()
-        gw.drain(cfg.request_timeout_s, "SIGTERM")
+        gw.lost_main()
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
     control = asyncio.create_task(gw.control(reader))
@@ -190,8 +198,20 @@ async def _run(spec: dict[str, Any]) -> None:
         await control
 
 
+def _die_with_parent(main_pid: int) -> None:
+    """SIGTERM to this worker when the main process dies, however it dies (SIGKILL too)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != main_pid:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     spec = orjson.loads(os.environ["UNBROKEN_GW_WORKER"])
+    _die_with_parent(spec["main_pid"])
     logging.basicConfig(
         level=spec.get("log_level", logging.INFO),
         format=f"%(asctime)s %(levelname)s %(name)s[w{spec['row']}]: %(message)s",
