@@ -137,6 +137,13 @@ def check_exact(r: Reader, ref: dict[str, Any]) -> None:
         assert u is None
 
 
+def metric_or_0(url: str, name: str, **labels: str) -> float:
+    try:
+        return metric(url, name, **labels)
+    except KeyError:  # a label value that has not occurred
+        return 0.0
+
+
 def restart_a(s: Stack, *args: str) -> None:
     s.a.restart(*args)
     s.a.wait_ready()
@@ -180,101 +187,6 @@ def test_events_carry_several_tokens_and_extras_are_stripped(stack_random: Stack
         for t in c.get("token_ids") or []
     ]
     assert len(got) == 200
-
-
-# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
-def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", 500, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", 500, **USAGE)),
-        ("/v1/completions", comp("def main():", 400)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
-    rs = streams(s, bodies)
-    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
-    time.sleep(0.5)
-    t = time.monotonic()
-    s.a.signal(signal.SIGKILL)
-    for r, ref in zip(rs, refs, strict=True):
-        check_exact(r, ref)
-    gaps = [r.max_gap_after(t) for r in rs]
-    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
-    assert metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before == 3
-    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
-
-
-# -- items 2, 3: SIGTERM with vLLM's default --shutdown-timeout 0 ----------------------------
-def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
-        ("/v1/completions", comp("import os", 400)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
-        ("/v1/chat/completions", chat("Write a poem", 400)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    rs = streams(s, bodies)
-    time.sleep(0.5)
-    t = time.monotonic()
-    s.a.signal(signal.SIGTERM)
-    for r, ref in zip(rs, refs, strict=True):
-        check_exact(r, ref)
-    gaps = [r.max_gap_after(t) for r in rs]
-    aborts = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="abort")
-    print(f"\nSIGTERM (timeout 0): gaps {[round(g, 2) for g in gaps]} s, aborts so far {aborts}")
-    # Detection well under the 10 s stall timeout (learned limit, dying-sibling signal).
-    assert max(gaps) < 6.0, gaps
-    restart_a(s, "--shutdown-timeout", "30", *A_ARGS)
-
-
-# -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
-def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack) -> None:
-    s = stack_random
-    body = comp("Once upon a time", 500, **USAGE)
-    ref = reference(s.b.url, "/v1/completions", body)
-    (r,) = streams(s, [("/v1/completions", body)])
-    assert r.endpoint == f"127.0.0.1:{s.a.port}"
-    s.a.signal(signal.SIGTERM)
-    time.sleep(0.5)
-    # New requests while a shuts down: a answers 500 "cannot schedule new futures after
-    # shutdown" (its /health stays 200); the client never sees it, and a leaves rotation.
-    served = []
-    for i in range(4):
-        rr = httpx.post(s.g.url + "/v1/completions", json=comp(f"n{i}", 4), timeout=60)
-        assert rr.status_code == 200, rr.text
-        served.append(rr.headers["x-unbroken-endpoint"])
-    assert served[-1] == f"127.0.0.1:{s.b.port}"
-    eps = admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
-    a_ep = next(e for e in eps if e["name"] == f"127.0.0.1:{s.a.port}")
-    assert not a_ep["healthy"], a_ep
-    check_exact(r, ref)  # the in-flight stream finished on a, whole
-    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
-
-
-# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
-def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    rs = streams(s, bodies)
-    time.sleep(1.0)
-    t = time.monotonic()
-    s.a.signal(signal.SIGSTOP)
-    try:
-        for r, ref in zip(rs, refs, strict=True):
-            check_exact(r, ref)
-    finally:
-        s.a.signal(signal.SIGCONT)
-    gaps = [r.max_gap_after(t) for r in rs]
-    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
-    assert max(gaps) < 6.0, gaps
-    # Suspected of hanging: back only after it serves a real completion again.
-    s.wait_in_rotation(s.a, timeout=60)
 
 
 # -- items 5, 6: what the engine accepts passes; engine routes pass through -------------------
@@ -331,6 +243,101 @@ def test_engine_routes_pass_through(stack_random: Stack) -> None:
     assert r.status_code == direct.status_code
     if direct.status_code == 200:
         assert "response.completed" in body_text
+
+
+# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
+def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 500, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 500, **USAGE)),
+        ("/v1/completions", comp("def main():", 400)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
+    rs = streams(s, bodies)
+    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
+    time.sleep(0.5)
+    t = time.monotonic()
+    s.a.signal(signal.SIGKILL)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
+    assert metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before == 3
+    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+
+
+# -- items 2, 3: SIGTERM with vLLM's default --shutdown-timeout 0 ----------------------------
+def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
+        ("/v1/completions", comp("import os", 400)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
+        ("/v1/chat/completions", chat("Write a poem", 400)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    rs = streams(s, bodies)
+    time.sleep(0.5)
+    t = time.monotonic()
+    s.a.signal(signal.SIGTERM)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    gaps = [r.max_gap_after(t) for r in rs]
+    aborts = metric_or_0(s.g.url, "unbroken_gateway_streams_migrated_total", reason="abort")
+    print(f"\nSIGTERM (timeout 0): gaps {[round(g, 2) for g in gaps]} s, aborts so far {aborts}")
+    # Detection well under the 10 s stall timeout (learned limit, dying-sibling signal).
+    assert max(gaps) < 6.0, gaps
+    restart_a(s, "--shutdown-timeout", "30", *A_ARGS)
+
+
+# -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
+def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack) -> None:
+    s = stack_random
+    body = comp("Once upon a time", 500, **USAGE)
+    ref = reference(s.b.url, "/v1/completions", body)
+    (r,) = streams(s, [("/v1/completions", body)])
+    assert r.endpoint == f"127.0.0.1:{s.a.port}"
+    s.a.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    # New requests while a shuts down: a answers 500 "cannot schedule new futures after
+    # shutdown" (its /health stays 200); the client never sees it, and a leaves rotation.
+    served = []
+    for i in range(4):
+        rr = httpx.post(s.g.url + "/v1/completions", json=comp(f"n{i}", 4), timeout=60)
+        assert rr.status_code == 200, rr.text
+        served.append(rr.headers["x-unbroken-endpoint"])
+    assert served[-1] == f"127.0.0.1:{s.b.port}"
+    eps = admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+    a_ep = next(e for e in eps if e["name"] == f"127.0.0.1:{s.a.port}")
+    assert not a_ep["healthy"], a_ep
+    check_exact(r, ref)  # the in-flight stream finished on a, whole
+    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+
+
+# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
+def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", 400, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", 400, **USAGE)),
+    ]
+    refs = [reference(s.b.url, p, b) for p, b in bodies]
+    rs = streams(s, bodies)
+    time.sleep(1.0)
+    t = time.monotonic()
+    s.a.signal(signal.SIGSTOP)
+    try:
+        for r, ref in zip(rs, refs, strict=True):
+            check_exact(r, ref)
+    finally:
+        s.a.signal(signal.SIGCONT)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
+    assert max(gaps) < 6.0, gaps
+    # Suspected of hanging: back only after it serves a real completion again.
+    s.wait_in_rotation(s.a, timeout=60)
 
 
 # -- drain at a deadline (last: the drained endpoint leaves the gateway) ----------------------

@@ -84,6 +84,7 @@ _TTFB_FACTOR = 4.0
 _SHUTTING_DOWN = "cannot schedule new futures after shutdown"
 # This many 5xx in a row (no success between) take an endpoint out until readiness.
 _5XX_RUN = 3
+_WATCH_S = 0.5
 
 
 class Proxy:
@@ -107,6 +108,7 @@ class Proxy:
         self._ttfb: dict[str, deque[float]] = {}
         self._5xx: dict[str, int] = {}  # 5xx answers in a row, per endpoint
         self.plain: set[str] = set()  # endpoints that refuse usage/token-id stream options
+        self._watchdog: asyncio.Task[None] | None = None
         self.on_hang: Callable[[Endpoint], None] | None = None  # the prober's `suspect`
         self.pool_keys = {
             pool: key for pool, env in cfg.upstream_key_env.items() if (key := os.environ.get(env))
@@ -573,6 +575,22 @@ class Proxy:
     def release(self, ep: Endpoint, n: int = 1) -> None:
         self.admission.release(ep, n)
         self._on_release(ep)  # type: ignore[operator]
+
+    def watch_streams(self) -> None:
+        """Start the watch over streams on endpoints that leave rotation (once)."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Streams of an endpoint out of rotation (its /health failing, a sibling stream
+        reset, hung) get the short stall limit: a dying engine that keeps its connections
+        open without events is left in about a second."""
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            for ep in list(self.pool.endpoints.values()):
+                if ep.relays and not ep.healthy:
+                    for relay in list(ep.relays):
+                        relay.alert()
 
     def upstream_ok(self, ep: Endpoint) -> None:
         self._5xx.pop(ep.name, None)

@@ -42,10 +42,11 @@ log = logging.getLogger("unbroken.gateway")
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 # A leg learns its stall limit from its own gaps between events: STALL_FACTOR x the longest
 # gap seen, once STALL_LEARN gaps are known, never below STALL_FLOOR_S nor above the
-# configured `stall_timeout_s`. An endpoint on which another stream has just died is given
+# configured `stall_timeout_s`. An endpoint on which another stream has just died, or that is
+# out of rotation (its /health failing), is given
 # less: SIBLING_FACTOR x the gap, at least SIBLING_FLOOR_S, from a stream's last event.
 STALL_FACTOR = 8.0
-STALL_LEARN = 16
+STALL_LEARN = 8
 STALL_FLOOR_S = 2.0
 SIBLING_FACTOR = 4.0
 SIBLING_FLOOR_S = 1.0
@@ -315,13 +316,20 @@ class StreamRelay:
         short stall limit from their last event, so a connection the dying server holds open
         without events is migrated in about a second, not after `stall_timeout_s`."""
         for r in list(ep.relays):
-            if r is self or r._tmo is None or r._last_event == 0.0:
-                continue
-            when = r._last_event + max(SIBLING_FLOOR_S, SIBLING_FACTOR * r._gap_max)
-            cur = r._tmo.when()
-            if cur is None or when < cur:
-                r._tmo.reschedule(when)
-                r._armed = 0.0  # its next event, if one comes, re-arms the normal limit
+            if r is not self:
+                r.alert()
+
+    def alert(self) -> None:
+        """This leg's endpoint looks like it is dying (a sibling stream died, or it is out of
+        rotation): a short stall limit from the last event. A leg that still gets events is
+        not cut: its next event re-arms the normal limit."""
+        if self._tmo is None or self._last_event == 0.0:
+            return
+        when = self._last_event + max(SIBLING_FLOOR_S, SIBLING_FACTOR * self._gap_max)
+        cur = self._tmo.when()
+        if cur is None or when < cur:
+            self._tmo.reschedule(when)
+            self._armed = 0.0
 
     def _stall_limit(self) -> float:
         stall = self.p.cfg.stall_timeout_s
@@ -336,6 +344,7 @@ class StreamRelay:
         why the leg broke. Releases the leg's slots."""
         self.up, self.ep = up, ep
         ep.relays.add(self)
+        self.p.watch_streams()
         loop = asyncio.get_running_loop()
         dec = SSEDecoder()
         finished_read = False
