@@ -62,8 +62,17 @@ def _parse(model: type[M], body: bytes) -> M:
 
 
 def admin_app(gw: Gateway, token: str) -> web.Application:
+    @web.middleware
+    async def synced(request: web.Request, handler: Any) -> web.StreamResponse:
+        """A change is answered once every worker serves with it (one process: at once)."""
+        resp = await handler(request)
+        if request.method != "GET":
+            await gw.sync()
+        return resp
+
     app = web.Application(
-        middlewares=[error_middleware, bearer_auth_middleware(token)], client_max_size=1 << 20
+        middlewares=[error_middleware, bearer_auth_middleware(token), synced],
+        client_max_size=1 << 20,
     )
     pool = gw.pool
 

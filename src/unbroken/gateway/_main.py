@@ -70,6 +70,7 @@ log = logging.getLogger("unbroken.gateway.main")
 
 STATE_S = 0.25  # scraped engine load reaches the workers at least this often
 START_TIMEOUT_S = 30.0  # a new worker must serve within this, or the reload is abandoned
+SYNC_S = 2.0  # an admin change waits at most this long for the workers to apply it
 
 
 @dataclass(eq=False)
@@ -80,6 +81,7 @@ class Worker:
     writer: asyncio.StreamWriter
     up: asyncio.Event = field(default_factory=asyncio.Event)
     draining: bool = False
+    acked: int = -1  # the last state message it applied
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -138,6 +140,7 @@ class MainGateway(Gateway):
         self._ids = itertools.count()
         self._asked: dict[int, tuple[asyncio.Future[str], int]] = {}
         self._broadcast_soon = False
+        self._seq = 0
         self._reloading: asyncio.Task[None] | None = None
         self.metrics.registry.register(_WorkerGauge(self))
 
@@ -177,6 +180,7 @@ class MainGateway(Gateway):
         pool = self.pool
         return {
             "t": "state",
+            "seq": self._seq,
             "default_cap": pool.default_cap,
             "routes": pool.routes,
             "routes_override": pool.routes_override,
@@ -209,10 +213,23 @@ class MainGateway(Gateway):
 
     def broadcast(self) -> None:
         self._broadcast_soon = False
+        self._seq += 1
         msg = orjson.dumps(self.snapshot()) + b"\n"
         for w in self.workers:
             if not w.writer.is_closing():
                 w.writer.write(msg)
+
+    async def sync(self) -> None:
+        """Send the state now and wait until every serving worker has applied it, so that
+        an admin call's answer means the change is live (bounded: a stuck worker is not
+        waited for past SYNC_S)."""
+        self.broadcast()
+        seq = self._seq
+        deadline = time.monotonic() + SYNC_S
+        while time.monotonic() < deadline and any(
+            w.acked < seq for w in self.workers if not w.draining and w.up.is_set()
+        ):
+            await asyncio.sleep(0.002)
 
     async def _tick(self) -> None:
         """Remove drained endpoints once no worker holds a slot on them; refresh the
@@ -284,7 +301,9 @@ class MainGateway(Gateway):
             while line := await reader.readline():
                 msg = orjson.loads(line)
                 t = msg["t"]
-                if t == "up":
+                if t == "ack":
+                    w.acked = msg["seq"]
+                elif t == "up":
                     w.up.set()
                 elif t == "suspect":
                     ep = self.pool.get(msg["name"])

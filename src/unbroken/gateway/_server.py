@@ -170,6 +170,9 @@ class Gateway:
         self.pool.routes_override = routes
         self._changed()
 
+    async def sync(self) -> None:
+        """Return once a change is live where requests are served (see the main process)."""
+
     def process_status(self) -> dict[str, Any]:
         """The process model, for /admin/status."""
         return {"workers": {"serving": 1, "draining": 0, "pids": [os.getpid()]}}

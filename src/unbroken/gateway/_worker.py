@@ -145,6 +145,7 @@ class WorkerGateway(Gateway):
             t = msg["t"]
             if t == "state":
                 self.apply(msg)
+                self.send({"t": "ack", "seq": msg["seq"]})
             elif t == "metrics":
                 text = generate_latest(self.metrics.registry).decode()
                 self.send({"t": "metrics", "id": msg["id"], "text": text})
