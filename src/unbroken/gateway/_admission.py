@@ -86,6 +86,8 @@ class Admission:
     def _pick_take(
         self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
     ) -> tuple[Endpoint, int] | None:
+        if self.shared is not None and self._pick(model, priority, exclude, weight) is None:
+            return None  # full: known without the lock (waiters poll this often)
         with self._lock():
             ep = self._pick(model, priority, exclude, weight)
             return None if ep is None else self._take(ep, weight)
@@ -223,12 +225,18 @@ class Admission:
         if not self._heap:
             return
         served: list[_Waiter] = []
+        full: set[tuple[str, str, int]] = set()  # requests like these found no room just now
         for w in sorted(self._heap):
             if w.future.done():
                 served.append(w)
                 continue
+            key = (w.model, w.priority, w.weight)
+            if not w.exclude and key in full:
+                continue
             got = self._pick_take(w.model, w.priority, w.exclude, w.weight)
             if got is None:
+                if not w.exclude:
+                    full.add(key)
                 continue
             w.future.set_result(got)
             served.append(w)
