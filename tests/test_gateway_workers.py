@@ -299,3 +299,47 @@ def test_routing_policy_is_one_object() -> None:
         pool.add(e)
     names = [p.name for _ in range(4) if (p := pool.pick("m", "standard")) is not None]
     assert names == ["a", "b", "a", "b"]
+
+
+def test_priority_order_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
+    """Cap 1, 2 workers, one stream holding the slot; 3 standard requests queue, then 3
+    critical ones, on fresh connections (the kernel spreads them over the workers): every
+    critical one is served before any standard one."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2", "--cap", "1", "--queue-timeout", "60"))
+    release = threading.Event()
+    finished: list[str] = []
+
+    def hold() -> None:
+        body = {"model": MODEL, "prompt": "hold", "max_tokens": 5000, "stream": True}
+        with httpx.Client(timeout=60) as c, c.stream("POST", g.url + "/v1/completions", json=body):
+            release.wait(60)
+
+    def req(prio: str, i: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            r = c.post(
+                g.url + "/v1/completions",
+                headers={"x-unbroken-priority": prio},
+                json={"model": MODEL, "prompt": f"{prio} {i}", "max_tokens": 5},
+            )
+        assert r.status_code == 200, r.text
+        finished.append(prio)
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            holder = pool.submit(hold)
+            wait_for(lambda: metric(g.url, "unbroken_gateway_inflight") == 1, timeout=10)
+            jobs = []
+            for prio in ("standard", "critical"):
+                jobs += [pool.submit(req, prio, i) for i in range(3)]
+                wait_for(
+                    lambda p=prio: metric(g.url, "unbroken_gateway_queue_depth", priority=p) == 3,
+                    timeout=10,
+                )
+            release.set()
+            holder.result()
+            for j in jobs:
+                j.result()
+        assert finished == ["critical"] * 3 + ["standard"] * 3, finished
+    finally:
+        release.set()
+        g.stop()

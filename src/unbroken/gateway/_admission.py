@@ -11,8 +11,9 @@ and by the request bytes its waiters hold: beyond either, 429 at once.
 With several worker processes (`shared`), slots live in the shared table: picking and taking
 run under its lock, so together the workers never exceed a cap. Each worker queues its own
 waiters; a new request does not pass one of equal or better priority waiting in any worker,
-and waiters poll for slots that other workers free every `POLL_S`. Queue bounds (count,
-bytes) are per worker.
+and waiters poll for slots that other workers free every `POLL_S`, leaving a slot for up to
+`DEFER_S` to a better priority queued in another worker. Queue bounds (count, bytes) are per
+worker.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ __all__ = ["POLL_S", "PRIORITIES", "Admission"]
 
 # How often queued requests look for slots freed by other workers.
 POLL_S = 0.005
+# How long a queued request leaves a freed slot to a better-priority request queued in another
+# worker (which may need another pool or model, so not forever).
+DEFER_S = 0.2
 
 PRIORITIES = ("critical", "standard", "sheddable")
 _RANK = {p: i for i, p in enumerate(PRIORITIES)}
@@ -51,6 +55,7 @@ class _Waiter:
     future: asyncio.Future[tuple[Endpoint, int]] = field(compare=False)
     weight: int = field(compare=False, default=1)
     size: int = field(compare=False, default=0)
+    deferred: float | None = field(compare=False, default=None)
 
 
 class Admission:
@@ -226,10 +231,19 @@ class Admission:
             return
         served: list[_Waiter] = []
         full: set[tuple[str, str, int]] = set()  # requests like these found no room just now
+        now = time.monotonic()
         for w in sorted(self._heap):
             if w.future.done():
                 served.append(w)
                 continue
+            if w.rank > 0 and self._others_waiting(w.rank - 1):
+                # Defer only while there is room: the clock runs from when a slot is free.
+                if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
+                    w.deferred = None
+                    continue
+                w.deferred = w.deferred or now
+                if now - w.deferred < DEFER_S:
+                    continue
             key = (w.model, w.priority, w.weight)
             if not w.exclude and key in full:
                 continue
