@@ -6,13 +6,15 @@ routes pass through; /v1/models keeps the engine's fields."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, engine, gateway, metric, stream
+from helpers import MODEL, Proc, admin, engine, gateway, metric, stream, wait_endpoints
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,36 @@ def test_engine_routes_pass_through(gw: tuple[Proc, Proc]) -> None:
     # A path neither serves is still the gateway's unknown route.
     assert httpx.get(g.url + "/v1/v1/models", timeout=10).status_code == 404
 
+
+
+def test_a_run_of_5xx_takes_an_endpoint_out_until_readiness(tmp_path: Path) -> None:
+    """/health stays green while every request gets a 500 (as vLLM shutting down): out of
+    rotation after 3 in a row, back only once a real completion succeeds again."""
+    a = engine(tmp_path, name="a")
+    b = engine(tmp_path, name="b")
+    g = gateway(tmp_path, f"primary={a.url}", f"fallback={b.url}")
+    auth = {"Authorization": "Bearer test-admin-token"}
+    name = f"127.0.0.1:{a.port}"
+    try:
+        httpx.post(a.url + "/admin/faults", json={"kind": "fail", "fraction": 1.0}, headers=auth)
+        for i in range(3):
+            r = httpx.post(
+                g.url + "/v1/completions",
+                json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 2},
+                timeout=30,
+            )
+            assert r.status_code == 200 and r.headers["x-unbroken-endpoint"] != name
+        eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+        assert not next(e for e in eps if e["name"] == name)["healthy"]
+        time.sleep(2.5)  # /health is 200 all along: that alone does not bring it back
+        eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+        assert not next(e for e in eps if e["name"] == name)["healthy"]
+        httpx.delete(a.url + "/admin/faults", headers=auth)
+        wait_endpoints(g, lambda eps: next(e for e in eps if e["name"] == name)["healthy"])
+        r = httpx.post(
+            g.url + "/v1/completions", json={"model": MODEL, "prompt": "z", "max_tokens": 2}
+        )
+        assert r.headers["x-unbroken-endpoint"] == name
+    finally:
+        for p in (g, a, b):
+            p.stop()
