@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -425,12 +426,17 @@ MAX_DEFAULT_WORKERS = 8
 
 
 def default_workers() -> int:
-    """One per core this process may run on, at most MAX_DEFAULT_WORKERS: past that the main
-    process's admin API and the shared lock, not the cores, bound the gain."""
+    """One per core this process may run on (its CPU affinity, and a cgroup v2 CPU quota such
+    as a Kubernetes CPU limit), at most MAX_DEFAULT_WORKERS: past that the main process and
+    the shared lock, not the cores, bound the gain."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, -(-int(quota) // int(period)))  # a limit of 1.5 CPUs: 2 workers
     return max(1, min(n, MAX_DEFAULT_WORKERS))
 
 
