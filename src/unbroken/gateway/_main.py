@@ -256,6 +256,8 @@ class MainGateway(Gateway):
 
     # -- workers ------------------------------------------------------------------------------
     async def spawn(self, generation: int) -> Worker:
+        if not self._free_rows:
+            raise RuntimeError(f"{MAX_WORKERS} workers are running or still draining")
         row = self._free_rows.pop()
         self.shared.clear_row(row)
         cfg_path = self.tmp / f"settings-{generation}.json"
@@ -337,7 +339,7 @@ class MainGateway(Gateway):
             try:
                 await self.spawn(w.generation)
                 return
-            except OSError as e:
+            except (OSError, RuntimeError) as e:
                 log.error("cannot start a worker: %s; retrying", e)
                 await asyncio.sleep(1.0)
 
