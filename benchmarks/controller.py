@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import aiohttp
 
-from _common import table
+from _common import cpu_seconds, table
 from unbroken.bench.stats import percentile
 from unbroken.clients import EngineAdmin, GatewayAdmin
 from unbroken.config.paths import engine_token
@@ -132,6 +132,26 @@ class Users:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+async def _controller_pid(p: Pipeline) -> int:
+    """The controller's pid, from the supervisor's status (it starts after the engines)."""
+    deadline = time.monotonic() + 30
+    while True:
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "unbroken", "status", "--json"],
+            env=p.env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        try:
+            pid = json.loads(out.stdout)["controller"]["pid"]
+        except (ValueError, KeyError, TypeError):
+            pid = None
+        if pid:
+            return int(pid)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no controller pid in the status: {out.stdout[:300]}")
+        await asyncio.sleep(0.5)
+
+
 async def _json(s: aiohttp.ClientSession, url: str) -> Any:
     async with s.get(url) as r:
         return await r.json()
@@ -148,6 +168,8 @@ async def one_pass(tmp: Path, agent: bool, episodes: int, users: int, extra_ms: 
         eng = EngineAdmin(eps[victim]["url"], engine_token(p.state))
         load = Users(p.url, users)
         path = "?"
+        ctl_pid = await _controller_pid(p)
+        cpu0, wall0 = cpu_seconds(ctl_pid), time.monotonic()
         async with aiohttp.ClientSession() as s:
             deadline = time.monotonic() + 60
             while True:  # baselines learned (and the agent live, in the eBPF pass)
@@ -196,6 +218,7 @@ async def one_pass(tmp: Path, agent: bool, episodes: int, users: int, extra_ms: 
                     f"condition {to_condition[-1]:.2f} s, re-routed {to_reroute[-1]:.2f} s",
                     flush=True,
                 )
+        cpu = (cpu_seconds(ctl_pid) - cpu0) / (time.monotonic() - wall0)
         await load.stop()
         await gw.close()
         await eng.close()
@@ -203,6 +226,7 @@ async def one_pass(tmp: Path, agent: bool, episodes: int, users: int, extra_ms: 
             "path": path,
             "condition": to_condition,
             "reroute": to_reroute,
+            "controller_cpu": cpu,
             "requests": len(load.served),
             "errors": load.errors,
         }
@@ -244,11 +268,12 @@ async def main() -> None:
                 f"{pct(rr, 50):.2f}",
                 f"{pct(rr, 99):.2f}",
                 f"{scrape / pct(rr, 50):.1f}x",
+                f"{r['controller_cpu'] * 100:.1f} %",
                 f"{r['errors']} of {r['requests'] + r['errors']}",
             ]
         )
     rows.append(["15 s Prometheus scrape (seed baseline)", "-", ">= 7.5", ">= 15", "-", "-",
-                 "1.0x", "-"])  # fmt: skip
+                 "1.0x", "-", "-"])  # fmt: skip
     print(
         f"\ncontroller detection, {a.episodes} episodes of slow_cuda +{a.extra_ms:g} ms per "
         f"call on primary-1, {a.users} users; {platform.node()}, {os.cpu_count()} cores\n"
@@ -263,6 +288,7 @@ async def main() -> None:
                 "→ re-routed p50 s",
                 "p99 s",
                 "faster than a scrape (p50)",
+                "controller CPU",
                 "failed requests",
             ],
             rows,

@@ -86,7 +86,7 @@ class ControllerSettings(_Spec):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8082
-    interval_s: Annotated[float, Field(gt=0, le=5)] = 0.25
+    interval_s: Annotated[float, Field(gt=0, le=5)] = 0.2
     # CUDA launch/copy call latency (agent) against its baseline.
     cuda_enter_ratio: Annotated[float, Field(gt=1)] = 3.0
     cuda_exit_ratio: Annotated[float, Field(gt=1)] = 1.5
@@ -98,7 +98,7 @@ class ControllerSettings(_Spec):
     # Socket-seconds per second at >= the agent's threshold above which the slowdown is
     # blamed on the network/clients, not the device (the seed's rule).
     backpressure_max: Annotated[float, Field(ge=0)] = 0.5
-    enter_dwell_s: Annotated[float, Field(ge=0)] = 0.25
+    enter_dwell_s: Annotated[float, Field(ge=0)] = 0.2
     exit_dwell_s: Annotated[float, Field(ge=0)] = 3.0
     min_dwell_s: Annotated[float, Field(ge=0)] = 2.0
     recover_step_s: Annotated[float, Field(gt=0)] = 2.0

@@ -1,5 +1,5 @@
 """The adaptive controller: reads the agent's eBPF signals and the engines' vLLM metrics every
-250 ms, classifies each endpoint (normal, contended, recovering) against its own learned
+200 ms, classifies each endpoint (normal, contended, recovering) against its own learned
 baseline, and acts through the gateway's admin API (caps, tier routing, shedding). See
 docs/controller.md."""
 
