@@ -36,6 +36,7 @@ class FakeVllm:
     def __init__(self, die_after: int | None = None, per_event: int = 3) -> None:
         self.die_after = die_after
         self.per_event = per_event
+        self.suffix = ""  # appended to non-streamed answers: an engine that disagrees
         self.port = free_port()
         self.bodies: list[tuple[str, dict[str, Any]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -55,7 +56,9 @@ class FakeVllm:
             return web.Response(text="ok")
 
         async def models(_: web.Request) -> web.Response:
-            return web.json_response({"data": [{"id": MODEL, "object": "model"}]})
+            return web.json_response(
+                {"data": [{"id": MODEL, "object": "model", "owned_by": "vllm"}]}
+            )
 
         app.router.add_get("/health", text)
         app.router.add_get("/metrics", text)
@@ -81,7 +84,7 @@ class FakeVllm:
         ids = list(prompt) if isinstance(prompt, list) else list(PROMPT_IDS[path])
         n = int(body.get("max_tokens") or 16)
         if not body.get("stream"):
-            text = "".join(tok(len(ids) + i) for i in range(n))
+            text = "".join(tok(len(ids) + i) for i in range(n)) + self.suffix
             choice = {"index": 0, "finish_reason": "length"}
             choice.update({"message": {"content": text}} if chat else {"text": text})
             return web.json_response({"id": "x", "choices": [choice], "usage": {}})
