@@ -5,7 +5,12 @@ the reason (a vLLM-shaped stand-in engine on real sockets, from test_gateway_tok
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
+from helpers import engine
 from test_gateway_tokens import MODEL, FakeVllm
 from unbroken.bench.load import LoadConfig, LoadRun
 
@@ -56,3 +61,29 @@ def test_verification_against_a_reference_engine() -> None:
     finally:
         for e in (eng, ref, other):
             e.close()
+
+
+def test_scenario_on_your_own_engines_runs_your_command(tmp_path: Path) -> None:
+    """No `unbroken up`: --scenario chaos runs --scenario-command at --at."""
+    e = engine(tmp_path)
+    marker = tmp_path / "chaos-ran"
+    out = tmp_path / "out"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "unbroken", "bench", "--url", e.url, "--scenario", "chaos",
+             "--at", "0.5", "--duration", "2", "--users", "2", "--max-tokens", "8",
+             "--scenario-command", f"touch {marker}", "--out", str(out)],
+            capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        e.stop()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert marker.exists()
+    data = json.loads((out / "results.json").read_text())
+    assert [ev["event"] for ev in data["events"]][:1] == ["replica_killed"]
+    assert "simulator" in data["meta"]["verification"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "unbroken", "bench", "--url", e.url, "--scenario", "rollout"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode == 2 and "--scenario-command" in refused.stderr + refused.stdout
