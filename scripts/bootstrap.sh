@@ -38,4 +38,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e '.[dev]'
 "$VENV/bin/python" -m unbroken.engine.cuda >/dev/null
+# Real vLLM for tests/vllm (its own venv, cached): installed by the tier's first test when
+# missing; UNBROKEN_VLLM=1 installs it here instead (minutes, ~3.5 GB).
+if [ "${UNBROKEN_VLLM:-0}" = 1 ]; then ./scripts/vllm-venv.sh >/dev/null; fi
 echo "bootstrap: ready ($("$VENV/bin/python" --version), $VENV)"
