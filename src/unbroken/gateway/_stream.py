@@ -444,8 +444,10 @@ class StreamRelay:
                 # so far goes to the client; the rest comes from another engine.
                 verdict = "abort"
                 if n or _has_text(obj):
-                    tracker.observe_obj(obj)
-                    out.append(encode_json(obj))
+                    raw = self._rewrite(obj) if rewrite else encode_json(obj)
+                    if raw is not None:
+                        tracker.observe_obj(obj)
+                        out.append(raw)
                 break
             if changed is None:  # a chunk only the gateway asked for
                 continue
@@ -510,7 +512,7 @@ class StreamRelay:
                 ids = t
             if self.legs == 1 and isinstance(ch.get("prompt_token_ids"), list):
                 self.prompt_ids = ch["prompt_token_ids"]
-            txt = ch.get("delta", {}).get("content") if self.chat else ch.get("text")
+            txt = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
             if txt:
                 text_events += 1
         if self.legs == 1 and isinstance(obj.get("prompt_token_ids"), list):
