@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -521,6 +522,10 @@ def test_precision_plan_respects_the_floor_and_converts_back() -> None:
     assert back is not None and (back.endpoint, back.to_pool, back.back) == ("f-2", "primary", True)
     # Off by default.
     assert plan(ControllerSettings(), PrecisionState(), 99.0, conditions=cond, **args) is None
+    # No flapping: right after a conversion the shape is kept for the quiet period.
+    recent = PrecisionState(last_conversion=100.0)
+    assert plan(s, recent, 103.0, conditions={"p-1": ("contended", 99.0)}, **args) is None
+    assert plan(s, recent, 105.5, conditions={"p-1": ("contended", 99.0)}, **args) is not None
 
 
 PRECISION_SPEC = """
@@ -659,10 +664,12 @@ def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
         decisions = httpx.get(ctl + "/decisions").json()["decisions"]
     finally:
         up.stop()
-    assert contended["source"] == "cuda" and contended["ratio"] >= 3, contended
+    assert contended["source"] == "cuda", contended
     assert detected < 5.0
     first = next(d for d in decisions if d["action"] == "condition normal -> contended")
     assert first["reason"].startswith("cuda "), first
+    ratio = float(re.search(r"\(x([0-9.]+)\)", first["reason"]).group(1))  # type: ignore[union-attr]
+    assert ratio >= 3, first
     assert all(ok for *_, ok, _st in load.records)
 
 

@@ -95,6 +95,8 @@ class ControllerSettings(_Spec):
     # Engine inter-token latency against the baseline predicted for its batch size.
     itl_enter_ratio: Annotated[float, Field(gt=1)] = 1.6
     itl_exit_ratio: Annotated[float, Field(gt=1)] = 1.2
+    # A smaller ITL excess is scheduling noise (a busy host), not a contended device.
+    min_itl_excess_ms: Annotated[float, Field(ge=0)] = 5.0
     # Socket-seconds per second at >= the agent's threshold above which the slowdown is
     # blamed on the network/clients, not the device (the seed's rule).
     backpressure_max: Annotated[float, Field(ge=0)] = 0.5

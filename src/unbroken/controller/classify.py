@@ -179,6 +179,12 @@ class Detector:
         if itl is not None:
             pred = self.itl.predict(running) if self.itl.ready else None
             ratio = itl / pred if pred is not None else None
+            if (
+                ratio is not None
+                and pred is not None
+                and ((itl - pred) * 1e3 < self.settings.min_itl_excess_ms)
+            ):
+                ratio = min(ratio, 1.0)
             if r.source is None:
                 r.source, r.value, r.baseline, r.ratio = "itl", itl, pred, ratio
             if normal and (ratio is None or ratio < self.settings.itl_exit_ratio):

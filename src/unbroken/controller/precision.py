@@ -40,6 +40,7 @@ class PrecisionState:
     # endpoint now in the degraded tier → the full pool it came from
     converted: dict[str, str] = field(default_factory=dict)
     last_contended: float | None = None  # monotonic: last window a full endpoint was contended
+    last_conversion: float | None = None  # monotonic: when the last conversion finished
 
 
 def plan(
@@ -61,10 +62,16 @@ def plan(
         for n, (c, since) in conditions.items()
         if c == "contended" and pools.get(n) in full
     ]
+    # No flapping: after any conversion the pipeline keeps its shape for the quiet period.
+    settled = st.last_conversion is None or now - st.last_conversion >= s.convert_back_after_s
     if contended:
         st.last_contended = now
         since, name = min(contended)
-        if now - since >= s.convert_after_s and len(full_eps) - 1 >= s.min_full_replicas:
+        if (
+            settled
+            and now - since >= s.convert_after_s
+            and len(full_eps) - 1 >= s.min_full_replicas
+        ):
             return ConvertPlan(
                 name,
                 degraded[0],

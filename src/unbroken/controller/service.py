@@ -365,6 +365,7 @@ class Controller:
                 # The quiet period before converting back starts now, not at the last
                 # contended window before the conversion (which took seconds).
                 self.precision.last_contended = time.monotonic()
+                self.precision.last_conversion = time.monotonic()
                 if p.back:
                     self.precision.converted.pop(p.endpoint, None)
                 else:
@@ -516,7 +517,9 @@ class Controller:
     # -- lifecycle ----------------------------------------------------------------------------
     async def run(self) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=max(0.2, self.s.interval_s * 0.8)),
+            # Generous: a busy agent or engine answering late stretches one window; a timeout
+            # would lose the signal for it (and flap the agent's state).
+            timeout=aiohttp.ClientTimeout(total=max(1.0, self.s.interval_s * 4)),
             connector=aiohttp.TCPConnector(limit=64),
         )
         log.info(
