@@ -27,7 +27,7 @@ from unbroken.gateway._continuation import (
     not_migratable,
     token_continuation_body,
 )
-from unbroken.gateway._pool import Endpoint
+from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
 from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.sse import SSEDecoder, SSEEvent, encode_data, encode_json
@@ -50,6 +50,8 @@ STALL_LEARN = 8
 STALL_FLOOR_S = 2.0
 SIBLING_FACTOR = 4.0
 SIBLING_FLOOR_S = 1.0
+# At most this many tokens are given back to land a split outside a character (UTF-8: 4).
+_MAX_SPLIT_BACK = 8
 # Breaks that say the engine process is going away (not just this request failing).
 _DYING = ("reset", "truncated", "abort")
 
@@ -127,6 +129,7 @@ class StreamRelay:
         self.prompt_ids: list[int] | None = None
         self.gen_ids: list[int] = []
         self.ids_ok = True
+        self.split_back = 0  # tokens regenerated to keep splits outside a character
         self.legs = 0
         self._wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
         self._tmo: asyncio.Timeout | None = None
@@ -175,6 +178,8 @@ class StreamRelay:
                 if why is not None:
                     await self._give_up(reason, why)
                     return self._response()
+                if tokens:
+                    await self._safe_split()
                 tries = self._continuations(tokens)
                 self.migrations += 1
                 m.migrated.labels(reason).inc()
@@ -191,13 +196,14 @@ class StreamRelay:
                 up, ep, n, kind = leg
                 m.migration_path.labels(kind).inc()
                 log.info(
-                    "stream %s: %s on %s, continued on %s after %d tokens (%s path)",
+                    "stream %s: %s on %s, continued on %s after %d tokens (%s path, %d back)",
                     self.tracker.id,
                     reason,
                     self.failed[-1].name,
                     ep.name,
                     self.sent,
                     kind,
+                    self.split_back,
                 )
                 if kind == "text":
                     self.ids_ok = False  # later ids would follow a re-tokenized prompt
@@ -237,6 +243,50 @@ class StreamRelay:
             and self.prompt_ids is not None
             and len(self.gen_ids) == self.sent
         )
+
+    async def _safe_split(self) -> None:
+        """Never continue from inside a character. The engine holds back text while its
+        decoding ends in an incomplete (or not yet resolved) UTF-8 sequence, so the client
+        has none of those last tokens' text; and vLLM, primed with a prompt whose decoding
+        ends so, re-emits the whole prompt's text (measured). So the split moves back to the
+        last token after which the text was whole (asked of an engine's /detokenize); the
+        engine regenerates the dropped tokens, greedy, the same."""
+        assert self.prompt_ids is not None
+        ep = next(
+            (
+                e
+                for e in self.p.pool.endpoints.values()
+                if e.state == State.READY
+                and e.healthy
+                and self.model in e.models
+                and e not in self.failed
+            ),
+            None,
+        )
+        if ep is None or self.p.session is None:
+            return
+        for _ in range(_MAX_SPLIT_BACK):
+            if not self.gen_ids:
+                return
+            try:
+                async with self.p.session.post(
+                    ep.url + "/detokenize",
+                    data=orjson.dumps(
+                        {"model": self.model, "tokens": self.prompt_ids + self.gen_ids}
+                    ),
+                    headers=self.p.upstream_headers(self.headers, ep),
+                    timeout=aiohttp.ClientTimeout(total=2.0),
+                ) as r:
+                    if r.status != 200:
+                        return
+                    text = orjson.loads(await r.read()).get("prompt")
+            except (*UPSTREAM_ERRORS, orjson.JSONDecodeError, AttributeError):
+                return
+            if not isinstance(text, str) or not text.endswith("\ufffd"):
+                return
+            self.gen_ids.pop()
+            self.sent -= 1
+            self.split_back += 1
 
     def _continuations(self, tokens: bool) -> list[tuple[str, str, bytes]]:
         """(path kind, route, body) to try in order on the next endpoint; empty when the
