@@ -27,6 +27,7 @@ from helpers import (
     admin,
     engine,
     gateway,
+    metric,
     stream,
     stream_text,
     wait_for,
@@ -332,7 +333,7 @@ def test_contention_detected_acted_on_and_undone(
         settings=LOOP_SETTINGS,
     ).start()  # fmt: skip
     try:
-        with Load(g.url, users=6) as load:
+        with Load(g.url, users=6, max_tokens=100) as load:
             # Baselines need a few windows of traffic (the fp8 pool gets none yet).
             wait_for(
                 lambda: all(
@@ -390,7 +391,14 @@ def test_contention_detected_acted_on_and_undone(
     fallback = _name_of(g, engines["f-1"].url)
     assert std and all(r[2] == fallback for r in std), std
     assert crit and all(r[2] != fallback for r in crit), crit
+    # ...and on the healthy fp16 sibling: the contended device is the pool's last choice.
+    sibling = _name_of(g, engines["p-2"].url)
+    assert all(r[2] == sibling for r in crit), crit
     actions = [d["action"] for d in decisions]
+    # The victim's running standard streams moved elsewhere by continuation, byte-exact
+    # (every record above matched the expected text).
+    assert "move streams" in actions, actions
+    assert metric(g.url, "unbroken_gateway_streams_migrated_total", reason="rebalance") >= 1
     for a in ("condition normal -> contended", "lower cap", "route to degraded",
               "condition contended -> recovering", "restore routes", "restore cap",
               "condition recovering -> normal"):  # fmt: skip

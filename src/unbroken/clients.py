@@ -114,6 +114,12 @@ class GatewayAdmin(_AdminClient):
         """Set any of `cap`, `pool`, `cap_override` (None clears it), `condition`."""
         return await self._call("PATCH", f"/admin/endpoints/{name}", fields)
 
+    async def rebalance(self, *, name: str, priorities: list[str]) -> dict[str, Any]:
+        """Move the endpoint's running streams of these priorities elsewhere now."""
+        return await self._call(
+            "POST", f"/admin/endpoints/{name}/rebalance", {"priorities": priorities}
+        )
+
     async def set_routes_override(self, *, routes: dict[str, list[str]]) -> dict[str, Any]:
         return await self._call("PUT", "/admin/routes/override", {"routes": routes})
 

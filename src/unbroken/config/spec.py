@@ -105,6 +105,9 @@ class ControllerSettings(_Spec):
     min_dwell_s: Annotated[float, Field(ge=0)] = 2.0
     recover_step_s: Annotated[float, Field(gt=0)] = 2.0
     baseline_windows: Annotated[int, Field(ge=1)] = 8
+    # On contention, move the endpoint's running standard and sheddable streams elsewhere by
+    # continuation (they would stall until they end); critical streams stay.
+    move_streams: bool = True
     cap_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
     min_cap: Annotated[int, Field(ge=1)] = 2
     # Pools by tier; empty = derived from pool precision (fp16/bf16 full, the rest degraded).

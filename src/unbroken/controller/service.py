@@ -110,6 +110,7 @@ class _Metrics:
             "restore cap",
             "route to degraded",
             "restore routes",
+            "move streams",
             "convert",
             "convert back",
         ):
@@ -167,6 +168,7 @@ class Controller:
         self.agent_state = "off" if not self.sources.has_agents else "unknown"
         self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
         self._routes_wanted: dict[str, list[str]] | None = None
+        self._moved: set[str] = set()  # endpoints whose streams were moved this episode
         self._stop = asyncio.Event()
         self.polls = 0
         self._probing: set[str] = set()
@@ -477,6 +479,46 @@ class Controller:
         conditions = {n: d.condition for n, d in self.detectors.items()}
         pools = {n: v.pool for n, v in self.views.items()}
         want = self.actuator.routes(conditions, pools)
+        await self._apply_routes(want, now)
+        await self._move_streams(now)
+
+    async def _move_streams(self, now: float) -> None:
+        """Once per episode, after the routes moved: the contended endpoint's running
+        standard and sheddable streams continue elsewhere (by continuation, byte-exact),
+        instead of stalling on the slow device until they end."""
+        for name, det in self.detectors.items():
+            if det.condition != "contended":
+                self._moved.discard(name)
+                continue
+            if not self.s.move_streams or name in self._moved:
+                continue
+            self._moved.add(name)
+            prios = ["standard", "sheddable"]
+            moving: list[Any] = []
+            for url in self._gateway_views:
+                try:
+                    r = await self._admin(url).rebalance(name=name, priorities=prios)
+                    moving.append(r.get("moving"))
+                except AdminError as e:
+                    self.metrics.errors.labels("apply").inc()
+                    log.warning("could not move streams off %s on %s: %s", name, url, e)
+            self.metrics.actions.labels("move streams").inc()
+            known = [m for m in moving if isinstance(m, int)]
+            count = f"{sum(known)} stream(s)" if len(known) == len(moving) else "streams"
+            self._record(
+                [
+                    Decision(
+                        now,
+                        name,
+                        "move streams",
+                        f"contended: {count} of priority {'/'.join(prios)} continue "
+                        "elsewhere; critical streams stay",
+                        {"moving": moving},
+                    )
+                ]
+            )
+
+    async def _apply_routes(self, want: dict[str, list[str]], now: float) -> None:
         for url in self._gateway_views:
             if self._routes_applied.get(url) == want:
                 continue

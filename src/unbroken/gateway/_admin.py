@@ -49,6 +49,12 @@ class PatchEndpoint(_In):
     condition: Literal["normal", "contended", "recovering"] | None = None
 
 
+class Rebalance(_In):
+    priorities: Annotated[
+        list[Literal["critical", "standard", "sheddable"]], Field(min_length=1, max_length=3)
+    ] = ["standard", "sheddable"]
+
+
 class Routes(_In):
     routes: dict[Literal["critical", "standard", "sheddable"], list[Name]]
 
@@ -124,6 +130,15 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
         gw.drain_endpoint(ep, spec.deadline_s)
         return json(dump(ep))
 
+    async def rebalance(request: web.Request) -> web.Response:
+        """Move this endpoint's running streams of the given priorities elsewhere now, by
+        continuation; `moving` is null where workers hold the streams (each moves its own)."""
+        ep = get(request)
+        spec = _parse(Rebalance, await request.read())
+        n = gw.rebalance(ep, spec.priorities)
+        return json({"endpoint": ep.name, "priorities": spec.priorities,
+                     "moving": None if n < 0 else n})  # fmt: skip
+
     def routes_view() -> dict[str, Any]:
         return {
             "routes": {p: pool.pools_for(p) for p in PRIORITIES},
@@ -180,6 +195,7 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
     app.router.add_patch("/admin/endpoints/{name}", patch)
     app.router.add_delete("/admin/endpoints/{name}", delete)
     app.router.add_post("/admin/endpoints/{name}/drain", drain)
+    app.router.add_post("/admin/endpoints/{name}/rebalance", rebalance)
     app.router.add_get("/admin/routes", get_routes)
     app.router.add_put("/admin/routes", put_routes)
     app.router.add_put("/admin/routes/override", put_routes_override)

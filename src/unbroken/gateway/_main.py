@@ -32,7 +32,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -168,6 +168,13 @@ class MainGateway(Gateway):
     def drain_endpoint(self, ep: Endpoint, deadline_s: float | None) -> None:
         super().drain_endpoint(ep, deadline_s)
         self._changed()
+
+    def rebalance(self, ep: Endpoint, priorities: Iterable[str]) -> int:
+        """The streams live in the workers: each one moves its own."""
+        for w in self.workers:
+            if not w.draining:
+                w.send({"t": "rebalance", "endpoint": ep.name, "priorities": list(priorities)})
+        return -1  # unknown here: the workers count them in their migration metrics
 
     def _changed(self) -> None:
         super()._changed()

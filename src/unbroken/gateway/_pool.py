@@ -274,6 +274,11 @@ class Pool:
                 and id(e) not in excluded
                 and e.has_room(cap)
             ]
+            # A contended device is the last choice within its pool: its cap already limits
+            # it, and a healthy sibling serves the same tier faster.
+            healthy = [e for e in candidates if e.condition != "contended"]
+            if healthy:
+                candidates = healthy
             if candidates and (ep := self.policy.pick(candidates, request)) is not None:
                 return ep
         return None

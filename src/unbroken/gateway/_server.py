@@ -36,7 +36,7 @@ from unbroken.wire.http import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from unbroken.gateway._discovery import Discovery, K8sSettings
     from unbroken.gateway._shared import SharedCounters
@@ -132,6 +132,20 @@ class Gateway:
             log.info("drain deadline of %s: migrating %d stream(s)", ep.name, len(ep.relays))
         for relay in list(ep.relays):
             relay.interrupt("drain_deadline")
+
+    def rebalance(self, ep: Endpoint, priorities: Iterable[str]) -> int:
+        """Move the streams of these priorities off `ep` now, by continuation (as at a drain
+        deadline): the controller's answer to a contended device, whose running streams would
+        otherwise stall until they end. Returns how many were asked to move."""
+        wanted = set(priorities)
+        moved = 0
+        for relay in list(ep.relays):
+            if getattr(relay, "priority", None) in wanted:
+                relay.interrupt("rebalance")
+                moved += 1
+        if moved:
+            log.info("rebalancing %s: moving %d %s stream(s)", ep.name, moved, "/".join(wanted))
+        return moved
 
     def _after_release(self, ep: Endpoint) -> None:
         if ep.state == State.DRAINING and ep.inflight == 0 and self.pool.get(ep.name) is ep:
@@ -326,8 +340,7 @@ class Gateway:
                     code="shutdown",
                 )
             log.warning(
-                "%d request(s) still open after the drain, %d stream(s) ended with an error "
-                "event",
+                "%d request(s) still open after the drain, %d stream(s) ended with an error event",
                 self.inflight_requests,
                 ended,
             )

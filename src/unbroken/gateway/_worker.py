@@ -153,6 +153,10 @@ class WorkerGateway(Gateway):
                 fut = self._asked.get(msg["id"])
                 if fut is not None and not fut.done():
                     fut.set_result(msg["text"])
+            elif t == "rebalance":
+                ep = self.pool.get(msg["endpoint"])
+                if ep is not None:
+                    self.rebalance(ep, msg["priorities"])
             elif t == "drain":
                 self.drain(msg["timeout"], msg["why"])
             elif t == "force":
