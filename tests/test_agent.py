@@ -125,7 +125,9 @@ def test_exact_counts_and_latency_buckets(agent: Agent, tmp_path: Path) -> None:
         ):
             slot = int(seconds * 1e9).bit_length() - 1
             s = stats[fn]
-            assert s.slots[slot] >= 0.9 * s.count, (fn, slot, s.slots)
+            # A preempted call on a busy 2-core box lands higher: allow 10 %, or one call of
+            # the 7 graph launches (where 10 % is less than one).
+            assert s.slots[slot] >= min(0.9 * s.count, s.count - 1), (fn, slot, s.slots)
     finally:
         p.kill()
         p.wait()
@@ -334,7 +336,7 @@ def test_injected_slow_cuda_shows_for_the_engine_endpoint(
         _discover(a)
         engine = next(r for r in u.status()["replicas"] if r["name"] == "main-1")
         assert engine["pid"] in a.cuda_pids and a.info(engine["pid"]).endpoint == "main-1"
-        token = (u.state / "admin-token").read_text().strip()
+        token = (u.state / "engine-token").read_text().strip()  # the engines' own token
         r = httpx.post(
             engine["url"] + "/admin/faults",
             headers={"Authorization": f"Bearer {token}"},
