@@ -637,7 +637,10 @@ def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
     launch latency the agent's uprobes measure (not by engine metrics), and acts."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(AGENT_SPEC)
-    up = Up(tmp_path, spec, agent=True)
+    # Its own copy of the stand-in CUDA library (a new inode): an earlier test's agent may
+    # still be having its uprobes on the session's copy torn down by the kernel, and a new
+    # agent attaching to that inode meanwhile saw no calls (see docs/agent.md, Limits).
+    up = Up(tmp_path, spec, env={"UNBROKEN_CACHE_DIR": str(tmp_path / "cache")}, agent=True)
     ctl = f"http://127.0.0.1:{up.controller_port}"
     try:
         with Load(up.url, users=6) as load:
