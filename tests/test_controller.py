@@ -236,6 +236,12 @@ def controller(tmp: Path, g: Proc, *args: str, settings: dict[str, Any]) -> Proc
     return Proc(argv, port, tmp / f"controller-{port}.log", env={"UNBROKEN_ADMIN_TOKEN": TOKEN})
 
 
+def tiered_controller(tmp: Path, g: Proc) -> Proc:
+    """A controller over the `tiered` fixture's pools, with the fast loop settings."""
+    args = ("--full-pool", "primary", "--degraded-pool", "fallback")
+    return controller(tmp, g, *args, settings=LOOP_SETTINGS)
+
+
 LOOP_SETTINGS = {
     "interval_s": 0.2,
     "enter_dwell_s": 0.4,
@@ -326,12 +332,7 @@ def test_contention_detected_acted_on_and_undone(
     while critical stays on fp16, and undoes all of it after the episode. No stream breaks."""
     g, engines = tiered
     victim = _name_of(g, engines["p-1"].url)
-    c = controller(
-        tmp_path,
-        g,
-        "--full-pool", "primary", "--degraded-pool", "fallback",
-        settings=LOOP_SETTINGS,
-    ).start()  # fmt: skip
+    c = tiered_controller(tmp_path, g).start()
     try:
         with Load(g.url, users=6, max_tokens=100) as load:
             # Baselines need a few windows of traffic (the fp8 pool gets none yet).
@@ -419,12 +420,7 @@ def test_slow_clients_never_reroute(tmp_path: Path, tiered: tuple[Proc, dict[str
     """Clients that stop reading fill the gateway's per-stream buffers; the controller reports
     them per endpoint and never marks an endpoint contended or re-routes for them."""
     g, _engines = tiered
-    c = controller(
-        tmp_path,
-        g,
-        "--full-pool", "primary", "--degraded-pool", "fallback",
-        settings=LOOP_SETTINGS,
-    ).start()  # fmt: skip
+    c = tiered_controller(tmp_path, g).start()
     socks: list[socket.socket] = []
     try:
         with Load(g.url, users=3):
@@ -469,12 +465,7 @@ def test_routed_around_endpoint_recovers_by_probing(
     the controller's small direct probes make it measurable, so it still returns to normal."""
     g, engines = tiered
     victim = _name_of(g, engines["p-1"].url)
-    c = controller(
-        tmp_path,
-        g,
-        "--full-pool", "primary", "--degraded-pool", "fallback",
-        settings=LOOP_SETTINGS,
-    ).start()  # fmt: skip
+    c = tiered_controller(tmp_path, g).start()
     try:
         with Load(g.url, users=4, critical_every=0) as load:
             wait_for(
@@ -721,12 +712,7 @@ def test_every_gateway_replica_discovered_from_kubernetes_is_told(
     for pod, g in (("gw-a", g1), ("gw-b", g2)):
         api.put_slice("default", f"gw-{pod}", "gw", [Ep(pod)], g.admin_port or 0, "admin")
     victim = _name_of(g1, engines["p-1"].url)
-    c = controller(
-        tmp_path,
-        g1,
-        "--full-pool", "primary", "--degraded-pool", "fallback",
-        settings=LOOP_SETTINGS,
-    )  # fmt: skip
+    c = tiered_controller(tmp_path, g1)
     # Only the Service: drop the static --gateway-admin the helper adds.
     i = c.argv.index("--gateway-admin")
     del c.argv[i : i + 2]
