@@ -47,7 +47,6 @@ from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
 from unbroken.gateway._metrics import merge_expositions
 from unbroken.gateway._pool import Endpoint, State
-from unbroken.gateway._prober import Prober
 from unbroken.gateway._server import (
     READINESS_LEAD_S,
     UNREADY_WARNING_S,
@@ -59,7 +58,7 @@ from unbroken.gateway._server import (
     resolve_token,
 )
 from unbroken.gateway._shared import MAX_ENDPOINTS, MAX_WORKERS, SharedCounters, SharedSlot
-from unbroken.wire.http import ServerLimits, client_session, start_site
+from unbroken.wire.http import ServerLimits, start_site
 
 if TYPE_CHECKING:
     from unbroken.gateway._discovery import K8sSettings
@@ -469,28 +468,7 @@ class MainGateway(Gateway):
         self, static: list[StaticEndpoint], *, warmup: bool, k8s: K8sSettings | None
     ) -> None:
         cfg = self.cfg
-        session = client_session(connect_timeout=cfg.connect_timeout_s)
-        self.proxy.session = session
-        self.prober = Prober(
-            session,
-            interval=cfg.probe_interval_s,
-            fail_threshold=cfg.health_fail_threshold,
-            warmup_timeout=cfg.warmup_timeout_s,
-            on_change=self._on_change,
-            headers_for=lambda ep: self.proxy.upstream_headers({}, ep),
-        )
-        for s in static:
-            self.add_endpoint(
-                s.url,
-                name=s.name or s.url.split("://", 1)[-1].rstrip("/"),
-                pool_name=s.pool,
-                warmup=warmup,
-            )
-        if k8s is not None:
-            from unbroken.gateway._discovery import Discovery
-
-            self.discovery = Discovery(self, k8s)
-            self.discovery.start()
+        self.start_control_plane(static, warmup=warmup, k8s=k8s)
         admin = admin_app(self, self.admin_token)
         admin.router.add_get("/metrics", self.metrics_handler)
         runner = await start_site(

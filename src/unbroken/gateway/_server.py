@@ -248,13 +248,11 @@ class Gateway:
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
 
-    async def start(
-        self,
-        static: list[StaticEndpoint] | None = None,
-        *,
-        warmup: bool = True,
-        k8s: K8sSettings | None = None,
+    def start_control_plane(
+        self, static: list[StaticEndpoint], *, warmup: bool, k8s: K8sSettings | None
     ) -> None:
+        """The upstream session, the prober, the static endpoints and discovery: what the
+        single process and the workers' main process both run."""
         cfg = self.cfg
         session = client_session(connect_timeout=cfg.connect_timeout_s)
         self.proxy.session = session
@@ -267,7 +265,7 @@ class Gateway:
             headers_for=lambda ep: self.proxy.upstream_headers({}, ep),
         )
         self.proxy.on_hang = self.prober.suspect
-        for s in static or []:
+        for s in static:
             self.add_endpoint(
                 s.url,
                 name=s.name or s.url.split("://", 1)[-1].rstrip("/"),
@@ -279,6 +277,16 @@ class Gateway:
 
             self.discovery = Discovery(self, k8s)
             self.discovery.start()
+
+    async def start(
+        self,
+        static: list[StaticEndpoint] | None = None,
+        *,
+        warmup: bool = True,
+        k8s: K8sSettings | None = None,
+    ) -> None:
+        cfg = self.cfg
+        self.start_control_plane(static or [], warmup=warmup, k8s=k8s)
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
         public = await start_site(self.public_app(), cfg.host, cfg.port, limits=limits)
         admin = await start_site(
