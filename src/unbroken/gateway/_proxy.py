@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,7 +27,8 @@ from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._continuation import augment
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._relay import BufferBudget, ClientSink
-from unbroken.gateway._stream import UPSTREAM_ERRORS, Retry, StreamRelay
+from unbroken.gateway._stream import StreamRelay
+from unbroken.gateway._upstream import UPSTREAM_ERRORS, Form, Leg, Retry, Upstream
 from unbroken.wire.errors import ApiError
 from unbroken.wire.openai import gateway_view, lax_bool
 
@@ -107,7 +108,9 @@ class Proxy:
         self._skip = _HOP | {cfg.priority_header.lower()}
         self._ttfb: dict[str, deque[float]] = {}
         self._5xx: dict[str, int] = {}  # 5xx answers in a row, per endpoint
-        self.plain: set[str] = set()  # endpoints that refuse usage/token-id stream options
+        # Per endpoint, the kinds of request form it refused (see `open_upstream`).
+        self._refused: dict[str, set[str]] = {}
+        self.upstream = Upstream(cfg.connect_timeout_s)
         self._watchdog: asyncio.Task[None] | None = None
         self.on_hang: Callable[[Endpoint], None] | None = None  # the prober's `suspect`
         self.pool_keys = {
@@ -186,7 +189,9 @@ class Proxy:
             if not isinstance(model, str) or not model:
                 if not known:
                     raise ApiError(
-                        503, "no endpoint is ready yet", code="no_endpoint",
+                        503,
+                        "no endpoint is ready yet",
+                        code="no_endpoint",
                         headers={"Retry-After": "1"},
                     )
                 model = known[0]
@@ -202,9 +207,7 @@ class Proxy:
                 headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
             else:
                 del headers["Content-Type"]
-            resp, pool_label = await self._pass(
-                request, model, priority, body, headers, stream, t0
-            )
+            resp, pool_label = await self._pass(request, model, priority, body, headers, stream, t0)
             status = resp.status
             return resp
         except ApiError as e:
@@ -447,6 +450,81 @@ class Proxy:
             q = self._ttfb[ep.name] = deque(maxlen=_TTFB_SAMPLES)
         q.append(seconds)
 
+    # -- the one way upstream ---------------------------------------------------------------
+    async def open_upstream(
+        self,
+        model: str,
+        priority: str,
+        forms: Sequence[Form],
+        exclude: list[Endpoint],
+        *,
+        limit: Callable[[Endpoint], float],
+        streaming: bool = True,
+        weight: int = 1,
+        size: int = 0,
+        headers: dict[str, str],
+    ) -> Leg:
+        """One attempt: wait for slots on an endpoint not in `exclude` (admission), then send
+        `forms` in order until the engine does not refuse one with a 4xx; an engine that
+        refused a sticky form while taking a later one is not asked for it again. Returns
+        the leg, slots held, with whatever HTTP answer it got (the body read unless it is a
+        200 stream). A connection failure or the time limit `limit(ep)` is recorded on the
+        endpoint, which is added to `exclude`, its slots released, and raises Retry. Leg 0
+        of a request and every continuation of a stream come through here."""
+        ep, n, waited = await self.admission.acquire(
+            model, priority, exclude, weight=weight, size=size
+        )
+        if waited:
+            self.metrics.queue_wait.labels(priority).observe(waited)
+        hdrs = self.upstream_headers(headers, ep)
+        refused = self._refused.get(ep.name, ())
+        todo = [f for f in forms if f.kind not in refused] or list(forms[-1:])
+        t = max(limit(ep), 0.0)
+        tmo = asyncio.timeout(t)
+        try:
+            async with tmo:
+                for i, form in enumerate(todo):
+                    up = await self.upstream.request(ep.url, form.path, form.body, hdrs)
+                    if up.status == 200 and streaming:
+                        data = None
+                    else:
+                        try:
+                            data = await up.read()
+                        except ConnectionError as e:
+                            raise Retry("reset", f"{type(e).__name__}: {e}") from None
+                    if 400 <= up.status < 500 and i + 1 < len(todo):
+                        log.info(
+                            "%s refused a %s request: HTTP %d %s",
+                            ep.name,
+                            form.kind,
+                            up.status,
+                            (data or b"")[:200].decode(errors="replace"),
+                        )
+                        if form.sticky:
+                            skipped = self._refused.setdefault(ep.name, set())
+                            if form.kind not in skipped:
+                                skipped.add(form.kind)
+                                log.info("%s refuses %s requests", ep.name, form.kind)
+                        continue
+                    if up.status < 500:
+                        self.upstream_ok(ep)
+                    return Leg(up, ep, n, form.kind, data)
+        except (*UPSTREAM_ERRORS, Retry) as e:
+            if isinstance(e, Retry):
+                kind, detail = e.kind, str(e)
+            elif tmo.expired():
+                kind, detail = ("ttfb" if streaming else "timeout"), f"no answer within {t:.1f} s"
+            else:
+                kind, detail = "connect", f"{type(e).__name__}: {e}"
+            self.upstream_failed(ep, kind, detail)
+            exclude.append(ep)
+            self.release(ep, n)
+            raise Retry(kind, detail) from None
+        except BaseException:
+            self.release(ep, n)
+            raise
+        raise AssertionError("unreachable: the last form always returns")
+
     async def _forward(
         self,
         request: web.Request,
@@ -461,58 +539,48 @@ class Proxy:
         rid: str,
         wants: tuple[bool, bool, bool] | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        assert self.session is not None
         headers = self._headers(request, rid)
         # A stream asks the engine for exact token counts and ids (see `_continuation.augment`);
         # an engine that refuses them (4xx) gets the client's own body, and is remembered.
-        plus: bytes | None = None
+        forms = [Form("plain", path, body)]
         if streaming and wants is not None:
             plus = orjson.dumps(augment(orjson.loads(body)))
+            forms.insert(0, Form("augmented", path, plus, sticky=True))
         tried: list[Endpoint] = []
         last: tuple[int, bytes] | None = None
         deadline = t0 + self.cfg.request_timeout_s  # non-streaming requests, all attempts
+
+        def limit(ep: Endpoint) -> float:
+            return self.ttfb_limit(ep) if streaming else deadline - time.monotonic()
+
         for attempt in range(self.cfg.max_attempts):
             if attempt and not self.pool.could_serve(model, priority, tried):
                 break
-            ep, n, waited = await self.admission.acquire(
-                model, priority, tried, weight=weight, size=len(body)
-            )
-            if waited:
-                self.metrics.queue_wait.labels(priority).observe(waited)
-            handed = False  # the stream relay releases its own slots
             try:
-                limit = self.ttfb_limit(ep) if streaming else deadline - time.monotonic()
-                tmo = asyncio.timeout(max(limit, 0.0))
-                try:
-                    async with tmo:
-                        augmented = plus is not None and ep.name not in self.plain
-                        up = await self.session.post(
-                            ep.url + path,
-                            data=plus if augmented else body,
-                            headers=self.upstream_headers(headers, ep),
-                        )
-                        if augmented and 400 <= up.status < 500:
-                            up.release()
-                            augmented = False
-                            up = await self.session.post(
-                                ep.url + path, data=body, headers=self.upstream_headers(headers, ep)
-                            )
-                            if up.status == 200:
-                                log.info("%s refuses usage/token-id options", ep.name)
-                                self.plain.add(ep.name)
-                        if not streaming or up.status != 200:
-                            data = await _read(up)
-                except UPSTREAM_ERRORS as e:
-                    if not tmo.expired():
-                        raise Retry("connect", f"{type(e).__name__}: {e}") from None
-                    if streaming:
-                        raise Retry("ttfb", f"no response within {limit:.1f} s") from None
-                    self.upstream_failed(ep, "timeout", f"no response within {limit:.1f} s")
+                leg = await self.open_upstream(
+                    model,
+                    priority,
+                    forms,
+                    tried,
+                    limit=limit,
+                    streaming=streaming,
+                    weight=weight,
+                    size=len(body),
+                    headers=headers,
+                )
+            except Retry as r:
+                self.metrics.retries.labels(r.kind).inc()
+                if r.kind == "timeout":
                     raise ApiError(
                         504,
                         f"the engine did not answer within {self.cfg.request_timeout_s:g} s",
                         code="upstream_timeout",
                     ) from None
+                continue
+            ep, up = leg.ep, leg.up
+            if up.status != 200 or not streaming:
+                self.release(ep, leg.n)
+                data = leg.data or b""
                 if up.status >= 500:
                     same = last is not None and (up.status, data) == last
                     last = (up.status, data)
@@ -521,44 +589,39 @@ class Proxy:
                         # the cause. Not this endpoint's fault, and no third try.
                         log.info("upstream %s: HTTP %d again for this body", ep.name, up.status)
                         break
-                    raise Retry(
-                        f"status_{up.status}",
-                        f"HTTP {up.status}: {data[:300].decode(errors='replace')}",
+                    kind = f"status_{up.status}"
+                    self.upstream_failed(
+                        ep, kind, f"HTTP {up.status}: {data[:300].decode(errors='replace')}"
                     )
-                self.upstream_ok(ep)
-                if up.status >= 400 or not streaming:
-                    # A 4xx is the request's fault: passed on as is, never retried elsewhere.
-                    out = web.Response(
-                        status=up.status,
-                        body=data,
-                        content_type=up.content_type or "application/json",
-                        headers=self.response_headers(headers, ep),
-                    )
-                    return out, ep.pool
-                handed = True
-                relay = StreamRelay(
-                    self,
-                    request,
-                    path=path,
-                    body=body,
-                    chat=chat,
-                    model=model,
-                    priority=priority,
-                    headers=headers,
-                    t0=t0,
-                    weight=weight,
-                    augmented=augmented,
-                    wants=wants or (False, False, False),
-                )
-                return await relay.run(up, ep, n), ep.pool
-            except Retry as r:
-                if not handed:  # a relay has already recorded its own failure
-                    self.upstream_failed(ep, r.kind, str(r))
+                    tried.append(ep)
+                    self.metrics.retries.labels(kind).inc()
+                    continue
+                # A 4xx is the request's fault: passed on as is, never retried elsewhere.
+                return web.Response(
+                    status=up.status,
+                    body=data,
+                    content_type=up.content_type or "application/json",
+                    headers=self.response_headers(headers, ep),
+                ), ep.pool
+            relay = StreamRelay(
+                self,
+                request,
+                path=path,
+                body=body,
+                chat=chat,
+                model=model,
+                priority=priority,
+                headers=headers,
+                t0=t0,
+                weight=weight,
+                augmented=leg.kind == "augmented",
+                wants=wants or (False, False, False),
+            )
+            try:
+                return await relay.run(up, ep, leg.n), ep.pool
+            except Retry as r:  # the relay has recorded its own failure, released its slots
                 tried.append(ep)
                 self.metrics.retries.labels(r.kind).inc()
-            finally:
-                if not handed:
-                    self.release(ep, n)
         if last is not None and _is_openai_error(last[1]):
             return web.Response(
                 status=last[0],
@@ -571,6 +634,49 @@ class Proxy:
             f"no endpoint could serve the request after {len(tried)} attempt(s)",
             code="upstream_unavailable",
         )
+
+    def could_serve(self, model: str, priority: str, exclude: list[Endpoint]) -> bool:
+        return self.pool.could_serve(model, priority, exclude)
+
+    async def detokenize(
+        self, model: str, ids: list[int], exclude: list[Endpoint], headers: dict[str, str]
+    ) -> str | None:
+        """The text of `ids` as a ready endpoint of `model` (not in `exclude`) decodes it;
+        None when none answers."""
+        ep = next(
+            (
+                e
+                for e in self.pool.endpoints.values()
+                if e.state == State.READY and e.healthy and model in e.models and e not in exclude
+            ),
+            None,
+        )
+        if ep is None or self.session is None:
+            return None
+        try:
+            async with self.session.post(
+                ep.url + "/detokenize",
+                data=orjson.dumps({"model": model, "tokens": ids}),
+                headers=self.upstream_headers(headers, ep),
+                timeout=aiohttp.ClientTimeout(total=2.0),
+            ) as r:
+                if r.status != 200:
+                    return None
+                text = orjson.loads(await r.read()).get("prompt")
+        except (*UPSTREAM_ERRORS, orjson.JSONDecodeError, AttributeError):
+            return None
+        return text if isinstance(text, str) else None
+
+    def stream_sink(self, request: web.Request, resp: web.StreamResponse) -> ClientSink:
+        """The sink of a stream's client, counted in the buffered-bytes gauge and the budget
+        until `drop_sink`."""
+        sink = ClientSink(resp, request.transport, self.cfg.stream_buffer_bytes, self.buffer_budget)
+        self.sinks.add(sink)
+        return sink
+
+    def drop_sink(self, sink: ClientSink) -> None:
+        sink.detach()
+        self.sinks.discard(sink)
 
     def release(self, ep: Endpoint, n: int = 1) -> None:
         self.admission.release(ep, n)

@@ -111,7 +111,9 @@ class ClientSink:
     def buffered(self) -> int:
         return self._pending_bytes
 
-    async def send(self, data: bytes) -> None:
+    def send_nowait(self, data: bytes) -> bool:
+        """Send or queue `data` without waiting; False when only `send` can (the first write,
+        which carries the response's headers, or a client aiohttp must frame itself)."""
         if self._evicted is not None:
             raise SlowClient(self._evicted)
         if self._error is not None:
@@ -120,20 +122,14 @@ class ClientSink:
         if t is None or t.is_closing():
             raise ClientGone()
         if not self._pending and t.get_write_buffer_size() + len(data) < _DIRECT_LIMIT:
-            if self._framed:
-                # Hot path: one chunk of HTTP/1.1 chunked encoding, framed here and handed to
-                # the transport in one call (aiohttp's writer would take four Python calls and
-                # a coroutine for the same bytes). The socket is below its high-water mark, so
-                # nothing waits.
-                t.write(b"%x\r\n%b\r\n" % (len(data), data))
-                return
-            try:
-                await self.resp.write(data)
-            except (ConnectionError, RuntimeError) as e:
-                self._error = e
-                raise ClientGone() from e
-            self._framed = self._can_frame
-            return
+            if not self._framed:
+                return False
+            # Hot path: one chunk of HTTP/1.1 chunked encoding, framed here and handed to the
+            # transport in one call (aiohttp's writer would take four Python calls and a
+            # coroutine for the same bytes). The socket is below its high-water mark, so
+            # nothing waits.
+            t.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return True
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._pending_bytes > self.limit:
@@ -146,6 +142,17 @@ class ClientSink:
                 raise SlowClient(self._evicted)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
+        return True
+
+    async def send(self, data: bytes) -> None:
+        if self.send_nowait(data):
+            return
+        try:
+            await self.resp.write(data)
+        except (ConnectionError, RuntimeError) as e:
+            self._error = e
+            raise ClientGone() from e
+        self._framed = self._can_frame
 
     async def _drain(self) -> None:
         try:

@@ -373,6 +373,7 @@ class Gateway:
             await self.prober.close()
         if self.proxy.session is not None:
             await self.proxy.session.close()
+        self.proxy.upstream.close()
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -27,19 +27,20 @@ from unbroken.gateway._continuation import (
     not_migratable,
     token_continuation_body,
 )
-from unbroken.gateway._pool import Endpoint, State
+from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
+from unbroken.gateway._upstream import Form, Leg, Retry, UpstreamResponse
 from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.sse import SSEDecoder, SSEEvent, encode_data, encode_json
 
 if TYPE_CHECKING:
-    from unbroken.gateway._proxy import Proxy
+    from unbroken.gateway._metrics import GatewayMetrics
+    from unbroken.gateway._server import GatewayConfig
 
-__all__ = ["UPSTREAM_ERRORS", "Retry", "StreamRelay"]
+__all__ = ["RelayHost", "StreamRelay"]
 
 log = logging.getLogger("unbroken.gateway")
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 # A leg learns its stall limit from its own gaps between events: STALL_FACTOR x the longest
 # gap seen, once STALL_LEARN gaps are known, never below STALL_FLOOR_S nor above the
 # configured `stall_timeout_s`. An endpoint on which another stream has just died, or that is
@@ -56,15 +57,6 @@ _MAX_SPLIT_BACK = 8
 _DYING = ("reset", "truncated", "abort")
 
 
-async def _body_text(up: aiohttp.ClientResponse) -> str:
-    try:
-        return (await up.read())[:1000].decode(errors="replace")
-    except UPSTREAM_ERRORS:
-        return ""
-    finally:
-        up.release()
-
-
 def _has_text(obj: dict[str, Any]) -> bool:
     for ch in obj.get("choices") or ():
         if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
@@ -72,18 +64,44 @@ def _has_text(obj: dict[str, Any]) -> bool:
     return False
 
 
-class Retry(Exception):
-    """Leg 0 failed before the client received a byte: try another endpoint, invisibly."""
+class RelayHost(Protocol):
+    """What a relay needs of the gateway (the proxy is one): the seam to open upstream legs,
+    the endpoints' records, and its client sinks."""
 
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(detail)
-        self.kind = kind
+    cfg: GatewayConfig
+    metrics: GatewayMetrics
+
+    async def open_upstream(
+        self,
+        model: str,
+        priority: str,
+        forms: Sequence[Form],
+        exclude: list[Endpoint],
+        *,
+        limit: Callable[[Endpoint], float],
+        streaming: bool = True,
+        weight: int = 1,
+        size: int = 0,
+        headers: dict[str, str],
+    ) -> Leg: ...
+    def could_serve(self, model: str, priority: str, exclude: list[Endpoint]) -> bool: ...
+    def release(self, ep: Endpoint, n: int = 1) -> None: ...
+    def upstream_failed(self, ep: Endpoint, kind: str, detail: str) -> None: ...
+    def ttfb_limit(self, ep: Endpoint) -> float: ...
+    def observe_ttfb(self, ep: Endpoint, seconds: float) -> None: ...
+    def watch_streams(self) -> None: ...
+    def response_headers(self, base: dict[str, str], ep: Endpoint | None) -> dict[str, str]: ...
+    async def detokenize(
+        self, model: str, ids: list[int], exclude: list[Endpoint], headers: dict[str, str]
+    ) -> str | None: ...
+    def stream_sink(self, request: web.Request, resp: web.StreamResponse) -> ClientSink: ...
+    def drop_sink(self, sink: ClientSink) -> None: ...
 
 
 class StreamRelay:
     def __init__(
         self,
-        proxy: Proxy,
+        proxy: RelayHost,
         request: web.Request,
         *,
         path: str,
@@ -112,7 +130,7 @@ class StreamRelay:
         self.resp: web.StreamResponse | None = None
         self.sink: ClientSink | None = None
         self.ep: Endpoint | None = None
-        self.up: aiohttp.ClientResponse | None = None
+        self.up: UpstreamResponse | None = None
         self.interrupted: str | None = None
         self.failed: list[Endpoint] = []
         self.migrations = 0
@@ -139,6 +157,16 @@ class StreamRelay:
         self._gap_max = 0.0
         self._last_token = 0.0
         self._itl: Any = None
+        # One leg's read-callback state (see `_pump`).
+        self._loop = asyncio.get_running_loop()
+        self._wake: asyncio.Future[None] = self._loop.create_future()
+        self._dec = SSEDecoder()
+        self._rw = False
+        self._first = True
+        self._started = 0.0
+        self._verdict: str | None = None
+        self._exc: BaseException | None = None
+        self._outq: list[bytes] = []
         self._detail: str | None = None
 
     @property
@@ -156,11 +184,10 @@ class StreamRelay:
             self.interrupted = reason
             if self.up is not None:
                 self.up.close()
+                self._end_leg("reset")
 
     # -- the stream -----------------------------------------------------------------------
-    async def run(
-        self, up: aiohttp.ClientResponse, ep: Endpoint, n: int = 1
-    ) -> web.StreamResponse:
+    async def run(self, up: UpstreamResponse, ep: Endpoint, n: int = 1) -> web.StreamResponse:
         """Relay leg 0 (whose `n` slots on `ep` the caller has taken) and whatever follows.
         Raises Retry when leg 0 breaks before anything reached the client."""
         m = self.p.metrics
@@ -193,7 +220,7 @@ class StreamRelay:
                 if leg is None:
                     await self._give_up(reason, "no_endpoint")
                     return self._response()
-                up, ep, n, kind = leg
+                up, ep, n, kind = leg.up, leg.ep, leg.n, leg.kind
                 m.migration_path.labels(kind).inc()
                 log.info(
                     "stream %s: %s on %s, continued on %s after %d tokens (%s path, %d back)",
@@ -227,8 +254,7 @@ class StreamRelay:
             raise
         finally:
             if self.sink is not None:
-                self.sink.detach()
-                self.p.sinks.discard(self.sink)
+                self.p.drop_sink(self.sink)
         return self._response()
 
     def _response(self) -> web.StreamResponse:
@@ -252,46 +278,22 @@ class StreamRelay:
         last token after which the text was whole (asked of an engine's /detokenize); the
         engine regenerates the dropped tokens, greedy, the same."""
         assert self.prompt_ids is not None
-        ep = next(
-            (
-                e
-                for e in self.p.pool.endpoints.values()
-                if e.state == State.READY
-                and e.healthy
-                and self.model in e.models
-                and e not in self.failed
-            ),
-            None,
-        )
-        if ep is None or self.p.session is None:
-            return
         for _ in range(_MAX_SPLIT_BACK):
             if not self.gen_ids:
                 return
-            try:
-                async with self.p.session.post(
-                    ep.url + "/detokenize",
-                    data=orjson.dumps(
-                        {"model": self.model, "tokens": self.prompt_ids + self.gen_ids}
-                    ),
-                    headers=self.p.upstream_headers(self.headers, ep),
-                    timeout=aiohttp.ClientTimeout(total=2.0),
-                ) as r:
-                    if r.status != 200:
-                        return
-                    text = orjson.loads(await r.read()).get("prompt")
-            except (*UPSTREAM_ERRORS, orjson.JSONDecodeError, AttributeError):
-                return
+            text = await self.p.detokenize(
+                self.model, self.prompt_ids + self.gen_ids, self.failed, self.headers
+            )
             if not isinstance(text, str) or not text.endswith("\ufffd"):
                 return
             self.gen_ids.pop()
             self.sent -= 1
             self.split_back += 1
 
-    def _continuations(self, tokens: bool) -> list[tuple[str, str, bytes]]:
-        """(path kind, route, body) to try in order on the next endpoint; empty when the
+    def _continuations(self, tokens: bool) -> list[Form]:
+        """The forms of the next leg, to try in order on the next endpoint; empty when the
         token budget is spent."""
-        out: list[tuple[str, str, bytes]] = []
+        out: list[Form] = []
         if tokens:
             assert self.prompt_ids is not None
             b = token_continuation_body(
@@ -299,55 +301,51 @@ class StreamRelay:
             )
             if b is None:
                 return []
-            out.append(("tokens", "/v1/completions", orjson.dumps(augment(b))))
+            out.append(Form("tokens", "/v1/completions", orjson.dumps(augment(b))))
         b = continuation_body(self.raw, self.chat, self.tracker.text(0), self.sent)
         if b is None:
             return []
         if tokens and not_migratable(self.raw, self.chat) is not None:
             return out  # a token-id prompt, or other forms only the token path continues
-        out.append(("text", self.path, orjson.dumps(augment(b) if self.augmented else b)))
+        out.append(Form("text", self.path, orjson.dumps(augment(b) if self.augmented else b)))
         return out
 
-    async def _open(
-        self, tries: list[tuple[str, str, bytes]]
-    ) -> tuple[aiohttp.ClientResponse, Endpoint, int, str] | None:
-        """Slots on another endpoint and its upstream response, or None. An endpoint that
-        refuses a form of continuation with a 4xx is asked for the next form."""
+    async def _open(self, forms: list[Form]) -> Leg | None:
+        """The next leg on another endpoint, or None when none could take it."""
         p = self.p
-        assert p.session is not None
         for _ in range(p.cfg.max_attempts):
-            if not p.pool.could_serve(self.model, self.priority, self.failed):
+            if not p.could_serve(self.model, self.priority, self.failed):
                 return None
-            ep, n, _waited = await p.admission.acquire(
-                self.model, self.priority, self.failed, weight=self.weight
-            )
-            for kind, path, data in tries:
-                tmo = asyncio.timeout(p.ttfb_limit(ep))
-                try:
-                    async with tmo:
-                        up = await p.session.post(
-                            ep.url + path, data=data, headers=p.upstream_headers(self.headers, ep)
-                        )
-                except UPSTREAM_ERRORS as e:
-                    kind_ = "ttfb" if tmo.expired() else "connect"
-                    p.upstream_failed(ep, kind_, f"{type(e).__name__}: {e}")
-                    break
-                if up.status == 200:
-                    p.upstream_ok(ep)
-                    return up, ep, n, kind
-                detail = await _body_text(up)
-                if 400 <= up.status < 500:
-                    log.info("%s refused a %s continuation: HTTP %d %s", ep.name, kind,
-                             up.status, detail[:200])
-                    continue
-                p.upstream_failed(ep, f"status_{up.status}", f"continuation refused: {detail}")
-                break
-            self.failed.append(ep)
-            p.release(ep, n)
+            try:
+                leg = await p.open_upstream(
+                    self.model,
+                    self.priority,
+                    forms,
+                    self.failed,
+                    limit=p.ttfb_limit,
+                    weight=self.weight,
+                    headers=self.headers,
+                )
+            except Retry:
+                continue
+            if leg.up.status == 200:
+                return leg
+            detail = (leg.data or b"")[:300].decode(errors="replace")
+            if leg.up.status >= 500:
+                p.upstream_failed(leg.ep, f"status_{leg.up.status}", f"continuation: {detail}")
+            else:
+                log.info(
+                    "%s refused every form of continuation: HTTP %d %s",
+                    leg.ep.name,
+                    leg.up.status,
+                    detail,
+                )
+            self.failed.append(leg.ep)
+            p.release(leg.ep, leg.n)
         return None
 
     async def _leg(
-        self, up: aiohttp.ClientResponse, ep: Endpoint, n: int, *, rewrite: bool
+        self, up: UpstreamResponse, ep: Endpoint, n: int, *, rewrite: bool
     ) -> str | None:
         """One leg, and the one place its failure is put on the endpoint's record (a break
         we caused ourselves, the drain deadline, is not the endpoint's failure)."""
@@ -388,74 +386,134 @@ class StreamRelay:
         return min(stall, max(STALL_FLOOR_S, STALL_FACTOR * self._gap_max))
 
     async def _pump(
-        self, up: aiohttp.ClientResponse, ep: Endpoint, n: int, *, rewrite: bool
+        self, up: UpstreamResponse, ep: Endpoint, n: int, *, rewrite: bool
     ) -> str | None:
         """Pump one upstream leg into the client. None: the stream is complete; otherwise
-        why the leg broke. Releases the leg's slots."""
+        why the leg broke. Releases the leg's slots.
+
+        The upstream's bytes are taken inside its read callback (`_on_body`): events are
+        decoded, accounted and written to the client there, with no task switch per chunk.
+        This task waits for the leg's end, and sends what the callback could not (the first
+        write, which carries the response headers; a client aiohttp must frame itself)."""
         self.up, self.ep = up, ep
         ep.relays.add(self)
         self.p.watch_streams()
-        loop = asyncio.get_running_loop()
-        dec = SSEDecoder()
-        finished_read = False
-        started = loop.time()
-        first = True
+        loop = self._loop
+        self._wake = loop.create_future()
+        self._dec = SSEDecoder()
+        self._rw = rewrite
+        self._first = True
+        self._started = loop.time()
         self._last_event = 0.0
+        self._verdict = None
+        self._exc = None
+        self._outq = []
         try:
             # Until the first event: the endpoint's time-to-first-byte limit; then the stall
             # limit, learned from this stream's own gaps.
-            async with asyncio.timeout_at(started + self.p.ttfb_limit(ep)) as tmo:
+            async with asyncio.timeout_at(self._started + self.p.ttfb_limit(ep)) as tmo:
                 self._tmo = tmo
                 self._armed = 0.0
-                async for chunk in up.content.iter_any():
-                    events = dec.feed(chunk)
-                    if not events:
+                up.stream(self._on_body, self._on_end)
+                while True:
+                    if self._outq:
+                        out = b"".join(self._outq)
+                        self._outq.clear()
+                        await self._send(out)
                         continue
-                    now = loop.time()
-                    if first:
-                        first = False
-                        self.p.observe_ttfb(ep, now - started)
-                    elif self._last_event:
-                        gap = now - self._last_event
-                        self._gaps += 1
-                        if gap > self._gap_max:
-                            self._gap_max = gap
-                    self._last_event = now
-                    limit = self._stall_limit()
-                    if now - self._armed > limit / 4:  # re-arm sparingly: a timer per chunk
-                        tmo.reschedule(now + limit)
-                        self._armed = now
-                    verdict = await self._take(events, rewrite)
-                    if verdict is not None:
-                        return None if verdict == "done" else verdict
-                finished_read = True
-                tail = dec.flush()
-                if tail:
-                    verdict = await self._take(tail, rewrite)
-                    if verdict is not None:
-                        return None if verdict == "done" else verdict
-            if self.interrupted:
-                return self.interrupted
-            if self.tracker.finished:  # finish seen, [DONE] lost: complete it
-                await self._send(encode_data(b"[DONE]"))
+                    if self._exc is not None:
+                        raise self._exc
+                    if self._verdict is not None:
+                        break
+                    self._wake = loop.create_future()
+                    await self._wake
+            verdict = self._verdict
+            if verdict == "done":
                 return None
-            return "truncated"
+            if verdict == "eof":
+                if self.interrupted:
+                    return self.interrupted
+                if self.tracker.finished:  # finish seen, [DONE] lost: complete it
+                    await self._send(encode_data(b"[DONE]"))
+                    return None
+                return "truncated"
+            if verdict == "reset":
+                return self.interrupted or "reset"
+            return verdict
         except TimeoutError:
-            return self.interrupted or ("ttfb" if first else "stall")
-        except UPSTREAM_ERRORS as e:
-            self._detail = f"{type(e).__name__}: {e}"
-            return self.interrupted or "reset"
+            return self.interrupted or ("ttfb" if self._first else "stall")
         finally:
+            up.detach()
             self._tmo = None
             ep.relays.discard(self)
             self.up = None
-            if finished_read:
-                up.release()
+            if self._verdict in ("done", "eof"):
+                up.release()  # the connection is reused
             else:
                 up.close()  # the engine sees the disconnect and frees the slot
             self.p.release(ep, n)
 
-    async def _take(self, events: list[SSEEvent], rewrite: bool) -> str | None:
+    # -- the read callback's side -----------------------------------------------------------
+    def _wake_up(self) -> None:
+        if not self._wake.done():
+            self._wake.set_result(None)
+
+    def _end_leg(self, verdict: str) -> None:
+        if self._verdict is None:
+            self._verdict = verdict
+            if self.up is not None:
+                self.up.detach()
+        self._wake_up()
+
+    def _on_body(self, chunk: bytes) -> None:
+        events = self._dec.feed(chunk)
+        if events:
+            self._events(events)
+
+    def _on_end(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            self._detail = f"{type(exc).__name__}: {exc}"
+            self._end_leg("reset")
+            return
+        tail = self._dec.flush()
+        if tail:
+            self._events(tail)
+        self._end_leg("eof")
+
+    def _events(self, events: list[SSEEvent]) -> None:
+        if self._verdict is not None:
+            return
+        now = self._loop.time()
+        if self._first:
+            self._first = False
+            self.p.observe_ttfb(self.ep, now - self._started)  # type: ignore[arg-type]
+        elif self._last_event:
+            gap = now - self._last_event
+            self._gaps += 1
+            if gap > self._gap_max:
+                self._gap_max = gap
+        self._last_event = now
+        limit = self._stall_limit()
+        if now - self._armed > limit / 4 and self._tmo is not None:
+            self._tmo.reschedule(now + limit)  # re-armed sparingly: a timer per chunk costs
+            self._armed = now
+        try:
+            verdict = self._take(events, self._rw)
+        except (ClientGone, SlowClient) as e:
+            self._exc = e
+            self._end_leg("client")
+            return
+        if verdict is not None:
+            self._end_leg(verdict)
+
+    def _emit(self, data: bytes) -> None:
+        """To the client now if its socket takes it, else through the task (in order)."""
+        if not self._outq and self.sink is not None and self.sink.send_nowait(data):
+            return
+        self._outq.append(data)
+        self._wake_up()
+
+    def _take(self, events: list[SSEEvent], rewrite: bool) -> str | None:
         """Forward a batch of events; "done" at a proper end, a reason at a break."""
         tracker = self.tracker
         out: list[bytes] = []
@@ -521,7 +579,7 @@ class StreamRelay:
                 for _ in range(tokens - 1):
                     self._itl.observe(0.0)
                 self._last_token = now
-            await self._send(b"".join(out))
+            self._emit(b"".join(out))
         return verdict
 
     async def _send(self, data: bytes) -> None:
@@ -531,13 +589,7 @@ class StreamRelay:
                 headers={**SSE_HEADERS, **self.p.response_headers(self.headers, self.ep)}
             )
             await self.resp.prepare(self.request)
-            self.sink = ClientSink(
-                self.resp,
-                self.request.transport,
-                self.p.cfg.stream_buffer_bytes,
-                self.p.buffer_budget,
-            )
-            self.p.sinks.add(self.sink)
+            self.sink = self.p.stream_sink(self.request, self.resp)
         await self.sink.send(data)
 
     def _account(self, obj: dict[str, Any], rewrite: bool) -> tuple[int, bool, bool | None]:
@@ -665,8 +717,12 @@ class StreamRelay:
             b = self.leg_base
             pt = self.prompt_tokens if self.prompt_tokens is not None else u["prompt_tokens"] - b
             ct = (u.get("completion_tokens") or 0) + b
-            obj["usage"] = {**u, "prompt_tokens": pt, "completion_tokens": ct,
-                            "total_tokens": pt + ct}
+            obj["usage"] = {
+                **u,
+                "prompt_tokens": pt,
+                "completion_tokens": ct,
+                "total_tokens": pt + ct,
+            }
         return encode_json(obj)
 
     def _usage_chunk(self) -> bytes:
