@@ -3,13 +3,15 @@ scrape time by a collector, so the request path never touches them."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator, Sized
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._pool import CONDITIONS, Pool, State
@@ -160,6 +162,59 @@ class _PoolLabels(Collector):
         return iter(())
 
 
+class _HistChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+
+class FastHistogram(Collector):
+    """A labelled histogram for the per-token path: an observation is a bisect and two
+    additions (prometheus_client's takes a lock per bucket and per sum, about 3x the time,
+    which the gateway's single-threaded event loop does not need). Exposed the same way."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: list[str],
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.doc, self.labelnames = name, documentation, labelnames
+        self.bounds = tuple(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], _HistChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _HistChild:
+        c = self._children.get(values)
+        if c is None:
+            c = self._children[values] = _HistChild(self.bounds)
+        return c
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        for values, c in list(self._children.items()):
+            acc = 0
+            buckets = []
+            for le, n in zip(les, c.counts, strict=True):
+                acc += n
+                buckets.append((le, acc))
+            fam.add_metric(list(values), buckets, c.sum)
+        yield fam
+
+
 class GatewayMetrics:
     def __init__(self, pool: Pool, admission: Admission, sinks: Any = None) -> None:
         r = self.registry = CollectorRegistry()
@@ -170,14 +225,14 @@ class GatewayMetrics:
             ["status", "priority", "pool"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = FastHistogram(
             "unbroken_gateway_ttft_seconds",
             "Time from request arrival to the first token event sent.",
             ["pool"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = FastHistogram(
             "unbroken_gateway_inter_token_seconds",
             "Gap between consecutive token events relayed.",
             ["pool"],
