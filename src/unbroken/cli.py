@@ -341,28 +341,13 @@ def up(
 
 @app.command()
 def reload() -> None:
-    """Reload the gateway of the running pipeline (SIGHUP): new workers with the code and
-    settings on disk, old ones finish their streams; no connection is refused."""
-    import asyncio
-    import signal
+    """Reload the running pipeline's gateway: re-read the spec `unbroken up` was started with
+    (with its flags), apply its gateway settings and pool caps (new gateway workers with the
+    code and settings on disk; old ones finish their streams; no connection is refused), and
+    list what only a restart applies. A spec that does not validate changes nothing (exit 1)."""
+    from unbroken.pipeline.up import reload_cli
 
-    from unbroken.config.paths import RunInfo, state_dir
-    from unbroken.pipeline.control import SupervisorClient, SupervisorError
-
-    info = RunInfo.read(state_dir())
-    if info is None:
-        _fail("no pipeline is running (start one with `unbroken up`)")
-    try:
-        pid = asyncio.run(SupervisorClient(info.control_socket).status()).get("gateway_pid")
-    except SupervisorError as e:
-        _fail(str(e))
-    if not pid:
-        _fail("the pipeline has no gateway running")
-    try:
-        os.kill(pid, signal.SIGHUP)
-    except ProcessLookupError:
-        _fail(f"the gateway (pid {pid}) is gone")
-    typer.echo(f"gateway (pid {pid}) reloading: new workers start, old ones finish their streams")
+    raise typer.Exit(reload_cli())
 
 
 @app.command()

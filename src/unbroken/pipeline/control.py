@@ -1,6 +1,7 @@
 """The one client of the supervisor's control socket (`unbroken status`, `unbroken rollout`,
-the benchmarks). Every failure to talk to the supervisor is a `SupervisorUnreachable` with a
-sentence a person can act on; a refusal by the supervisor is a `SupervisorRejected`."""
+`unbroken reload`, the benchmarks). Every failure to talk to the supervisor is a
+`SupervisorUnreachable` with a sentence a person can act on; a refusal by the supervisor is a
+`SupervisorRejected`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class SupervisorRejected(SupervisorError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"the supervisor refused (HTTP {status}): {message}")
         self.status = status
+        self.message = message
 
 
 class SupervisorClient:
@@ -40,9 +42,22 @@ class SupervisorClient:
         )
 
     async def _get(self, path: str) -> dict[str, Any]:
+        return await self._call("GET", path)
+
+    async def _call(self, method: str, path: str, *, read_timeout: float = 30) -> dict[str, Any]:
         try:
-            async with self._session(30) as s, s.get(_BASE + path) as r:
-                data = await r.json(content_type=None)
+            async with (
+                self._session(read_timeout) as s,
+                s.request(method, _BASE + path) as r,
+            ):
+                text = await r.text()
+                try:
+                    data = json.loads(text)
+                except ValueError:
+                    if r.status == 200:
+                        raise
+                    # e.g. a supervisor started by an older version, without this route
+                    raise SupervisorRejected(r.status, text.strip()[:200]) from None
                 if r.status != 200:
                     raise SupervisorRejected(r.status, str(data.get("error", data)))
                 return data
@@ -56,6 +71,14 @@ class SupervisorClient:
 
     async def events(self) -> list[dict[str, Any]]:
         return (await self._get("/events"))["events"]
+
+    async def reload(self, *, read_timeout: float = 120) -> dict[str, Any]:
+        """Re-read the pipeline's spec and reload its gateway; the supervisor answers once
+        the gateway's new workers serve: `changed` and `not_applied` (`key`, `old`, `new`
+        each), `generation`, `warnings`. SupervisorRejected (nothing changed) on a spec that
+        does not validate, a reload or rollout already running, or a gateway that kept its
+        old workers."""
+        return await self._call("POST", "/reload", read_timeout=read_timeout)
 
     async def rollout(
         self,

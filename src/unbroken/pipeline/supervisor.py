@@ -9,6 +9,10 @@ It holds an exclusive lock on its state directory for its whole life (one pipeli
 directory), keeps that directory private, and gives the engines their own admin token. A
 replica that cannot be replaced is retried with backoff until it can, and so is a gateway
 that crashes; a gateway that exits 0 was stopped on purpose, and the pipeline stops with it.
+
+`unbroken reload` (POST /reload on the control socket) re-reads the spec, renders the
+gateway's settings again (`render_gateway_settings`, the same as at start), SIGHUPs the
+gateway and waits for its new workers; what only a restart can change is listed, not applied.
 """
 
 from __future__ import annotations
@@ -40,19 +44,49 @@ from unbroken.config.paths import (
     ensure_state_dir,
     lock_state_dir,
 )
-from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.config.spec import GatewaySettings, PipelineSpec, PoolSpec, SpecError
 from unbroken.pipeline.backend import ReplicaHandle
 from unbroken.pipeline.companions import Companions
 from unbroken.pipeline.rollout import RolloutError, RolloutRequest, run_rollout
 from unbroken.wire.http import free_port, wait_ok
 
-__all__ = ["Replica", "StartupError", "Supervisor"]
+__all__ = [
+    "GATEWAY_RESTART_KEYS",
+    "ReloadError",
+    "Replica",
+    "StartupError",
+    "Supervisor",
+    "render_gateway_settings",
+]
 
 log = logging.getLogger("unbroken.pipeline")
 
 
 class StartupError(RuntimeError):
     pass
+
+
+class ReloadError(RuntimeError):
+    """A reload refused or failed; nothing changed. `status` is the control API's answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# Gateway settings a running gateway keeps until it is restarted: where it listens (the main
+# process owns the listening socket and the admin API) and the prober's, which the main
+# process reads only at start. A reload reports a change of these as not applied.
+GATEWAY_RESTART_KEYS = (
+    "host",
+    "port",
+    "admin_host",
+    "admin_port",
+    "probe_interval_s",
+    "health_fail_threshold",
+    "warmup_timeout_s",
+)
+RELOAD_TIMEOUT_S = 60.0  # the gateway allows each new worker 30 s to serve
 
 
 # Retry delays for replacing a replica or restarting the gateway: doubling, capped.
@@ -119,8 +153,16 @@ class Supervisor:
         token_file: Path,
         health_timeout: float = 120.0,
         restart: bool = True,
+        spec_path: Path | None = None,
+        reload_spec: Callable[[], PipelineSpec] | None = None,
     ) -> None:
+        """`reload_spec` reads the spec again for `unbroken reload` (SpecError if it no
+        longer parses or validates); without it a reload re-applies the running spec (new
+        gateway workers with the code on disk, no setting changed). `spec_path` is where it
+        reads from (None: the default spec), for messages."""
         self.spec = spec
+        self.spec_path = spec_path
+        self.reload_spec = reload_spec
         self.state = state
         self.token = token
         self.token_file = token_file
@@ -140,7 +182,8 @@ class Supervisor:
         self._stopping = False
         self._control: web.AppRunner | None = None
         self.events: list[dict[str, Any]] = []
-        self._rollout_lock = asyncio.Lock()
+        self._rollout_lock = asyncio.Lock()  # rollouts, conversions and reloads, one at a time
+        self._reloading = False
         self.companions = Companions(spec, state, self.admin_url, token)
         self._lock_fd: int | None = None
         self.engine_token: str | None = None
@@ -177,21 +220,16 @@ class Supervisor:
                 env[_key_var(pool.name)] = key
         return env
 
-    def _gateway_argv(self) -> list[str]:
+    def _write_gateway_config(self, settings: GatewaySettings) -> Path:
         cfg = self.state / "gateway.json"
-        settings = self.spec.gateway.model_copy(deep=True)
-        order = [p.name for p in self.spec.pools]
-        for prio in ("critical", "standard", "sheddable"):
-            # Unrouted priorities prefer pools in spec order (primary first, then fallback),
-            # not in the order their engines happened to become ready.
-            settings.routes.setdefault(prio, order)  # type: ignore[call-overload]
-        for pool in self.spec.pools:
-            if _pool_key(pool) is not None:  # the key itself travels in the environment
-                settings.upstream_key_env[pool.name] = _key_var(pool.name)
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(settings.model_dump_json(indent=1))
         os.chmod(cfg, 0o600)  # a file left by an older run may have been 0644
+        return cfg
+
+    def _gateway_argv(self) -> list[str]:
+        cfg = self._write_gateway_config(render_gateway_settings(self.spec))
         # Workers (at least 2, so that `unbroken reload` can replace them: SIGHUP keeps the
         # main process, and so its pid, which is why a reload never looks like a crash here).
         # The drain fits in the 10 s that stop() waits before SIGKILL.
@@ -572,6 +610,148 @@ class Supervisor:
             **await self.companions.status(),
         }
 
+    # -- reload --------------------------------------------------------------------------------
+    async def reload(self) -> dict[str, Any]:
+        """`unbroken reload`: read the spec again, apply its gateway settings (gateway.json
+        rendered again, SIGHUP, wait until the new workers serve; routes and pool caps through
+        the admin API, which the gateway's main process keeps otherwise) and list what only a
+        restart applies. Refused (ReloadError, nothing changed) on a spec that does not
+        validate, or when the gateway's new workers do not come up."""
+        if self._reloading:
+            raise ReloadError(409, "a reload is already under way")
+        if self._rollout_lock.locked():
+            raise ReloadError(409, "a rollout or conversion is running; reload once it is done")
+        self._reloading = True
+        try:
+            async with self._rollout_lock:  # pool caps must not race a rollout's set_pool
+                return await self._reload()
+        finally:
+            self._reloading = False
+
+    async def _reload(self) -> dict[str, Any]:
+        source = str(self.spec_path) if self.spec_path else "the default spec"
+        try:
+            new = self.reload_spec() if self.reload_spec else self.spec.model_copy(deep=True)
+        except SpecError as e:
+            raise ReloadError(400, str(e)) from None
+        except Exception as e:  # e.g. a file that is not UTF-8
+            raise ReloadError(400, f"{source}: {type(e).__name__}: {e}") from None
+        running = {p.name for p in self.spec.pools}
+        for prio, pools in new.gateway.routes.items():
+            if unknown := [p for p in pools if p not in running]:
+                raise ReloadError(
+                    400,
+                    f"{source}: gateway.routes.{prio} names pool(s) this pipeline does not run: "
+                    f"{', '.join(unknown)} (a new pool needs a restart of `unbroken up`)",
+                )
+        old_gw = self.spec.gateway
+        # What a running gateway cannot change stays as it is, in gateway.json too: a gateway
+        # restarted after a crash must come back on the same ports.
+        applied = new.gateway.model_copy(
+            update={k: getattr(old_gw, k) for k in GATEWAY_RESTART_KEYS}
+        )
+        old_r = render_gateway_settings(self.spec)
+        new_r = render_gateway_settings(self.spec.model_copy(update={"gateway": applied}))
+        changed = _diff(_flatten(old_r.model_dump(mode="json"), "gateway."),
+                        _flatten(new_r.model_dump(mode="json"), "gateway."))  # fmt: skip
+        # A pool's cap is the gateway's in-flight cap per replica: applied too.
+        caps: dict[str, int | None] = {}
+        for p in self.spec.pools:
+            q = next((q for q in new.pools if q.name == p.name), None)
+            if q is not None and q.cap != p.cap:
+                caps[p.name] = q.cap
+                changed.append(_change(f"pools.{p.name}.cap", p.cap, q.cap))
+        not_applied = _not_applied(self.spec, new)
+
+        proc = self.gateway_proc
+        if proc is None or proc.returncode is not None:
+            raise ReloadError(503, "the gateway is not running (being restarted); try again")
+        try:
+            before = (await self.admin.status()).get("workers", {}).get("generation")
+        except AdminError as e:
+            raise ReloadError(503, f"the gateway's admin API does not answer: {e}") from None
+        if before is None:
+            raise ReloadError(500, "the gateway runs a single process: it cannot reload")
+        gw_log = self.logs / "gateway.log"
+        offset = gw_log.stat().st_size if gw_log.exists() else 0
+        self._write_gateway_config(new_r)
+        try:
+            generation = await self._sighup_and_wait(proc, before, gw_log, offset)
+        except ReloadError:
+            self._write_gateway_config(old_r)  # nothing changed
+            raise
+
+        warnings: list[str] = []
+        if old_r.routes != new_r.routes:
+            try:
+                await self.admin.set_routes(routes={k: list(v) for k, v in new_r.routes.items()})
+            except AdminError as e:
+                warnings.append(f"gateway.routes not applied: {e}")
+        for name, cap in caps.items():
+            pool = self.pool_spec(name)
+            assert pool is not None
+            self.set_pool(pool.model_copy(update={"cap": cap}))
+            for r in list(self.replicas.values()):
+                if r.pool.name != name:
+                    continue
+                r.pool = r.pool.model_copy(update={"cap": cap})  # what a re-registration sends
+                if r.alive and not r.stopping:
+                    try:
+                        await self.admin.set_cap(name=r.name, cap=cap)
+                    except AdminError as e:
+                        warnings.append(f"pools.{name}.cap not applied to {r.name}: {e}")
+        self.spec.gateway = applied
+        self.record(
+            "gateway_reloaded",
+            generation=generation,
+            changed=[c["key"] for c in changed],
+            not_applied=[c["key"] for c in not_applied],
+        )
+        log.info(
+            "gateway reloaded (generation %d): %d setting(s) changed, %d not applied",
+            generation,
+            len(changed),
+            len(not_applied),
+        )
+        return {
+            "ok": True,
+            "spec": str(self.spec_path) if self.spec_path else None,
+            "gateway_pid": proc.pid,
+            "generation": generation,
+            "changed": changed,
+            "not_applied": not_applied,
+            "warnings": warnings,
+        }
+
+    async def _sighup_and_wait(
+        self, proc: asyncio.subprocess.Process, before: int, gw_log: Path, offset: int
+    ) -> int:
+        """SIGHUP the gateway and wait until its new generation of workers serves; the
+        gateway's own reason (from its log) when it gives up and keeps the old ones."""
+        try:
+            proc.send_signal(signal.SIGHUP)
+        except ProcessLookupError:
+            raise ReloadError(503, "the gateway exited; the supervisor restarts it") from None
+        deadline = time.monotonic() + RELOAD_TIMEOUT_S
+        while True:
+            await asyncio.sleep(0.1)
+            if proc.returncode is not None:
+                raise ReloadError(
+                    500, f"the gateway exited ({proc.returncode}) during the reload; log: {gw_log}"
+                )
+            with contextlib.suppress(AdminError):
+                gen = (await self.admin.status()).get("workers", {}).get("generation")
+                if isinstance(gen, int) and gen > before:
+                    return gen
+            if failed := _reload_failure(gw_log, offset):
+                raise ReloadError(500, f"the gateway kept its old workers: {failed}; log: {gw_log}")
+            if time.monotonic() > deadline:
+                raise ReloadError(
+                    500,
+                    f"the gateway's new workers did not serve within {RELOAD_TIMEOUT_S:.0f} s; "
+                    f"log: {gw_log}",
+                )
+
     async def _start_control(self) -> None:
         sock = self.state / "supervisor.sock"
         with contextlib.suppress(FileNotFoundError):
@@ -590,7 +770,8 @@ class Supervisor:
             except ValidationError as e:
                 return web.json_response({"error": str(e)}, status=400)
             if self._rollout_lock.locked():
-                return web.json_response({"error": "a rollout is already running"}, status=409)
+                msg = "a rollout, conversion or reload is already running"
+                return web.json_response({"error": msg}, status=409)
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
 
@@ -625,7 +806,7 @@ class Supervisor:
             except ValidationError as e:
                 return web.json_response({"error": {"message": str(e)}}, status=400)
             if self._rollout_lock.locked():
-                msg = "a rollout or conversion is already running"
+                msg = "a rollout, conversion or reload is already running"
                 return web.json_response({"error": {"message": msg}}, status=409)
 
             async def progress(ev: dict[str, Any]) -> None:
@@ -645,11 +826,22 @@ class Supervisor:
         async def events(request: web.Request) -> web.Response:
             return web.json_response({"events": self.events})
 
+        async def reload(request: web.Request) -> web.Response:
+            try:
+                return web.json_response(await self.reload())
+            except ReloadError as e:
+                return web.json_response({"error": str(e)}, status=e.status)
+            except Exception as e:  # the caller gets an answer, whatever happened
+                log.exception("reload failed")
+                msg = f"the reload failed unexpectedly: {type(e).__name__}: {e}"
+                return web.json_response({"error": msg}, status=500)
+
         app = web.Application()
         app.router.add_get("/status", status)
         app.router.add_get("/events", events)
         app.router.add_post("/rollout", rollout)
         app.router.add_post("/convert", convert)
+        app.router.add_post("/reload", reload)
         self._control = web.AppRunner(app, access_log=None)
         await self._control.setup()
         await web.UnixSite(self._control, str(sock)).start()
@@ -680,6 +872,97 @@ class Supervisor:
                 (self.state / "run.json").unlink()
         await self.admin.close()
         self.unlock()
+
+
+def render_gateway_settings(spec: PipelineSpec) -> GatewaySettings:
+    """The settings the gateway of `unbroken up` runs with (STATE/gateway.json), at start and
+    at every reload: the spec's gateway section; priorities it does not route prefer the pools
+    in spec order (primary first, then fallback), not in the order their engines happened to
+    become ready; each pool's upstream key by the name of the variable that carries it."""
+    settings = spec.gateway.model_copy(deep=True)
+    order = [p.name for p in spec.pools]
+    for prio in ("critical", "standard", "sheddable"):
+        settings.routes.setdefault(prio, list(order))  # type: ignore[call-overload]
+    for pool in spec.pools:
+        if _pool_key(pool) is not None:  # the key itself travels in the environment
+            settings.upstream_key_env[pool.name] = _key_var(pool.name)
+    return settings
+
+
+_MISSING = "(absent)"
+
+
+def _flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "priority_keys":  # its keys are API keys
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _hidden(v: Any) -> Any:
+    if v == _MISSING:
+        return v
+    return f"{len(v)} key(s), hidden" if isinstance(v, dict) else "(hidden)"
+
+
+def _change(key: str, old: Any, new: Any) -> dict[str, Any]:
+    """One line of a reload's report; never a secret: API keys (`priority_keys`' keys are
+    API keys too) and engine environment values are hidden."""
+    parts = key.split(".")
+    if parts[-1] in ("api_key", "priority_keys") or (len(parts) > 1 and parts[-2] == "env"):
+        old, new = _hidden(old), _hidden(new)
+    return {"key": key, "old": old, "new": new}
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        _change(k, old.get(k, _MISSING), new.get(k, _MISSING))
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, _MISSING) != new.get(k, _MISSING)
+    ]
+
+
+def _not_applied(running: PipelineSpec, new: PipelineSpec) -> list[dict[str, Any]]:
+    """What differs between the running pipeline and the spec read again, outside what a
+    reload applies (gateway settings but GATEWAY_RESTART_KEYS, pool caps)."""
+    a, b = running.model_dump(mode="json"), new.model_dump(mode="json")
+    out = [_change("model", a["model"], b["model"])] if a["model"] != b["model"] else []
+    out += _diff(
+        {f"gateway.{k}": a["gateway"][k] for k in GATEWAY_RESTART_KEYS},
+        {f"gateway.{k}": b["gateway"][k] for k in GATEWAY_RESTART_KEYS},
+    )
+    pa = {p["name"]: p for p in a["pools"]}
+    pb = {p["name"]: p for p in b["pools"]}
+    for name in sorted(pa.keys() | pb.keys(), key=lambda n: (n not in pa, n)):
+        if name not in pb:
+            out.append({"key": f"pools.{name}", "old": "(running)", "new": "(removed)"})
+        elif name not in pa:
+            out.append({"key": f"pools.{name}", "old": _MISSING, "new": "(new pool)"})
+        else:
+            pa[name].pop("cap"), pb[name].pop("cap")  # applied
+            out += _diff(_flatten(pa[name], f"pools.{name}."), _flatten(pb[name], f"pools.{name}."))
+    if list(pa) != list(pb) and pa.keys() == pb.keys():  # the default routes' order
+        out.append(_change("pools (order)", list(pa), list(pb)))
+    for section in ("controller", "agent"):
+        out += _diff(_flatten(a[section], f"{section}."), _flatten(b[section], f"{section}."))
+    return out
+
+
+def _reload_failure(path: Path, offset: int) -> str | None:
+    """The gateway's own words when it abandoned a reload (logged after `offset`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if any(m in line for m in ("reload failed", "reload: cannot read", "already under way")):
+            return line.split(": ", 1)[-1]  # the message, without time, level and logger
+    return None
 
 
 def _pool_key(pool: PoolSpec) -> str | None:

@@ -1,4 +1,5 @@
-"""`unbroken up` and `unbroken status`: the human side of the supervisor."""
+"""`unbroken up`, `unbroken status`, `unbroken rollout`, `unbroken reload`: the human side of
+the supervisor."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from rich.table import Table
 
 from unbroken.clients import AdminError
 from unbroken.config.paths import RunInfo, admin_token, state_dir
-from unbroken.config.spec import SpecError, load_spec
+from unbroken.config.spec import PipelineSpec, SpecError, load_spec
 from unbroken.pipeline.control import SupervisorClient, SupervisorError, SupervisorRejected
 from unbroken.pipeline.supervisor import StartupError, Supervisor
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
-__all__ = ["run_up", "show_status"]
+__all__ = ["reload_cli", "run_up", "show_status"]
 
 
 def run_up(
@@ -43,10 +44,14 @@ def run_up(
         if value is not None and not 0 <= value <= 65535:
             console.print(f"error: {flag} {value}: a port is 0..65535", markup=False)
             return 2
-    if port is not None:
-        spec.gateway.port = port
-    if admin_port is not None:
-        spec.gateway.admin_port = admin_port
+    flags = {
+        "port": port,
+        "admin_port": admin_port,
+        "controller_port": controller_port,
+        "agent_port": agent_port,
+        "agent": agent,
+    }
+    _apply_flags(spec, **flags)
     empty = [p.name for p in spec.pools if p.replicas == 0]
     if empty and len(empty) == len(spec.pools):
         console.print(
@@ -56,12 +61,6 @@ def run_up(
         )
     elif empty:
         console.print(f"warning: pool(s) with 0 replicas: {', '.join(empty)}", markup=False)
-    if controller_port is not None:
-        spec.controller.port = controller_port
-    if agent_port is not None:
-        spec.agent.port = agent_port
-    if agent is not None:
-        spec.agent.enabled = agent
     state = state_dir()
     running = RunInfo.read(state)
     if running is not None:
@@ -73,8 +72,44 @@ def run_up(
     token, token_file, generated = admin_token(state)
     if generated:
         console.print(f"admin token generated: {token_file} (mode 600)", markup=False)
-    sup = Supervisor(spec, state=state, token=token, token_file=token_file)
+    path = spec_path.absolute() if spec_path is not None else None
+
+    def reread() -> PipelineSpec:  # `unbroken reload`: the same file, the same flags
+        again = load_spec(path)
+        _apply_flags(again, **flags)
+        return again
+
+    sup = Supervisor(
+        spec,
+        state=state,
+        token=token,
+        token_file=token_file,
+        spec_path=path,
+        reload_spec=reread,
+    )
     return asyncio.run(_main(sup, console))
+
+
+def _apply_flags(
+    spec: PipelineSpec,
+    *,
+    port: int | None,
+    admin_port: int | None,
+    controller_port: int | None,
+    agent_port: int | None,
+    agent: bool | None,
+) -> None:
+    """`unbroken up`'s flags override the spec, at start and when a reload reads it again."""
+    if port is not None:
+        spec.gateway.port = port
+    if admin_port is not None:
+        spec.gateway.admin_port = admin_port
+    if controller_port is not None:
+        spec.controller.port = controller_port
+    if agent_port is not None:
+        spec.agent.port = agent_port
+    if agent is not None:
+        spec.agent.enabled = agent
 
 
 async def _main(sup: Supervisor, console: Console) -> int:
@@ -409,3 +444,47 @@ def drain_cli(
             return 1
 
     return asyncio.run(go())
+
+
+def reload_cli() -> int:
+    """Ask the running supervisor to re-read its spec and reload the gateway; print what
+    changed and what only a restart applies. 1 when refused (nothing changed)."""
+    info = RunInfo.read(state_dir())
+    if info is None:
+        sys.stderr.write("error: no pipeline is running (start one with `unbroken up`)\n")
+        return 2
+    try:
+        res = asyncio.run(SupervisorClient(info.control_socket).reload())
+    except SupervisorRejected as e:
+        sys.stderr.write(f"error: reload refused, nothing changed: {e.message}\n")
+        return 1
+    except SupervisorError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    sys.stdout.write("\n".join(reload_lines(res)) + "\n")
+    return 0
+
+
+def reload_lines(res: dict[str, Any]) -> list[str]:
+    src = res.get("spec") or "the default spec"
+    out = [
+        f"gateway (pid {res['gateway_pid']}) reloaded from {src}: generation "
+        f"{res['generation']} serving; old workers finish their streams",
+    ]
+    if res["changed"]:
+        out.append("changed:")
+        out += [f"  {_change_line(c)}" for c in res["changed"]]
+    else:
+        out.append("gateway settings: no change")
+    if res["not_applied"]:
+        out.append("not applied; restart `unbroken up` to apply:")
+        out += [f"  {_change_line(c)}" for c in res["not_applied"]]
+    out += [f"warning: {w}" for w in res.get("warnings", [])]
+    return out
+
+
+def _change_line(c: dict[str, Any]) -> str:
+    def show(v: Any) -> str:
+        return v if isinstance(v, str) else json.dumps(v)
+
+    return f"{c['key']}: {show(c['old'])} -> {show(c['new'])}"
