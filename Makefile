@@ -25,8 +25,10 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
+# Gateway overhead against direct, with vllm-router (scripts/bench-peer.sh installs it into its
+# own cached venv) as a peer; BENCH_ARGS="--no-peer" skips it, e.g. offline.
 bench: setup
-	$(BIN)/python benchmarks/gateway_overhead.py
+	$(BIN)/python benchmarks/gateway_overhead.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

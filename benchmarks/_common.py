@@ -17,9 +17,46 @@ from unbroken.wire.http import free_port, wait_ok
 CLK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/PID/stat after the command name (field 3, the state, is [0])."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    f = _stat(pid)
     return (int(f[11]) + int(f[12])) / CLK
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants alive now (a gateway's main process and its workers)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(_stat(int(d))[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime+stime+cutime+cstime of `pid` and its live descendants: the CPU of a whole
+    multi-process server (a child that exits during a pass moves into its parent's cutime, so
+    a difference over the pass still counts it)."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            f = _stat(p)
+        except OSError:
+            continue
+        total += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
+    return total / CLK
 
 
 @dataclass

@@ -1,35 +1,72 @@
-"""What the gateway adds: direct-to-engine versus through the gateway, same engine, same run.
+"""What a gateway adds: direct-to-engine versus through a gateway, same engine, same run.
 
-For each concurrency (64 and 256 streams, closed loop), runs alternate direct and gateway
-passes (`--repeats` each) and reports medians: added TTFT p50/p99, the inter-token delta, and
-the gateway's CPU per 1,000 relayed chunks (from /proc, utime+stime).
+Targets, all in front of one simulated engine (128-token completions, 20 ms per decode
+step, no per-sequence slowdown, room for every stream):
 
-    python benchmarks/gateway_overhead.py [--duration 8] [--repeats 2]
+- direct: the load client straight to the engine (the baseline);
+- unbroken, 1 worker: `unbroken gateway --workers 1` (one process);
+- unbroken, N workers: `unbroken gateway --workers N` (N = os.cpu_count(): a main process
+  and N serving processes on one port);
+- vllm-router: vLLM's Rust router from PyPI (`scripts/bench-peer.sh` installs it into its
+  own cached venv), `--policy round_robin`, as a peer. If it cannot be installed or started,
+  its rows say why and the rest of the table still prints.
+
+For each concurrency (64, 256 and 1024 streams, closed loop) the passes alternate between
+the targets (`--repeats` each, the order reversed every other repeat) and the table reports
+medians: TTFT p50/p99 and their ratio to direct, the added TTFT, the inter-token delta, and
+the gateway's CPU per relayed chunk: utime+stime of the gateway's processes (for N workers,
+the main process and every worker; /proc) over the pass, divided by the tokens relayed (one
+per chunk). Only the gateway's processes count: the engine and the load client share the
+same cores and are not in it.
+
+    python benchmarks/gateway_overhead.py [--duration 8] [--repeats 2] [--no-peer]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
+import resource
+import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import (
-    cpu_seconds,
+    Service,
     engine_service,
     gateway_service,
     median,
     table,
+    tree_cpu_seconds,
     wait_http,
 )
-from unbroken.bench.load import LoadConfig, LoadRun
+from unbroken.bench.load import LoadConfig, LoadRun, Record
 from unbroken.bench.stats import percentile
+from unbroken.wire.http import free_port
 
-WARMUP_S = 1.5  # requests started earlier count for CPU per chunk, not for latency
+ROOT = Path(__file__).resolve().parent.parent
+ITL_S = 0.020  # the engine's decode step, whatever the batch
+SETTLE_S = 0.5  # after the ramp, before requests count for latency
+PEER_POLICY = "round_robin"
+
+
+@dataclass
+class Target:
+    name: str
+    url: str | None  # None: not running (see `why`)
+    pid: int | None = None  # the gateway's (main) process; None for direct
+    why: str = ""  # why it is not running
+    log: str = ""
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -37,110 +74,320 @@ def pct(xs: list[float], p: float) -> float:
     return float("nan") if v is None else v
 
 
-async def closed_loop(url: str, users: int, duration: float, max_tokens: int) -> LoadRun:
-    """`users` clients streaming completions back to back (unbroken bench's load
-    generator, text verification off to keep the client light)."""
+def raise_fd_limit(want: int = 65536) -> None:
+    """1024 streams hold ~4 fds each across client, gateway and engine (children inherit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class PacedRun(LoadRun):
+    """unbroken bench's load generator with its users started at fixed offsets over `ramp`.
+    LoadRun paces its starts with one short wait per user, which a saturated event loop
+    stretches (1024 users took ~25 s to start on 2 cores); here every user sleeps to its own
+    offset, so the ramp keeps its length and the load is even, not in waves."""
+
+    def __init__(self, cfg: LoadConfig, ramp: float) -> None:
+        super().__init__(cfg)
+        self.ramp = ramp
+
+    async def run(self) -> list[Record]:
+        cfg = self.cfg
+        self.t0 = time.monotonic()
+        conn = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=10)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            await self._decide_verify(session)
+
+            async def user(i: int) -> None:
+                await asyncio.sleep(i * self.ramp / cfg.users)
+                if not self._stop.is_set():
+                    await self._user(session, i)
+
+            tasks = [asyncio.create_task(user(i)) for i in range(cfg.users)]
+            try:
+                await asyncio.wait_for(self._stop.wait(), max(0.0, cfg.duration - self.now()))
+            except TimeoutError:
+                pass
+            self._stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return self.records
+
+
+async def closed_loop(
+    url: str, users: int, duration: float, max_tokens: int, ramp: float, warmup: float
+) -> LoadRun:
+    """`users` clients streaming completions back to back, text verification off to keep
+    the client light. They start evenly over `ramp` (one request's length)."""
     cfg = LoadConfig(
         url=url,
         users=users,
-        spawn_rate=users / 1.0,
-        duration=WARMUP_S + duration,
+        duration=warmup + duration,
         prompt_words=(3, 3),
         max_tokens=(max_tokens, max_tokens),
         chat_fraction=0.0,
         verify=False,
     )
-    run = LoadRun(cfg)
+    run = PacedRun(cfg, ramp)
     await run.run()
     return run
 
 
+def install_peer() -> tuple[str | None, str]:
+    """The vllm-router executable, or None and why not."""
+    script = ROOT / "scripts" / "bench-peer.sh"
+    print("vllm-router: scripts/bench-peer.sh ...", file=sys.stderr)
+    try:
+        p = subprocess.run([str(script)], capture_output=True, text=True, timeout=600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"bench-peer.sh: {e}"
+    if p.returncode != 0:
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("bench-peer:")]
+        return None, (lines[-1] if lines else f"bench-peer.sh exited {p.returncode}")
+    return p.stdout.strip().splitlines()[-1], ""
+
+
+async def start_peer(exe: str, engine_url: str, logs: Path) -> tuple[Service | None, str]:
+    port = free_port()
+    svc = Service(
+        [
+            exe,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            engine_url,
+            "--policy",
+            PEER_POLICY,
+            "--prometheus-port",
+            str(free_port()),
+        ],
+        port,
+    ).start(logs, "vllm-router")
+    assert svc.proc is not None
+    deadline = time.monotonic() + 60
+    while svc.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            await wait_http(svc.url + "/health", timeout=1)
+            return svc, ""
+        except Exception:  # not up yet (any failure ends as a row that says why)
+            pass
+    code = svc.proc.poll()
+    svc.stop()
+    how = f"exited {code}" if code is not None else "no /health after 60 s"
+    return None, f"vllm-router did not start: {how}, see {logs / 'vllm-router.log'}"
+
+
+def router_version(exe: str) -> str:
+    py = Path(exe).parent / "python"
+    try:
+        return subprocess.run(
+            [str(py), "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+async def measure(
+    t: Target, users: int, args: argparse.Namespace, engine_pid: int
+) -> dict[str, float]:
+    ramp = args.max_tokens * ITL_S
+    warmup = ramp + SETTLE_S
+    assert t.url is not None
+    c0 = tree_cpu_seconds(t.pid) if t.pid else 0.0
+    e0, l0, w0 = tree_cpu_seconds(engine_pid), time.process_time(), time.monotonic()
+    run = await closed_loop(t.url, users, args.duration, args.max_tokens, ramp, warmup)
+    cpu = (tree_cpu_seconds(t.pid) - c0) if t.pid else float("nan")
+    wall = time.monotonic() - w0
+    engine_cores = (tree_cpu_seconds(engine_pid) - e0) / wall
+    client_cores = (time.process_time() - l0) / wall
+    measured = [r for r in run.records if r.start >= warmup]
+    ttfts = [r.ttft for r in measured if r.outcome == "ok" and r.ttft]
+    gaps = [g for r in measured for g in r.gaps]
+    chunks = sum(r.tokens for r in run.records)  # all of them: the CPU covers all
+    out = {
+        "p50": pct(ttfts, 50),
+        "p99": pct(ttfts, 99),
+        "itl": pct(gaps, 50),
+        "itl99": pct(gaps, 99),
+        "cpu_per_chunk": cpu / chunks if chunks else float("nan"),
+        "cpu_share": cpu / wall,
+        "chunks": chunks,
+        "failed": sum(r.outcome != "ok" for r in run.records),
+    }
+    fails = Counter(
+        f"{r.outcome}: {(r.detail or '?')[:60]}" for r in run.records if r.outcome != "ok"
+    )
+    print(
+        f"  {users:>5} streams {t.name:<22} ttft p50 {out['p50'] * 1e3:8.2f} ms"
+        f"  p99 {out['p99'] * 1e3:8.2f} ms  itl p50 {out['itl'] * 1e3:6.2f} ms"
+        f"  chunks {chunks:>7}  cpu {out['cpu_per_chunk'] * 1e6:6.1f} us/chunk"
+        f"  failed {out['failed']}  cores: gw {out['cpu_share']:.2f}"
+        f" engine {engine_cores:.2f} client {client_cores:.2f}  {wall:.0f} s",
+        file=sys.stderr,
+    )
+    for why, n in fails.most_common(3):
+        print(f"        {n} x {why}", file=sys.stderr)
+    return out
+
+
+def rows_for(
+    users: int, targets: list[Target], res: dict[str, list[dict[str, float]]], first: bool
+) -> list[list[str]]:
+    def med(name: str) -> dict[str, float]:
+        return {k: median([r[k] for r in res[name]]) for k in res[name][0]}
+
+    d = med("direct")
+    peer = next((t for t in targets if t.name.startswith("vllm-router")), None)
+    pc = med(peer.name)["cpu_per_chunk"] if peer and res.get(peer.name) else float("nan")
+    rows = []
+    for t in targets:
+        if not res.get(t.name):
+            why = f"not run: {t.why}" if first else "not run (see above)"
+            rows.append([str(users), t.name, why] + [""] * 9)
+            continue
+        g = med(t.name)
+        direct = t.name == "direct"
+        if not g["chunks"] or g["p50"] != g["p50"]:
+            why = f"no successful stream: {int(g['failed'])} failed, see {t.log}"
+            rows.append([str(users), t.name, why] + [""] * 8 + [f"0 / {int(g['failed'])}"])
+            continue
+        cpu = g["cpu_per_chunk"] * 1e6
+        rows.append(
+            [
+                str(users),
+                t.name,
+                f"{g['p50'] * 1e3:.2f}",
+                f"{g['p50'] / d['p50']:.2f}x",
+                "" if direct else f"{(g['p50'] - d['p50']) * 1e3:+.2f}",
+                f"{g['p99'] * 1e3:.2f}",
+                f"{g['p99'] / d['p99']:.2f}x",
+                "" if direct else f"{(g['p99'] - d['p99']) * 1e3:+.2f}",
+                f"{g['itl'] * 1e3:.2f} / {g['itl99'] * 1e3:.2f}",
+                "-" if direct else f"{cpu:.1f}",
+                "-" if direct or pc != pc else f"{g['cpu_per_chunk'] / pc:.2f}x",
+                f"{int(g['chunks'])} / {int(g['failed'])}",
+            ]
+        )
+    return rows
+
+
 async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--duration", type=float, default=8.0)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per pass")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--workers", type=int, default=max(2, os.cpu_count() or 1), help="N [os.cpu_count()]"
+    )
+    ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     args = ap.parse_args()
+    raise_fd_limit()
+    t_start = time.monotonic()
+    load0 = os.getloadavg()
 
     logs = Path(tempfile.mkdtemp(prefix="ub-bench-"))
-    eng = engine_service("--max-num-seqs", "512").start(logs, "engine")
-    gw, _ = gateway_service(eng.url, args=("--cap", "1024"))
-    gw.start(logs, "gateway", env={"UNBROKEN_ADMIN_TOKEN": "bench"})
+    peer_exe, peer_why = (None, "--no-peer") if args.no_peer else install_peer()
+    top = max(args.concurrency)
+    eng = engine_service(
+        "--max-num-seqs",
+        str(max(512, 2 * top)),
+        "--kv-capacity-tokens",
+        str(max(65_536, 4 * top * (args.max_tokens + 16))),
+        "--decode-base-s",
+        str(ITL_S),
+        "--decode-per-seq-s",
+        "0",
+    ).start(logs, "engine")
+    cap = ("--cap", str(4 * top))
+    gw1, _ = gateway_service(eng.url, args=cap)
+    gwn, _ = gateway_service(eng.url, args=(*cap, "--workers", str(args.workers)))
+    env = {"UNBROKEN_ADMIN_TOKEN": "bench"}
+    gw1.start(logs, "gateway-1", env=env)
+    gwn.start(logs, f"gateway-{args.workers}", env=env)
+    peer: Service | None = None
     try:
         await wait_http(eng.url + "/health")
-        await wait_http(gw.url + "/health")
-        await asyncio.sleep(2.5)  # warm-up completion passes, endpoint ready
+        await wait_http(gw1.url + "/health")
+        await wait_http(gwn.url + "/health")
+        if peer_exe:
+            peer, peer_why = await start_peer(peer_exe, eng.url, logs)
+        await asyncio.sleep(2.5)  # the gateways' warm-up completions, endpoints ready
+        assert eng.proc and gw1.proc and gwn.proc
+        peer_name = "vllm-router " + (router_version(peer_exe) if peer_exe else "")
+        targets = [
+            Target("direct", eng.url),
+            Target("unbroken 1 worker", gw1.url, gw1.proc.pid, log=f"{logs}/gateway-1.log"),
+            Target(
+                f"unbroken {args.workers} workers",
+                gwn.url,
+                gwn.proc.pid,
+                log=f"{logs}/gateway-{args.workers}.log",
+            ),
+            Target(
+                peer_name.strip(),
+                peer.url if peer else None,
+                peer.proc.pid if peer and peer.proc else None,
+                peer_why,
+                log=f"{logs}/vllm-router.log",
+            ),
+        ]
+        live = [t for t in targets if t.url]
         rows = []
         for users in args.concurrency:
-            res: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
-            for _ in range(args.repeats):
-                for mode, url in (("direct", eng.url), ("gateway", gw.url)):
-                    assert gw.proc is not None
-                    c0 = cpu_seconds(gw.proc.pid)
-                    run = await closed_loop(url, users, args.duration, args.max_tokens)
-                    cpu = cpu_seconds(gw.proc.pid) - c0
-                    measured = [r for r in run.records if r.start >= WARMUP_S]
-                    ttfts = [r.ttft for r in measured if r.outcome == "ok" and r.ttft]
-                    gaps = [g for r in measured for g in r.gaps]
-                    chunks = sum(r.tokens for r in run.records)  # all of them: CPU covers all
-                    res[mode].append(
-                        {
-                            "p50": pct(ttfts, 50),
-                            "p99": pct(ttfts, 99),
-                            "itl": pct(gaps, 50),
-                            "itl99": pct(gaps, 99),
-                            "cpu_per_chunk": cpu / max(chunks, 1),
-                            "chunks": chunks,
-                            "failed": sum(r.outcome != "ok" for r in run.records),
-                        }
-                    )
-                    last = res[mode][-1]
-                    print(
-                        f"  {users:>4} users {mode:<8} ttft p50 {last['p50'] * 1e3:7.2f} ms"
-                        f"  p99 {last['p99'] * 1e3:7.2f} ms  chunks {chunks}",
-                        file=sys.stderr,
-                    )
-            d = {k: median([r[k] for r in res["direct"]]) for k in res["direct"][0]}
-            g = {k: median([r[k] for r in res["gateway"]]) for k in res["gateway"][0]}
-            rows.append(
-                [
-                    str(users),
-                    f"{d['p50'] * 1e3:.2f} / {g['p50'] * 1e3:.2f}",
-                    f"{(g['p50'] - d['p50']) * 1e3:+.2f}",
-                    f"{d['p99'] * 1e3:.2f} / {g['p99'] * 1e3:.2f}",
-                    f"{(g['p99'] - d['p99']) * 1e3:+.2f}",
-                    f"{(g['itl'] - d['itl']) * 1e3:+.2f} / {(g['itl99'] - d['itl99']) * 1e3:+.2f}",
-                    f"{g['cpu_per_chunk'] * 1e6:.1f}",
-                    f"{g['p50'] / d['p50']:.2f}x",
-                    f"{int(g['chunks'])}",
-                    f"{int(d['failed'] + g['failed'])}",
-                ]
-            )
+            res: dict[str, list[dict[str, float]]] = {t.name: [] for t in live}
+            for i in range(args.repeats):
+                for t in live if i % 2 == 0 else live[::-1]:
+                    res[t.name].append(await measure(t, users, args, eng.proc.pid))
+            rows += rows_for(users, targets, res, first=not rows)
+        la = os.getloadavg()
         print(
             f"\nmachine: {platform.node()} {platform.machine()}, "
-            f"{len(__import__('os').sched_getaffinity(0))} cpus; engine fp16 profile; "
-            f"{args.duration:g} s per pass, {args.repeats} pass(es) each, medians"
+            f"{len(os.sched_getaffinity(0))} cpus, load average {load0[0]:.2f} at the start, "
+            f"{la[0]:.2f} at the end; engine: {args.max_tokens}-token completions, "
+            f"{ITL_S * 1e3:g} ms per step; {args.duration:g} s measured per pass "
+            f"(after a {args.max_tokens * ITL_S + SETTLE_S:g} s ramp), "
+            f"{args.repeats} pass(es) per target, medians; "
+            f"vllm-router --policy {PEER_POLICY}; {time.monotonic() - t_start:.0f} s in all; "
+            f"logs in {logs}"
         )
+        if peer:
+            print(
+                "vllm-router: " + " ".join(Path(a).name if a == peer_exe else a for a in peer.argv)
+            )
         print(
             table(
                 [
                     "streams",
-                    "TTFT p50 direct/gw ms",
+                    "target",
+                    "TTFT p50 ms",
+                    "p50 vs direct",
                     "added p50 ms",
-                    "TTFT p99 direct/gw ms",
+                    "TTFT p99 ms",
+                    "p99 vs direct",
                     "added p99 ms",
-                    "ITL delta p50/p99 ms",
+                    "ITL p50 / p99 ms",
                     "gw CPU us/chunk",
-                    "p50 ratio",
-                    "chunks (gw)",
-                    "failed",
+                    "CPU vs vllm-router",
+                    "chunks / failed",
                 ],
                 rows,
             )
         )
     finally:
-        gw.stop()
+        if peer:
+            peer.stop()
+        gw1.stop()
+        gwn.stop()
         eng.stop()
 
 
