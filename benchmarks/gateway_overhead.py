@@ -8,12 +8,12 @@ step, no per-sequence slowdown, room for every stream):
 - unbroken, N workers: `unbroken gateway --workers N` (N = os.cpu_count(): a main process
   and N serving processes on one port);
 - vllm-router: vLLM's Rust router from PyPI (`scripts/bench-peer.sh` installs it into its
-  own cached venv), `--policy round_robin`, as a peer. If it cannot be installed or started,
-  its rows say why and the rest of the table still prints.
+  own cached venv), `--policy round_robin` (`--peer-policy`), as a peer. If it cannot be
+  installed or started, its rows say why and the rest of the table still prints.
 
 For each concurrency (64, 256 and 1024 streams, closed loop) the passes alternate between
 the targets (`--repeats` each, the order reversed every other repeat) and the table reports
-medians: TTFT p50/p99 and their ratio to direct, the added TTFT, the inter-token delta, and
+medians: TTFT p50/p99 and their ratio to direct, the added TTFT, the inter-token gaps, and
 the gateway's CPU per relayed chunk: utime+stime of the gateway's processes (for N workers,
 the main process and every worker; /proc) over the pass, divided by the tokens relayed (one
 per chunk). Only the gateway's processes count: the engine and the load client share the
@@ -57,7 +57,7 @@ from unbroken.wire.http import free_port
 ROOT = Path(__file__).resolve().parent.parent
 ITL_S = 0.020  # the engine's decode step, whatever the batch
 SETTLE_S = 0.5  # after the ramp, before requests count for latency
-PEER_POLICY = "round_robin"
+PEER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 
 
 @dataclass
@@ -148,7 +148,9 @@ def install_peer() -> tuple[str | None, str]:
     return p.stdout.strip().splitlines()[-1], ""
 
 
-async def start_peer(exe: str, engine_url: str, logs: Path) -> tuple[Service | None, str]:
+async def start_peer(
+    exe: str, engine_url: str, logs: Path, policy: str
+) -> tuple[Service | None, str]:
     port = free_port()
     svc = Service(
         [
@@ -160,7 +162,7 @@ async def start_peer(exe: str, engine_url: str, logs: Path) -> tuple[Service | N
             "--worker-urls",
             engine_url,
             "--policy",
-            PEER_POLICY,
+            policy,
             "--prometheus-port",
             str(free_port()),
         ],
@@ -290,6 +292,12 @@ async def main() -> None:
         "--workers", type=int, default=max(2, os.cpu_count() or 1), help="N [os.cpu_count()]"
     )
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    ap.add_argument(
+        "--peer-policy",
+        choices=PEER_POLICIES,
+        default="round_robin",
+        help="vllm-router's --policy (its own default is cache_aware)",
+    )
     args = ap.parse_args()
     raise_fd_limit()
     t_start = time.monotonic()
@@ -320,7 +328,7 @@ async def main() -> None:
         await wait_http(gw1.url + "/health")
         await wait_http(gwn.url + "/health")
         if peer_exe:
-            peer, peer_why = await start_peer(peer_exe, eng.url, logs)
+            peer, peer_why = await start_peer(peer_exe, eng.url, logs, args.peer_policy)
         await asyncio.sleep(2.5)  # the gateways' warm-up completions, endpoints ready
         assert eng.proc and gw1.proc and gwn.proc
         peer_name = "vllm-router " + (router_version(peer_exe) if peer_exe else "")
@@ -357,7 +365,7 @@ async def main() -> None:
             f"{ITL_S * 1e3:g} ms per step; {args.duration:g} s measured per pass "
             f"(after a {args.max_tokens * ITL_S + SETTLE_S:g} s ramp), "
             f"{args.repeats} pass(es) per target, medians; "
-            f"vllm-router --policy {PEER_POLICY}; {time.monotonic() - t_start:.0f} s in all; "
+            f"vllm-router --policy {args.peer_policy}; {time.monotonic() - t_start:.0f} s in all; "
             f"logs in {logs}"
         )
         if peer:
