@@ -132,6 +132,7 @@ class MainGateway(Gateway):
         self.generation = 0
         self.replaced = 0
         self.reloads = 0
+        self.reload_error: str | None = None
         self.stopping = False
         self._free_cols = list(range(MAX_ENDPOINTS - 1, -1, -1))
         self._retired: list[int] = []  # columns of removed endpoints, until their count is 0
@@ -257,6 +258,9 @@ class MainGateway(Gateway):
                 "draining_pids": [w.proc.pid for w in self.workers if w.draining],
                 "main_pid": os.getpid(),
                 "generation": self.generation,
+                # The last reload that changed nothing because it failed, and why (None
+                # once a later one succeeds).
+                "last_reload_error": self.reload_error,
             }
         }
 
@@ -372,6 +376,7 @@ class MainGateway(Gateway):
             return
         if self._reloading is not None and not self._reloading.done():
             log.warning("SIGHUP: a reload is already under way; ignored")
+            self.reload_error = "a reload was already under way; this one was ignored"
             return
         self._reloading = asyncio.create_task(self._reload(reload_cfg))
 
@@ -383,12 +388,18 @@ class MainGateway(Gateway):
                 new = reload_cfg()
             except Exception as e:  # the settings on disk are broken: keep serving
                 log.error("reload: cannot read the settings (%s); nothing changed", e)
+                self.reload_error = f"cannot read the settings: {e}"
                 return
             fixed = ("host", "port", "admin_host", "admin_port")
             if any(getattr(new, k) != getattr(self.cfg, k) for k in fixed):
                 log.warning("reload: listen addresses cannot change without a restart; kept")
+            prev = self.cfg
             self.cfg = new.model_copy(update={k: getattr(self.cfg, k) for k in fixed})
             self.pool.default_cap = self.cfg.default_cap
+            if self.cfg.routes != prev.routes:
+                # Only when the file's routes changed: an unrelated reload keeps what an
+                # operator set through the admin API since.
+                self.set_routes({k: list(v) for k, v in self.cfg.routes.items()})
         log.info("reload: starting %d new worker(s), generation %d", self.n_workers, gen)
         new_ws: list[Worker] = []
         try:
@@ -397,6 +408,7 @@ class MainGateway(Gateway):
             await self._wait_up(new_ws)
         except (OSError, RuntimeError) as e:
             log.error("reload failed (%s): the old workers keep serving", e)
+            self.reload_error = f"new workers did not start: {e}"
             for w in new_ws:
                 w.draining = True
                 with contextlib.suppress(ProcessLookupError):
@@ -404,6 +416,7 @@ class MainGateway(Gateway):
             return
         self.generation = gen
         self.reloads += 1
+        self.reload_error = None
         for w in old:
             w.draining = True
             w.send({"t": "drain", "timeout": self.cfg.request_timeout_s, "why": "reload"})
@@ -513,6 +526,10 @@ async def serve_main(
     gw = MainGateway(cfg, token, shared, listen, tmp, workers)
     gw.shutdown_timeout = shutdown_timeout
     loop = asyncio.get_running_loop()
+    # A SIGHUP during start-up (workers may already answer /health) is kept for after it,
+    # not the default action, which would end the process.
+    early: list[None] = []
+    loop.add_signal_handler(signal.SIGHUP, early.append, None)
     try:
         try:
             await gw.start_main(static, warmup=warmup, k8s=k8s)
@@ -526,6 +543,8 @@ async def serve_main(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _second_forces, stop, force)
         loop.add_signal_handler(signal.SIGHUP, gw.reload, reload_cfg)
+        if early:
+            gw.reload(reload_cfg)
         await stop.wait()
         log.info("gateway stopping: draining for up to %.0f s", shutdown_timeout)
         gw.closing = "shutting down"
