@@ -28,7 +28,14 @@ from unbroken.gateway._continuation import augment
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._relay import BufferBudget, ClientSink
 from unbroken.gateway._stream import StreamRelay
-from unbroken.gateway._upstream import UPSTREAM_ERRORS, Form, Leg, Retry, Upstream
+from unbroken.gateway._upstream import (
+    UPSTREAM_ERRORS,
+    Form,
+    Leg,
+    Retry,
+    Upstream,
+    UpstreamResponse,
+)
 from unbroken.wire.errors import ApiError
 from unbroken.wire.openai import gateway_view, lax_bool
 
@@ -59,6 +66,8 @@ _HOP = {
     "content-encoding",
     "content-type",
     "x-request-id",
+    # The gateway has read the whole body already; an engine's interim answer is not wanted.
+    "expect",
 }
 # Engine routes the gateway forwards without interpreting them (vLLM's names).
 PASSTHROUGH_ROUTES = (
@@ -481,6 +490,7 @@ class Proxy:
         todo = [f for f in forms if f.kind not in refused] or list(forms[-1:])
         t = max(limit(ep), 0.0)
         tmo = asyncio.timeout(t)
+        up: UpstreamResponse | None = None
         try:
             async with tmo:
                 for i, form in enumerate(todo):
@@ -516,11 +526,15 @@ class Proxy:
                 kind, detail = ("ttfb" if streaming else "timeout"), f"no answer within {t:.1f} s"
             else:
                 kind, detail = "connect", f"{type(e).__name__}: {e}"
+            if up is not None:
+                up.close()
             self.upstream_failed(ep, kind, detail)
             exclude.append(ep)
             self.release(ep, n)
             raise Retry(kind, detail) from None
         except BaseException:
+            if up is not None:
+                up.close()
             self.release(ep, n)
             raise
         raise AssertionError("unreachable: the last form always returns")

@@ -235,6 +235,7 @@ class UpstreamResponse:
 class _Conn(asyncio.Protocol):
     __slots__ = (
         "_headers_done",
+        "_interim",
         "_name",
         "_parser",
         "_resp",
@@ -254,6 +255,7 @@ class _Conn(asyncio.Protocol):
         self._resp: UpstreamResponse | None = None
         self._headers_done: asyncio.Future[None] | None = None
         self._name = b""
+        self._interim = False
         self.closed = False
         self.got_bytes = False
         self.used = 0.0
@@ -298,7 +300,12 @@ class _Conn(asyncio.Protocol):
         r = self._resp
         if r is None:
             return
-        r.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue): the real one follows
+            self._interim = True
+            r.headers.clear()
+            return
+        r.status = status
         r.content_type = r.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         f = self._headers_done
         if f is not None and not f.done():
@@ -310,6 +317,9 @@ class _Conn(asyncio.Protocol):
             r._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         r, self._resp = self._resp, None
         if r is not None:
             if not self._parser.should_keep_alive():
@@ -372,7 +382,8 @@ class Upstream:
         for k, v in headers.items():
             lines.append(f"{k}: {v}\r\n")
         lines.append(f"Content-Length: {len(body)}\r\n\r\n")
-        head = "".join(lines).encode("latin-1")
+        # aiohttp decodes request headers as UTF-8 with surrogateescape: the same bytes go on.
+        head = "".join(lines).encode("utf-8", "surrogateescape")
         conn = self._take(o)
         if conn is not None:
             try:
