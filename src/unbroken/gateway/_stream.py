@@ -152,7 +152,7 @@ class StreamRelay:
         self._wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
         self._tmo: asyncio.Timeout | None = None
         self._last_event = 0.0
-        self._armed = 0.0
+        self._rearm_at = 0.0
         self._gaps = 0
         self._gap_max = 0.0
         self._last_token = 0.0
@@ -377,7 +377,7 @@ class StreamRelay:
         cur = self._tmo.when()
         if cur is None or when < cur:
             self._tmo.reschedule(when)
-            self._armed = 0.0
+            self._rearm_at = 0.0
 
     def _stall_limit(self) -> float:
         stall = self.p.cfg.stall_timeout_s
@@ -413,7 +413,7 @@ class StreamRelay:
             # limit, learned from this stream's own gaps.
             async with asyncio.timeout_at(self._started + self.p.ttfb_limit(ep)) as tmo:
                 self._tmo = tmo
-                self._armed = 0.0
+                self._rearm_at = 0.0
                 up.stream(self._on_body, self._on_end)
                 while True:
                     if self._outq:
@@ -493,10 +493,11 @@ class StreamRelay:
             if gap > self._gap_max:
                 self._gap_max = gap
         self._last_event = now
-        limit = self._stall_limit()
-        if now - self._armed > limit / 4 and self._tmo is not None:
-            self._tmo.reschedule(now + limit)  # re-armed sparingly: a timer per chunk costs
-            self._armed = now
+        if now > self._rearm_at and self._tmo is not None:
+            # Re-armed sparingly (a timer move per chunk costs): at most every quarter limit.
+            limit = self._stall_limit()
+            self._tmo.reschedule(now + limit)
+            self._rearm_at = now + limit / 4
         try:
             verdict = self._take(events, self._rw)
         except (ClientGone, SlowClient) as e:
@@ -594,35 +595,46 @@ class StreamRelay:
 
     def _account(self, obj: dict[str, Any], rewrite: bool) -> tuple[int, bool, bool | None]:
         """Count the event's tokens as the engine does, note its token ids, take out what the
-        client did not ask for. (tokens, aborted, changed); changed None: drop the event."""
+        client did not ask for. (tokens, aborted, changed); changed None: drop the event.
+        One pass over the choices: this runs for every event relayed."""
         changed: bool | None = False
         aborted = False
         choices = obj.get("choices") or ()
         u = obj.get("usage")
         text_events = 0
         ids: list[int] | None = None
+        first_leg = self.legs == 1
+        strip = self.augmented or rewrite
+        strip_prompt = rewrite or not self.want_ids
         for ch in choices:
             if not isinstance(ch, dict):
                 continue
             if ch.get("finish_reason") == "abort":
                 ch["finish_reason"] = None
                 aborted = changed = True
-            if ch.get("index", 0) != 0:
-                continue
-            t = ch.get("token_ids")
-            if isinstance(t, list):
-                ids = t
-            if self.legs == 1 and isinstance(ch.get("prompt_token_ids"), list):
-                self.prompt_ids = ch["prompt_token_ids"]
-            txt = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
-            if txt:
-                text_events += 1
-        if self.legs == 1 and isinstance(obj.get("prompt_token_ids"), list):
-            self.prompt_ids = obj["prompt_token_ids"]
-        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
-            n = max(0, u["completion_tokens"] - self.leg_count)
-            self.leg_count = u["completion_tokens"]
-            if self.legs == 1 and self.prompt_tokens is None:
+            if ch.get("index", 0) == 0:
+                t = ch.get("token_ids")
+                if isinstance(t, list):
+                    ids = t
+                if first_leg and isinstance(pids := ch.get("prompt_token_ids"), list):
+                    self.prompt_ids = pids
+                txt = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
+                if txt:
+                    text_events += 1
+            if strip:
+                # vLLM keeps these keys, null, when they were not asked for: so does the relay.
+                if strip_prompt and ch.get("prompt_token_ids") is not None:
+                    ch["prompt_token_ids"] = None
+                    changed = True
+                if not self.want_ids and ch.get("token_ids") is not None:
+                    ch["token_ids"] = None
+                    changed = True
+        if first_leg and isinstance(pids := obj.get("prompt_token_ids"), list):
+            self.prompt_ids = pids
+        if isinstance(u, dict) and isinstance(ct := u.get("completion_tokens"), int):
+            n = max(0, ct - self.leg_count)
+            self.leg_count = ct
+            if first_leg and self.prompt_tokens is None:
                 pt = u.get("prompt_tokens")
                 self.prompt_tokens = pt if isinstance(pt, int) else None
         elif ids is not None:
@@ -639,18 +651,8 @@ class StreamRelay:
             else:
                 self.ids_ok = False
         self.sent = self.leg_base + self.leg_count
-        if self.augmented or rewrite:
-            # vLLM keeps these keys, null, when they were not asked for: so does the relay.
-            for ch in choices:
-                if not isinstance(ch, dict):
-                    continue
-                if ch.get("prompt_token_ids") is not None and (rewrite or not self.want_ids):
-                    ch["prompt_token_ids"] = None
-                    changed = True
-                if ch.get("token_ids") is not None and not self.want_ids:
-                    ch["token_ids"] = None
-                    changed = True
-            if obj.get("prompt_token_ids") is not None and (rewrite or not self.want_ids):
+        if strip:
+            if strip_prompt and obj.get("prompt_token_ids") is not None:
                 obj["prompt_token_ids"] = None
                 changed = True
             if self.augmented and u is not None:
