@@ -562,3 +562,48 @@ def test_stream_buffer_budget_ends_the_slowest_stream(tmp_path: Path) -> None:
     finally:
         g.stop()
         a.stop()
+
+
+def test_a_saturated_engine_is_slow_not_hung(tmp_path: Path) -> None:
+    """`make bench` at 1,024 streams: requests queued inside a busy engine passed the
+    time-to-first-byte limit, the gateway took its only engine out of rotation as hung, and
+    every request after that was a 502. An engine that keeps producing tokens for its other
+    streams has a queue, not a hang: the queued streams wait and complete, the endpoint stays
+    in rotation. (Its hang is still detected: `test_hung_engine_is_routed_around`.)"""
+    a = engine(tmp_path, "--max-num-seqs", "2", "--decode-base-s", "0.03", name="a")
+    g = gateway(
+        tmp_path,
+        a.url,
+        args=(*_config(tmp_path, ttfb_timeout_s=20.0, ttfb_min_s=1.0), "--cap", "16"),
+    )
+    try:
+        for i in range(4):  # the endpoint's first-byte limit is learned: 1 s (ttfb_min_s)
+            body = {"model": MODEL, "prompt": f"warm {i}", "max_tokens": 2, "temperature": 0}
+            assert stream(g.url, "/v1/completions", body, timeout=30)[1].status_code == 200
+        results: list[tuple[int, str]] = []
+
+        def one(i: int) -> None:
+            body = {"model": MODEL, "prompt": f"queue {i}", "max_tokens": 60, "temperature": 0}
+            events, r = stream(g.url, "/v1/completions", body, timeout=60)
+            results.append((r.status_code, stream_text(events, chat=False)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        # 6 streams of ~1.8 s through 2 engine slots: the last ones wait > 3 s for a first
+        # token, three times the 1 s limit.
+        assert sorted(results) == sorted(
+            (200, expected_completion(f"queue {i}", 60).text) for i in range(6)
+        )
+        (ep,) = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+        assert ep["healthy"] and ep["state"] == "ready", ep
+        try:
+            cut = metric(g.url, "unbroken_gateway_retries_total", reason="ttfb")
+        except KeyError:  # never counted
+            cut = 0.0
+        assert cut == 0
+    finally:
+        g.stop()
+        a.stop()

@@ -95,6 +95,11 @@ _SHUTTING_DOWN = "cannot schedule new futures after shutdown"
 # This many 5xx in a row (no success between) take an endpoint out until readiness.
 _5XX_RUN = 3
 _WATCH_S = 0.5
+# An endpoint whose streams got an event this recently is producing tokens: slow to answer
+# a new request (its queue), not hung.
+_ALIVE_S = 1.0
+# How long before a first-byte limit fires its endpoint's liveness is looked at.
+_PATIENCE_LEAD_S = 0.05
 
 
 class Proxy:
@@ -491,8 +496,11 @@ class Proxy:
         t = max(limit(ep), 0.0)
         tmo = asyncio.timeout(t)
         up: UpstreamResponse | None = None
+        stop_waiting: Callable[[], None] | None = None
         try:
             async with tmo:
+                if streaming:
+                    stop_waiting = self.patience(tmo, ep, asyncio.get_running_loop().time())
                 for i, form in enumerate(todo):
                     up = await self.upstream.request(ep.url, form.path, form.body, hdrs)
                     if up.status == 200 and streaming:
@@ -537,6 +545,9 @@ class Proxy:
                 up.close()
             self.release(ep, n)
             raise
+        finally:
+            if stop_waiting is not None:
+                stop_waiting()
         raise AssertionError("unreachable: the last form always returns")
 
     async def _forward(
@@ -712,6 +723,44 @@ class Proxy:
                     for relay in list(ep.relays):
                         relay.alert()
 
+    def alive(self, ep: Endpoint) -> bool:
+        """Did any stream of `ep` get an event in the last `_ALIVE_S`?"""
+        since = asyncio.get_running_loop().time() - _ALIVE_S
+        return any(r.last_event > since for r in list(ep.relays))
+
+    def patience(self, tmo: asyncio.Timeout, ep: Endpoint, start: float) -> Callable[[], None]:
+        """Keep a first-byte limit `tmo` from firing while `ep` is alive: an engine that is
+        producing tokens for its other streams and slow to start this one has a queue, not a
+        hang (under saturation, cutting such requests only turned a slow answer into a 502).
+        Each time the limit comes due on a live endpoint it is pushed back by the endpoint's
+        limit again, never past `start` + `ttfb_timeout_s`. Returns the function that stops
+        watching."""
+        loop = asyncio.get_running_loop()
+        ceiling = start + self.cfg.ttfb_timeout_s
+        handle: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            nonlocal handle
+            when = tmo.when()
+            if when is None or tmo.expired():
+                return
+            now = loop.time()
+            if when - now > _PATIENCE_LEAD_S:  # moved since (a first event re-armed it)
+                handle = loop.call_at(when - _PATIENCE_LEAD_S, check)
+            elif when < ceiling and self.alive(ep):
+                new = min(ceiling, now + self.ttfb_limit(ep))
+                tmo.reschedule(new)
+                handle = loop.call_at(new - _PATIENCE_LEAD_S, check)
+
+        def stop() -> None:
+            if handle is not None:
+                handle.cancel()
+
+        first = tmo.when()
+        if first is not None:
+            handle = loop.call_at(first - _PATIENCE_LEAD_S, check)
+        return stop
+
     def upstream_ok(self, ep: Endpoint) -> None:
         self._5xx.pop(ep.name, None)
 
@@ -724,6 +773,16 @@ class Proxy:
         if kind in ("connect", "reset"):
             # Out of rotation until its next health check passes.
             ep.healthy = False
+        elif kind in ("ttfb", "stall", "timeout") and self.alive(ep):
+            log.warning(
+                "upstream %s slow (%s: %s), not hung: its other streams got events within "
+                "%.0f s; it stays in rotation",
+                ep.name,
+                kind,
+                detail,
+                _ALIVE_S,
+            )
+            return
         elif self.on_hang is not None and (
             kind in ("ttfb", "stall", "timeout", "abort")
             or _SHUTTING_DOWN in detail

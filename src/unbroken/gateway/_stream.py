@@ -90,6 +90,7 @@ class RelayHost(Protocol):
     def ttfb_limit(self, ep: Endpoint) -> float: ...
     def observe_ttfb(self, ep: Endpoint, seconds: float) -> None: ...
     def watch_streams(self) -> None: ...
+    def patience(self, tmo: asyncio.Timeout, ep: Endpoint, start: float) -> Callable[[], None]: ...
     def response_headers(self, base: dict[str, str], ep: Endpoint | None) -> dict[str, str]: ...
     async def detokenize(
         self, model: str, ids: list[int], exclude: list[Endpoint], headers: dict[str, str]
@@ -176,6 +177,11 @@ class StreamRelay:
         if self._raw is None:
             self._raw = orjson.loads(self.body)
         return self._raw
+
+    @property
+    def last_event(self) -> float:
+        """When this stream's current leg last got an event (loop time; 0 before any)."""
+        return self._last_event
 
     # -- called by the gateway ------------------------------------------------------------
     def interrupt(self, reason: str) -> None:
@@ -398,6 +404,7 @@ class StreamRelay:
         self.up, self.ep = up, ep
         ep.relays.add(self)
         self.p.watch_streams()
+        stop_waiting: Callable[[], None] | None = None
         loop = self._loop
         self._wake = loop.create_future()
         self._dec = SSEDecoder()
@@ -414,6 +421,7 @@ class StreamRelay:
             async with asyncio.timeout_at(self._started + self.p.ttfb_limit(ep)) as tmo:
                 self._tmo = tmo
                 self._rearm_at = 0.0
+                stop_waiting = self.p.patience(tmo, ep, self._started)
                 up.stream(self._on_body, self._on_end)
                 while True:
                     if self._outq:
@@ -443,6 +451,8 @@ class StreamRelay:
         except TimeoutError:
             return self.interrupted or ("ttfb" if self._first else "stall")
         finally:
+            if stop_waiting is not None:
+                stop_waiting()
             up.detach()
             self._tmo = None
             ep.relays.discard(self)
