@@ -77,6 +77,11 @@ class GatewaySettings(_Spec):
     upstream_key_env: dict[str, str] = Field(
         default_factory=dict, description="pool → env var holding its upstream API key"
     )
+    handover_on_reload: bool = Field(
+        default=True,
+        description="at a reload, hand open streams with their client connections to the new "
+        "workers (continued by continuation), so old workers exit in seconds",
+    )
 
 
 class ControllerSettings(_Spec):

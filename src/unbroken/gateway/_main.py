@@ -7,11 +7,13 @@ table. It sends workers the endpoint state whenever it changes and every STATE_S
 their metrics into one /metrics, and:
 
 - SIGHUP (reload): starts N new workers (the code and settings on disk now) on the same
-  socket, waits until they serve, then tells the old ones to drain: they stop accepting,
-  finish each connection's current request or stream, and exit. An old worker lives until its
-  last stream ends, at most `request_timeout_s` (no stream outlives that anyway); how many
-  are still draining is `unbroken_gateway_workers{state="draining"}`. If a new worker fails
-  to start, the old ones keep serving and the log says why.
+  socket, waits until they serve, then tells the old ones to drain: they stop accepting and
+  hand their open streams, with the client connections, to the new workers' handover
+  sockets (round-robin; `_handover`, `handover_on_reload`), which continue them by
+  continuation. A stream that cannot be handed over finishes where it is: an old worker lives
+  until its last such stream ends, at most `request_timeout_s` (no stream outlives that
+  anyway); how many are still draining is `unbroken_gateway_workers{state="draining"}`. If a
+  new worker fails to start, the old ones keep serving and the log says why.
 - SIGTERM: /health answers 503 first, the workers close their listeners READINESS_LEAD_S
   later and finish their streams up to `--shutdown-timeout`; what is left then (or at a
   second SIGTERM) ends with an SSE error event; exit 0.
@@ -78,6 +80,7 @@ class Worker:
     row: int
     generation: int
     writer: asyncio.StreamWriter
+    handover: str = ""  # its handover socket (streams of old workers come in there)
     up: asyncio.Event = field(default_factory=asyncio.Event)
     draining: bool = False
     acked: int = -1  # the last state message it applied
@@ -274,6 +277,7 @@ class MainGateway(Gateway):
         if not cfg_path.exists():
             cfg_path.write_text(self.cfg.model_dump_json())
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        handover = str(self.tmp / f"handover-{next(self._ids)}.sock")
         spec = {
             "cfg": str(cfg_path),
             "shm": str(self.shared.path),
@@ -283,6 +287,7 @@ class MainGateway(Gateway):
             "log_level": logging.getLogger().getEffectiveLevel(),
             "main_pid": os.getpid(),
             "shutdown_timeout": self.shutdown_timeout,
+            "handover": handover,
         }
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -298,7 +303,7 @@ class MainGateway(Gateway):
         finally:
             child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent, limit=64 * 2**20)
-        w = Worker(proc, row, generation, writer)
+        w = Worker(proc, row, generation, writer, handover)
         w.send(self.snapshot())
         self.workers.append(w)
         w.tasks = [
@@ -325,6 +330,8 @@ class MainGateway(Gateway):
                     got = self._asked.get(msg["id"])
                     if got is not None and not got[0].done():
                         got[0].set_result(msg["text"])
+                elif t == "handed":
+                    self.metrics.handed_over.labels(msg["dir"]).inc()
                 elif t == "aggr?":
                     task = asyncio.create_task(self._answer_metrics(w, msg["id"]))
                     w.tasks.append(task)
@@ -417,13 +424,23 @@ class MainGateway(Gateway):
         self.generation = gen
         self.reloads += 1
         self.reload_error = None
-        for w in old:
+        targets = [w.handover for w in new_ws] if self.cfg.handover_on_reload else []
+        for i, w in enumerate(old):
             w.draining = True
-            w.send({"t": "drain", "timeout": self.cfg.request_timeout_s, "why": "reload"})
+            msg: dict[str, Any] = {
+                "t": "drain",
+                "timeout": self.cfg.request_timeout_s,
+                "why": "reload",
+            }
+            if targets:  # each old worker starts on another new one
+                k = i % len(targets)
+                msg["handover"] = targets[k:] + targets[:k]
+            w.send(msg)
         log.info(
-            "reload: generation %d serving; %d old worker(s) finish their streams",
+            "reload: generation %d serving; %d old worker(s) %s",
             gen,
             len(old),
+            "hand their streams over" if targets else "finish their streams",
         )
 
     async def shutdown(self, timeout: float, force: asyncio.Event) -> None:

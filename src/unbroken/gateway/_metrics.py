@@ -299,6 +299,15 @@ class GatewayMetrics:
             "Clients that left before their stream ended.",
             registry=r,
         )
+        # Counted by the main process (workers report each one): an old worker's own counters
+        # leave /metrics with it.
+        self.handed_over = Counter(
+            "unbroken_gateway_streams_handed_over",
+            "Streams handed with their client connection to a new worker at a reload: out of "
+            "an old worker, in to a new one.",
+            ["direction"],
+            registry=r,
+        )
         r.register(_PoolCollector(pool, admission, sinks))
         self._pool_children: dict[str, tuple[Any, Any]] = {}
         self.unknown_routes = Counter(
@@ -330,6 +339,8 @@ class GatewayMetrics:
             self.unmigratable.labels(why)
         for path in ("tokens", "text"):
             self.migration_path.labels(path)
+        for direction in ("out", "in"):
+            self.handed_over.labels(direction)
         for m in METHODS:
             self.unknown_routes.labels(m)
 

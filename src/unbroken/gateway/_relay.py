@@ -15,12 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-__all__ = ["BufferBudget", "ClientGone", "ClientSink", "SlowClient", "StreamTracker"]
+__all__ = [
+    "AdoptedSink",
+    "BufferBudget",
+    "ClientGone",
+    "ClientSink",
+    "SlowClient",
+    "StreamTracker",
+]
 
 # Direct writes only while the socket's own buffer is below this: aiohttp's write() then
 # never waits on the transport, so the upstream read loop never blocks on the client.
@@ -226,6 +234,82 @@ class ClientSink:
         if self.transport is not None:
             with contextlib.suppress(Exception):
                 self.transport.close()
+
+
+class AdoptedSink(ClientSink):
+    """The sink of a stream whose client connection this process adopted mid-response from
+    another worker (`_handover`, at a reload). Its headers went out long ago and no aiohttp
+    response owns the connection: every chunk is framed here (HTTP/1.1 chunked), a client
+    that backs up is fed at its pace by waiting on the transport itself (`drained`), and
+    `finish` writes the last chunk and hands the connection on (`on_finish`: serve its next
+    request, or close it)."""
+
+    __slots__ = ("_drained", "ended", "on_finish")
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        limit: int,
+        budget: BufferBudget | None,
+        drained: Callable[[], Awaitable[None]],
+        on_finish: Callable[[], None],
+    ) -> None:
+        # A stand-in response, never prepared: it only says the body is chunked.
+        super().__init__(
+            web.StreamResponse(headers={"Transfer-Encoding": "chunked"}), transport, limit, budget
+        )
+        self._framed = True
+        self._drained = drained
+        self.on_finish = on_finish
+        self.ended = False  # finished, ended or aborted by the gateway (not the client)
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                parts: list[bytes] = []
+                n = 0
+                while self._pending and n < _WRITE_CHUNK:
+                    parts.append(self._pending.popleft())
+                    n += len(parts[-1])
+                self._pending_bytes -= n
+                if self.budget is not None:
+                    self.budget.shrink(n)
+                t = self.transport
+                if t is None or t.is_closing():
+                    raise ConnectionResetError("the client closed its connection")
+                data = b"".join(parts)
+                t.write(b"%x\r\n%b\r\n" % (len(data), data))
+                await self._drained()
+        except (ConnectionError, RuntimeError) as e:
+            self._error = e
+
+    def evict(self, why: str, code: str = "slow_client") -> None:
+        self.ended = True
+        super().evict(why, code)
+
+    async def finish(self, tail: bytes = b"") -> None:
+        if tail:
+            await self.send(tail)
+        if self._writer is not None:
+            try:
+                await self._writer
+            except asyncio.CancelledError:
+                if self._evicted is None or not self._writer.cancelled():
+                    raise
+        if self._evicted is not None:
+            raise SlowClient(self._evicted)
+        if self._error is not None:
+            raise ClientGone() from self._error
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ClientGone()
+        self.ended = True
+        t.write(b"0\r\n\r\n")
+        self.on_finish()
+
+    def abort(self) -> None:
+        self.ended = True
+        super().abort()
 
 
 class StreamTracker:

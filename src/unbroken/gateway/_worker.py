@@ -5,13 +5,17 @@ It learns endpoints, caps and routes from the main process's state messages over
 socket (newline-delimited JSON) and runs no prober, discovery or admin API of its own.
 
     main → worker   state (endpoints, caps, routes), metrics (send your registry),
-                    aggr (the merged /metrics it asked for), drain, force
+                    aggr (the merged /metrics it asked for), drain (with, at a reload, the
+                    new workers' handover sockets), force
     worker → main   up (serving), suspect (an endpoint hung), metrics, aggr? (a /metrics
-                    scrape landed here: ask for all workers' merged)
+                    scrape landed here: ask for all workers' merged), handed (a stream went
+                    out to, or came in from, another worker)
 
 A drain (reload or shutdown) closes this worker's copy of the listener, lets each connection
 finish its current request, and exits 0; `force` ends the streams still open with an SSE
-error event. A lost control socket means the main process died: the worker drains and exits.
+error event. At a reload the streams go to the new workers instead, with their connections
+(`_handover`), so the drain takes seconds. A lost control socket means the main process
+died: the worker drains and exits.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.config.spec import GatewaySettings
+from unbroken.gateway._handover import Inbound, Outbound
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
@@ -54,6 +59,9 @@ class WorkerGateway(Gateway):
         self.drain_task: asyncio.Task[None] | None = None
         self.runner: web.AppRunner | None = None
         self.shutdown_timeout = 30.0
+        self.inbound: Inbound | None = None  # streams handed over by old workers
+        self.outbound: Outbound | None = None  # this worker's streams, at a reload
+        self.accepting = True  # takes handed-over streams (until its drain is over)
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -129,13 +137,33 @@ class WorkerGateway(Gateway):
         )
         self._runners = [self.runner]
 
-    def drain(self, timeout: float, why: str) -> None:
+    @property
+    def takes_streams(self) -> bool:
+        """Whether streams handed over by old workers are taken (not once shutting down)."""
+        return self.accepting and self.closing is None and not self.force.is_set()
+
+    def start_handover(self, path: str) -> None:
+        self.inbound = Inbound(self, path)
+        self.inbound.start()
+
+    def drain(self, timeout: float, why: str, handover: list[str] | None = None) -> None:
         if self.drain_task is None:
             self.drain_task = asyncio.create_task(self._drain(timeout, why))
+        if handover and self.outbound is None:
+            self.outbound = Outbound(self, handover)
+            self.outbound.start()
 
     async def _drain(self, timeout: float, why: str) -> None:
         assert self.runner is not None
-        ended = await self.drain_public(self.runner, timeout, self.force, why)
+        try:
+            ended = await self.drain_public(self.runner, timeout, self.force, why)
+        finally:
+            # No await since the drain saw nothing in flight: no stream can come in after it.
+            self.accepting = False
+            if self.outbound is not None:
+                self.outbound.stop()
+        if self.inbound is not None:
+            self.inbound.close()
         log.info("worker %d drained (%s); %d stream(s) ended", os.getpid(), why, ended)
         await self.stop()
 
@@ -158,7 +186,7 @@ class WorkerGateway(Gateway):
                 if ep is not None:
                     self.rebalance(ep, msg["priorities"])
             elif t == "drain":
-                self.drain(msg["timeout"], msg["why"])
+                self.drain(msg["timeout"], msg["why"], msg.get("handover"))
             elif t == "force":
                 self.force.set()
         self.lost_main()
@@ -183,6 +211,8 @@ async def _run(spec: dict[str, Any]) -> None:
     first = orjson.loads(await reader.readline())
     gw.apply(first)
     await gw.start_worker(listen)
+    if spec.get("handover"):
+        gw.start_handover(spec["handover"])
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C: the main process decides
 
