@@ -461,3 +461,56 @@ async def test_a_refused_handover_leaves_the_stream_where_it_was(tmp_path: Path)
             out.stop()
         await gw.stop()
         e.stop()
+
+
+def test_a_stream_that_cannot_move_finishes_in_the_old_worker(
+    tmp_path: Path, engines: tuple[Proc, Proc]
+) -> None:
+    """The fallback in real processes: a stream with logprobs cannot be continued elsewhere,
+    so its old worker keeps it (and lives until it ends, whole); the stream beside it is
+    handed over. Both byte-exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import stream, stream_text
+
+    a, b = engines
+    g = gateway(tmp_path, a.url, b.url, args=("--workers", "2"))
+    try:
+        bodies = {
+            "moves": {"model": MODEL, "prompt": "moves", "max_tokens": 1200, "temperature": 0},
+            "stays": {
+                "model": MODEL,
+                "prompt": "stays",
+                "max_tokens": 1200,
+                "temperature": 0,
+                "logprobs": 1,
+            },
+        }
+        with ThreadPoolExecutor(2) as pool:
+            jobs = {
+                k: pool.submit(stream, g.url, "/v1/completions", body) for k, body in bodies.items()
+            }
+            wait_for(lambda: _running(a) + _running(b) == 2, timeout=30, what="both streaming")
+            time.sleep(0.5)
+            old = workers_of(g)["pids"]
+            g.signal(signal.SIGHUP)
+            wait_for(
+                lambda: (
+                    metric(g.url, "unbroken_gateway_streams_handed_over_total", direction="in") == 1
+                ),
+                timeout=30,
+                what="one stream handed over",
+            )
+            assert not all(gone(p) for p in old)  # the logprobs stream's worker stays
+            results = {k: j.result() for k, j in jobs.items()}
+        for k, (events, r) in results.items():
+            assert r.status_code == 200
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            assert not any(isinstance(e, dict) and "error" in e for e in events), k
+            assert stream_text(events, chat=False) == expected_completion(k, 1200).text, k
+        lps = [e["choices"][0]["logprobs"] for e in results["stays"][0] if isinstance(e, dict)]
+        assert all(lp and lp["tokens"] for lp in lps if lp is not None) and len(lps) >= 1200
+        wait_for(lambda: all(gone(p) for p in old), timeout=10, what="old workers gone")
+        assert metric(g.url, "unbroken_gateway_streams_handed_over_total", direction="out") == 1
+    finally:
+        g.stop()
