@@ -323,7 +323,10 @@ def test_handover_on_the_wire(tmp_path: Path, engines: tuple[Proc, Proc]) -> Non
             reloaded["at"] = len(texts)
 
         r = threading.Thread(target=reload)
+        gap, last = 0.0, time.monotonic()
         for data in w.chunks():
+            now = time.monotonic()
+            gap, last = max(gap, now - last), now
             for ev in dec.feed(data):
                 assert ev.data is not None
                 if ev.is_done:
@@ -340,6 +343,8 @@ def test_handover_on_the_wire(tmp_path: Path, engines: tuple[Proc, Proc]) -> Non
         assert "".join(texts) == expected_completion(prompt, n).text
         assert reloaded["at"] < n - 100, reloaded  # the old worker left mid-stream
         assert reloaded["lived"] < 5.0, reloaded
+        print(f"handover on the wire: longest gap between chunks {gap * 1000:.0f} ms")
+        assert gap < 3.0  # about one continuation's time to first token
         assert w.idle(0.5), w.buf  # nothing after the last chunk, no close
         assert metric(g.url, "unbroken_gateway_streams_handed_over_total", direction="in") == 1
         # The connection lives on in the new worker: the next request on it is served.
