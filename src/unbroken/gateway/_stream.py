@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -55,6 +55,10 @@ SIBLING_FLOOR_S = 1.0
 _MAX_SPLIT_BACK = 8
 # Breaks that say the engine process is going away (not just this request failing).
 _DYING = ("reset", "truncated", "abort")
+# The break a worker makes to hand a stream to another process at a reload (`_handover`): not
+# the endpoint's failure, and not a migration (no limit, not counted as one).
+HANDOVER = "handover"
+SNAPSHOT_VERSION = 1  # of `StreamRelay.snapshot`: a worker refuses a stream in another format
 
 
 def _has_text(obj: dict[str, Any]) -> bool:
@@ -169,6 +173,8 @@ class StreamRelay:
         self._exc: BaseException | None = None
         self._outq: list[bytes] = []
         self._detail: str | None = None
+        # Set by `hand_over`: moves the stream to another process once its leg is cut.
+        self._handoff: Callable[[StreamRelay], Awaitable[bool]] | None = None
 
     @property
     def raw(self) -> dict[str, Any]:
@@ -192,21 +198,132 @@ class StreamRelay:
                 self.up.close()
                 self._end_leg("reset")
 
+    def hand_over(self, transfer: Callable[[StreamRelay], Awaitable[bool]]) -> bool:
+        """Cut the current leg between two events (the engine frees the request) so that
+        `transfer` can move the stream, with its client connection, to another process
+        (`_handover`, at a reload). `transfer` runs in this stream's task once everything
+        relayed so far was handed to the client's sink; when it returns False the stream
+        continues here, by continuation, as after any other break. False, and nothing done,
+        when no leg is running or the client has not had the response's headers yet."""
+        if self.interrupted is not None or self.up is None or self.sink is None:
+            return False
+        self._handoff = transfer
+        self.interrupt(HANDOVER)
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        """What another process needs to carry this stream on (all but the body's bytes,
+        which travel beside it): see `restore`."""
+        t = self.tracker
+        return {
+            "path": self.path,
+            "chat": self.chat,
+            "model": self.model,
+            "priority": self.priority,
+            "headers": {str(k): str(v) for k, v in self.headers.items()},  # not istr keys
+            "t0": self.t0,  # CLOCK_MONOTONIC: the same clock in every process of the host
+            "weight": self.weight,
+            "augmented": self.augmented,
+            "wants": [self.want_usage, self.want_cont, self.want_ids],
+            "migrations": self.migrations,
+            "failed": [e.name for e in self.failed],
+            "sent": self.sent,
+            "exact": self.exact,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_ids": self.prompt_ids,
+            "gen_ids": self.gen_ids,
+            "ids_ok": self.ids_ok,
+            "split_back": self.split_back,
+            "legs": self.legs,
+            "gaps": self._gaps,
+            "gap_max": self._gap_max,
+            "last_token": self._last_token,
+            "pool": self.ep.pool if self.ep is not None else None,
+            "tracker": {
+                "id": t.id,
+                "created": t.created,
+                "model": t.model,
+                "texts": {str(i): "".join(v) for i, v in t.texts.items()},
+                "finish": {str(i): v for i, v in t.finish.items()},
+                "role_sent": sorted(t.role_sent),
+                "token_events": t.token_events,
+            },
+        }
+
+    @classmethod
+    def restore(cls, host: RelayHost, state: dict[str, Any], body: bytes) -> StreamRelay:
+        """A stream another process handed over (`snapshot`); `resume` continues it."""
+        wants = state["wants"]
+        r = cls(
+            host,
+            None,  # type: ignore[arg-type]  # no aiohttp request: the sink is the connection
+            path=state["path"],
+            body=body,
+            chat=state["chat"],
+            model=state["model"],
+            priority=state["priority"],
+            headers=state["headers"],
+            t0=state["t0"],
+            weight=state["weight"],
+            augmented=state["augmented"],
+            wants=(wants[0], wants[1], wants[2]),
+        )
+        r.migrations = state["migrations"]
+        r.sent = state["sent"]
+        r.exact = state["exact"]
+        r.prompt_tokens = state["prompt_tokens"]
+        r.prompt_ids = state["prompt_ids"]
+        r.gen_ids = state["gen_ids"]
+        r.ids_ok = state["ids_ok"]
+        r.split_back = state["split_back"]
+        r.legs = state["legs"]
+        r._gaps, r._gap_max = state["gaps"], state["gap_max"]
+        if state["last_token"] and state["pool"] is not None:
+            r._last_token = state["last_token"]
+            r._itl = host.metrics.for_pool(state["pool"])[1]
+        tr, t = state["tracker"], r.tracker
+        t.id, t.created, t.model = tr["id"], tr["created"], tr["model"]
+        t.texts = {int(i): [v] for i, v in tr["texts"].items()}
+        t.finish = {int(i): v for i, v in tr["finish"].items()}
+        t.role_sent = set(tr["role_sent"])
+        t.token_events = tr["token_events"]
+        return r
+
+    async def resume(self, sink: ClientSink) -> None:
+        """Carry on a stream handed over by another process, writing to `sink` (its client's
+        connection, adopted): its leg was cut there, so the next one starts at once, by
+        continuation."""
+        self.sink, self.resp = sink, sink.resp
+        await self.run(None, None)
+
     # -- the stream -----------------------------------------------------------------------
-    async def run(self, up: UpstreamResponse, ep: Endpoint, n: int = 1) -> web.StreamResponse:
+    async def run(
+        self, up: UpstreamResponse | None, ep: Endpoint | None, n: int = 1
+    ) -> web.StreamResponse:
         """Relay leg 0 (whose `n` slots on `ep` the caller has taken) and whatever follows.
-        Raises Retry when leg 0 breaks before anything reached the client."""
+        Raises Retry when leg 0 breaks before anything reached the client. `up` None: a
+        stream handed over by another process (`resume`)."""
         m = self.p.metrics
         try:
-            reason = await self._leg(up, ep, n, rewrite=False)
-            if reason is not None and self.sink is None:
-                raise Retry(reason, f"stream from {ep.name} broke before its first event")
+            if up is None:
+                reason: str | None = HANDOVER
+            else:
+                assert ep is not None
+                reason = await self._leg(up, ep, n, rewrite=False)
+                if reason is not None and self.sink is None:
+                    raise Retry(reason, f"stream from {ep.name} broke before its first event")
             while reason is not None:
-                assert self.ep is not None
-                self.failed.append(self.ep)
+                moved = reason == HANDOVER  # the endpoint did nothing wrong
+                if moved and self._handoff is not None:
+                    transfer, self._handoff = self._handoff, None
+                    if await transfer(self):
+                        return self._response()  # the connection lives on elsewhere
+                if not moved:
+                    assert self.ep is not None
+                    self.failed.append(self.ep)
                 tokens = self._token_path()
                 why = not_migratable(self.raw, self.chat, tokens=tokens)
-                if why is None and self.migrations >= self.p.cfg.max_migrations:
+                if why is None and not moved and self.migrations >= self.p.cfg.max_migrations:
                     why = "migration_limit"
                 if why is not None:
                     await self._give_up(reason, why)
@@ -214,8 +331,9 @@ class StreamRelay:
                 if tokens:
                     await self._safe_split()
                 tries = self._continuations(tokens)
-                self.migrations += 1
-                m.migrated.labels(reason).inc()
+                if not moved:
+                    self.migrations += 1
+                    m.migrated.labels(reason).inc()
                 if not tries:  # every token was delivered; only the finish was lost
                     await self._send(self._finish_chunk())
                     if self.want_usage and self.exact and self.prompt_tokens is not None:
@@ -232,7 +350,7 @@ class StreamRelay:
                     "stream %s: %s on %s, continued on %s after %d tokens (%s path, %d back)",
                     self.tracker.id,
                     reason,
-                    self.failed[-1].name,
+                    self.ep.name if self.ep is not None else "another worker",
                     ep.name,
                     self.sent,
                     kind,
@@ -259,6 +377,7 @@ class StreamRelay:
                 self.sink.abort()
             raise
         finally:
+            self._handoff = None
             if self.sink is not None:
                 self.p.drop_sink(self.sink)
         return self._response()
