@@ -10,8 +10,13 @@ never needs the controller to remember the original.
 
 Picking walks the priority's pool preference list; within the first pool that has candidates
 (ready, healthy, serving the model, room under the cap) a routing policy chooses one. The
-policy is one object with `pick(candidates, request)`; least-load is the default, and a new
-policy (prefix or session affinity) is one class plus its test.
+policy is one object with `pick(candidates, request)`; a new policy (prefix or session
+affinity) is one class plus its test. A policy that also has `pick_route(pools, request,
+fresh=...)` is given every pool of the route that has candidates and may choose a later one.
+The default is `LatencyAware` (`_latency.py`): least load weighted by each endpoint's
+expected time to first token, as measured on the gateway's own streams (each endpoint's
+`latency`, fed by the relay through `observe_first` and `observe_gap`, and by its `relays`
+set as legs start and end); `LeastLoad` is the plain load score.
 
 An endpoint's in-flight count lives in its `slot`: a plain counter in a single-process
 gateway, a column of the shared table (`_shared.py`) when several workers serve, so that the
@@ -31,11 +36,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from unbroken.gateway._latency import EndpointLatency, LatencyAware
+
 __all__ = [
     "CONDITIONS",
     "KV_WEIGHT",
     "SLOW_CLIENT_BYTES",
     "Endpoint",
+    "LatencyAware",
     "LeastLoad",
     "LocalSlot",
     "PickRequest",
@@ -83,6 +91,26 @@ class LocalSlot:
         self.n += n
 
 
+class _Legs(set[Any]):
+    """An endpoint's streams being relayed (`Endpoint.relays`); a leg joins when it starts
+    and leaves when it ends, which tells the endpoint's latency which legs still wait for
+    their first event."""
+
+    __slots__ = ("latency",)
+
+    def __init__(self, latency: EndpointLatency) -> None:
+        super().__init__()
+        self.latency = latency
+
+    def add(self, leg: Any) -> None:
+        super().add(leg)
+        self.latency.leg_started(leg)
+
+    def discard(self, leg: Any) -> None:
+        super().discard(leg)
+        self.latency.leg_ended(leg)
+
+
 @dataclass(eq=False)
 class Endpoint:
     name: str
@@ -106,7 +134,22 @@ class Endpoint:
     served: int = 0
     state_since: float = field(default_factory=time.time)
     relays: set[Any] = field(default_factory=set)  # streams being relayed from here
+    latency: EndpointLatency = field(default_factory=EndpointLatency, repr=False)
     _rr: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.relays, _Legs):
+            legs = _Legs(self.latency)
+            legs.update(self.relays)
+            self.relays = legs
+
+    def observe_first(self, leg: object, seconds: float) -> None:
+        """A leg's first event came `seconds` after its response headers (the relay)."""
+        self.latency.first_event(leg, seconds)
+
+    def observe_gap(self, seconds: float) -> None:
+        """A stream of this endpoint got an event `seconds` after its previous one."""
+        self.latency.gap(seconds)
 
     @property
     def inflight(self) -> int:
@@ -164,6 +207,7 @@ class Endpoint:
             "kv_usage": self.kv_usage,
             "load": round(self.load, 3),
             "served": self.served,
+            "routing": self.latency.as_dict(time.monotonic()),
             "last_error": self.last_error,
             "state_since": self.state_since,
             "drain_deadline_s": None
@@ -228,7 +272,7 @@ class Pool:
         self.pool_order: list[str] = []
         self.routes: dict[str, list[str]] = {}
         self.routes_override: dict[str, list[str]] = {}
-        self.policy: RoutingPolicy = policy or LeastLoad()
+        self.policy: RoutingPolicy = policy or LatencyAware()
 
     def add(self, ep: Endpoint) -> None:
         if ep.name in self.endpoints and self.endpoints[ep.name].state != State.GONE:
@@ -260,9 +304,12 @@ class Pool:
         return any(model in e.models for e in self.endpoints.values() if e.state != State.GONE)
 
     def pick(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+        exclude = tuple(exclude)
         excluded = set(map(id, exclude))
         cap = self.default_cap
         request = PickRequest(model, priority)
+        route = getattr(self.policy, "pick_route", None)
+        by_pool: list[list[Endpoint]] = []
         for pool in self.pools_for(priority):
             candidates = [
                 e
@@ -279,8 +326,14 @@ class Pool:
             healthy = [e for e in candidates if e.condition != "contended"]
             if healthy:
                 candidates = healthy
-            if candidates and (ep := self.policy.pick(candidates, request)) is not None:
+            if not candidates:
+                continue
+            if route is not None:
+                by_pool.append(candidates)
+            elif (ep := self.policy.pick(candidates, request)) is not None:
                 return ep
+        if route is not None and by_pool:
+            return route(by_pool, request, fresh=not exclude)  # type: ignore[no-any-return]
         return None
 
     def could_serve(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> bool:

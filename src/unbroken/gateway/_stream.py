@@ -616,8 +616,10 @@ class StreamRelay:
         if self._first:
             self._first = False
             self.p.observe_ttfb(self.ep, now - self._started)  # type: ignore[arg-type]
+            self.ep.observe_first(self, now - self._started)  # type: ignore[union-attr]
         elif self._last_event:
             gap = now - self._last_event
+            self.ep.observe_gap(gap)  # type: ignore[union-attr]
             self._gaps += 1
             if gap > self._gap_max:
                 self._gap_max = gap

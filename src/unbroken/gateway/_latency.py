@@ -1,0 +1,244 @@
+"""Latency-aware routing: least load weighted by what the gateway measures of each endpoint.
+
+The controller needs a few hundred milliseconds of evidence before it calls an endpoint
+contended; the gateway sees a replica slow down within one decode step, because it reads
+every stream of every endpoint itself. This policy uses that:
+
+- **Per endpoint, from the gateway's own streams** (`EndpointLatency`, fed by the relay):
+  the time from a leg's response headers to its first event (TTFB), the gaps between a
+  stream's events (one decode step each: every stream of an engine sees the same steps), and
+  the legs still waiting for their first event (the engine's prefill queue as this gateway
+  made it). The gap is averaged over every event of a short window (`gap_window_s`: the
+  gateway's own scheduling shifts single gaps, not their mean) and smoothed across windows
+  (`gap_alpha`), so a slower step shows within two windows;
+  the first-event time is a peak EWMA (a slower one counts at once, faster ones pull it back
+  down over `ttfb_decay_s`); a signal with no new sample for `stale_s` fades, so an endpoint
+  avoided for what it once showed is tried again, not starved.
+- **Expected time to first token** of a new request on an endpoint:
+  `max(TTFB, first_steps x gap, age of its oldest waiting leg, floor_s) x (1 + waiting legs /
+  pending_scale)`: a first token waits out the step in progress and its own prefill step, and
+  every leg queued ahead adds prefill work; below `floor_s` differences are jitter.
+- **Pick within a pool**: the lowest `(load + 1) x expected`, load being the least-load score
+  (in-flight + engine queue + KV); ties round-robin. With no measurements it is least load.
+- **Spill across pools** (a new request only): the route's first pool is kept unless its best
+  endpoint has a prefill backlog made by this gateway (`spill_backlog` legs or more waiting
+  for their first event: a burst of continuations after a crash, a drain or the controller
+  moving streams) and is expected to be `spill_ratio` times slower (and `spill_min_s` more)
+  than a later pool's best. A later pool that is merely faster (an fp8 tier) does not draw
+  new requests away from the route's order. A retry or a continuation (a pick that excludes
+  an endpoint) keeps to the route's order: spreading a burst of continuations over the tiers
+  would put prefill work in front of new requests everywhere.
+
+Slow clients change none of it: the gateway reads every upstream at engine speed and buffers
+for the client, so a slow reader changes neither the gaps nor the first-event times.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unbroken.gateway._pool import Endpoint, PickRequest
+
+__all__ = ["EndpointLatency", "LatencyAware", "LatencySettings"]
+
+
+@dataclass(frozen=True)
+class LatencySettings:
+    """The policy's knobs (docs/gateway.md, "Routing")."""
+
+    gap_window_s: float = 0.05  # gaps are averaged over windows this long
+    gap_alpha: float = 0.5  # EWMA weight of one window's mean gap
+    ttfb_decay_s: float = 0.25  # a peak first-event time decays with this time constant
+    stale_s: float = 1.0  # a signal with no new sample for this long fades (this time constant)
+    first_steps: float = 2.0  # a first token waits out about this many decode steps
+    floor_s: float = 0.02  # expected times below this are equal (event-loop and network jitter)
+    pending_scale: float = 16.0  # this many legs waiting for a first event add one expected TTFT
+    spill_backlog: int = 8  # legs waiting for a first event that make a backlog
+    spill_ratio: float = 2.0  # ... a later pool is taken when the first is this many times slower
+    spill_min_s: float = 0.05  # ... and at least this much slower
+
+
+class EndpointLatency:
+    """What this gateway's streams say about one endpoint's speed. Updated by the relay
+    (`leg_started`, `first_event`, `gap`, `leg_ended`), read by the policy (`expected`)."""
+
+    __slots__ = (
+        "_n",
+        "_sum",
+        "_window_at",
+        "alpha_gap",
+        "gap_at",
+        "gap_s",
+        "gap_window_s",
+        "ttfb_at",
+        "ttfb_decay_s",
+        "ttfb_s",
+        "waiting",
+    )
+
+    def __init__(self, settings: LatencySettings | None = None) -> None:
+        s = settings or _DEFAULT
+        self.alpha_gap, self.gap_window_s, self.ttfb_decay_s = (
+            s.gap_alpha,
+            s.gap_window_s,
+            s.ttfb_decay_s,
+        )
+        self._sum, self._n, self._window_at = 0.0, 0, 0.0
+        self.ttfb_s: float | None = None
+        self.ttfb_at = 0.0
+        self.gap_s: float | None = None
+        self.gap_at = 0.0
+        self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
+
+    # -- fed by the relay -------------------------------------------------------------------
+    def leg_started(self, leg: object, now: float | None = None) -> None:
+        self.waiting[id(leg)] = time.monotonic() if now is None else now
+
+    def leg_ended(self, leg: object) -> None:
+        self.waiting.pop(id(leg), None)
+
+    def first_event(self, leg: object, seconds: float, now: float | None = None) -> None:
+        """Peak EWMA: a slower first event counts at once, a faster one pulls the estimate
+        down with the time since the last sample (`ttfb_decay_s`)."""
+        self.waiting.pop(id(leg), None)
+        now = time.monotonic() if now is None else now
+        t = self.ttfb_s
+        if t is None or seconds >= t:
+            self.ttfb_s = seconds
+        else:
+            w = math.exp(-max(0.0, now - self.ttfb_at) / self.ttfb_decay_s)
+            self.ttfb_s = seconds + (t - seconds) * w
+        self.ttfb_at = now
+
+    def gap(self, seconds: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._n and now - self._window_at >= self.gap_window_s:
+            mean, g = self._sum / self._n, self.gap_s
+            self.gap_s = mean if g is None else g + self.alpha_gap * (mean - g)
+            self.gap_at = now
+            self._sum, self._n = 0.0, 0
+        if not self._n:
+            self._window_at = now
+        self._sum += seconds
+        self._n += 1
+
+    # -- read by the policy -----------------------------------------------------------------
+    def measured(self, now: float, s: LatencySettings) -> float | None:
+        """Expected first-token time before queueing, from the samples; None when nothing
+        has been measured. Each signal older than `stale_s` fades (with that time constant):
+        an endpoint that gets no new legs keeps no first-event time it once showed, and one
+        whose streams all ended keeps no gap."""
+        out: float | None = None
+        if self.ttfb_s is not None:
+            out = self.ttfb_s * _fade(now - self.ttfb_at, s.stale_s)
+        if self.gap_s is not None:
+            g = s.first_steps * self.gap_s * _fade(now - self.gap_at, s.stale_s)
+            out = g if out is None else max(out, g)
+        return out
+
+    def expected(self, now: float, prior: float | None, s: LatencySettings) -> float | None:
+        """Expected time to a new request's first token here; `prior` (the best sibling's)
+        stands in when nothing has been measured."""
+        base = self.measured(now, s)
+        if base is None:
+            base = prior
+        if self.waiting:
+            oldest = now - min(self.waiting.values())
+            base = oldest if base is None else max(base, oldest)
+        if base is None:
+            return None
+        return max(base, s.floor_s) * (1.0 + len(self.waiting) / s.pending_scale)
+
+    def as_dict(self, now: float, s: LatencySettings | None = None) -> dict[str, Any]:
+        s = s or _DEFAULT
+        exp = self.expected(now, None, s)
+        return {
+            "ttfb_ms": None if self.ttfb_s is None else round(self.ttfb_s * 1e3, 2),
+            "gap_ms": None if self.gap_s is None else round(self.gap_s * 1e3, 2),
+            "awaiting_first": len(self.waiting),
+            "expected_ttft_ms": None if exp is None else round(exp * 1e3, 2),
+        }
+
+
+_DEFAULT = LatencySettings()
+
+
+def _fade(age: float, stale_s: float) -> float:
+    return 1.0 if age <= stale_s else math.exp(-(age - stale_s) / stale_s)
+
+
+class LatencyAware:
+    """The default routing policy: least load weighted by expected time to first token, and
+    a spill to a later pool of the route when the first one is much slower (module doc)."""
+
+    def __init__(self, settings: LatencySettings | None = None) -> None:
+        self.s = settings or _DEFAULT
+        self._tick = itertools.count(1)
+        self.spills = 0  # new requests sent past the route's first pool
+        self.avoided = 0  # picks where the least-loaded candidate was passed over
+
+    def _prior(self, candidates: Sequence[Endpoint], now: float) -> float | None:
+        known = [m for e in candidates if (m := e.latency.measured(now, self.s)) is not None]
+        return min(known) if known else None
+
+    def _best(
+        self, candidates: Sequence[Endpoint], now: float, prior: float | None
+    ) -> tuple[Endpoint | None, float | None]:
+        """The candidate with the lowest (load + 1) x expected, and its expected time."""
+        best: Endpoint | None = None
+        best_key = (0.0, 0)
+        best_exp: float | None = None
+        for e in candidates:
+            exp = e.latency.expected(now, prior, self.s)
+            key = ((e.load + 1.0) * (exp if exp is not None else 1.0), e._rr)
+            if best is None or key < best_key:
+                best, best_key, best_exp = e, key, exp
+        return best, best_exp
+
+    def _chose(self, ep: Endpoint, candidates: Sequence[Endpoint]) -> Endpoint:
+        if min(candidates, key=lambda e: (e.load, e._rr)) is not ep:
+            self.avoided += 1
+        ep._rr = next(self._tick)
+        return ep
+
+    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
+        now = time.monotonic()
+        best, _ = self._best(candidates, now, self._prior(candidates, now))
+        return None if best is None else self._chose(best, candidates)
+
+    def pick_route(
+        self, pools: list[list[Endpoint]], request: PickRequest, *, fresh: bool
+    ) -> Endpoint | None:
+        """Choose among the route's pools (each a non-empty candidate list, in the route's
+        order). `fresh`: a new request (not a retry or a continuation), which may spill."""
+        if not pools:
+            return None
+        now = time.monotonic()
+        if not fresh or len(pools) == 1:
+            return self.pick(pools[0], request)
+        prior = self._prior([e for c in pools for e in c], now)
+        chosen, first_exp = self._best(pools[0], now, prior)
+        among = pools[0]
+        if (
+            chosen is not None
+            and first_exp is not None
+            and len(chosen.latency.waiting) >= self.s.spill_backlog
+        ):
+            for cands in pools[1:]:
+                other, other_exp = self._best(cands, now, prior)
+                if (
+                    other is not None
+                    and other_exp is not None
+                    and first_exp > self.s.spill_ratio * other_exp
+                    and first_exp - other_exp > self.s.spill_min_s
+                ):
+                    chosen, among = other, cands
+                    self.spills += 1
+                    break
+        return None if chosen is None else self._chose(chosen, among)

@@ -1,0 +1,311 @@
+"""Latency-aware routing (gateway/_latency.py): a replica that slows down gets fewer new
+requests within a few decode steps, before any controller acts; slow clients alone never
+change where requests go. In-process checks of the policy's arithmetic, then real processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, wait_for
+from unbroken.gateway._latency import EndpointLatency, LatencyAware, LatencySettings
+from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool, State
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+REQ = PickRequest("m", "standard")
+
+
+def _ep(name: str, pool: str = "default", inflight: int = 0) -> Endpoint:
+    e = Endpoint(name=name, url=f"http://{name}", pool=pool)
+    e.models = {"m"}
+    e.set_state(State.READY)
+    e.slot.add(inflight)
+    return e
+
+
+def _feed(e: Endpoint, gap: float, n: int = 50, ttfb: float | None = None) -> None:
+    """`n` gaps spread over the last n x 10 ms (several averaging windows), then a first
+    event."""
+    now = time.monotonic()
+    for i in range(n + 1):
+        e.latency.gap(gap, now=now - (n - i) * 0.01)
+    if ttfb is not None:
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, ttfb)
+        e.relays.discard(leg)
+
+
+# -- the policy's arithmetic --------------------------------------------------------------------
+def test_without_measurements_it_is_least_load() -> None:
+    """No latency seen yet (a new gateway, an idle pool): the same choices as least load."""
+    for policy in (LatencyAware(), LeastLoad()):
+        a, b, c = _ep("a", inflight=3), _ep("b", inflight=1), _ep("c", inflight=1)
+        picks = [policy.pick([a, b, c], REQ) for _ in range(4)]
+        assert [p.name for p in picks if p] == ["b", "c", "b", "c"]
+
+
+def test_a_slower_endpoint_is_picked_less() -> None:
+    """Equal loads: the endpoint expected to answer 4x slower is passed over until the other
+    carries about 4x its load, then gets about one new request in five."""
+    policy = LatencyAware()
+    slow, fast = _ep("slow", inflight=10), _ep("fast", inflight=10)
+    _feed(slow, 0.080, ttfb=0.15)
+    _feed(fast, 0.020, ttfb=0.04)
+    names = []
+    for _ in range(60):
+        e = policy.pick([slow, fast], REQ)
+        assert e is not None
+        names.append(e.name)
+        e.slot.add(1)
+    assert names[:30] == ["fast"] * 30
+    assert 3 <= names.count("slow") <= 8, names
+    assert policy.avoided >= 30
+
+
+def test_legs_waiting_for_their_first_event_count() -> None:
+    """A burst of legs sent to an endpoint (a prefill backlog) makes it look slower at once,
+    before any of them has answered; the backlog ends as their first events arrive."""
+    s = LatencySettings()
+    a = _ep("a")
+    _feed(a, 0.02, ttfb=0.05)
+    now = time.monotonic()
+    base = a.latency.expected(now, None, s)
+    assert base is not None and base == pytest.approx(0.05, rel=0.01)
+    legs = [object() for _ in range(32)]
+    for leg in legs:
+        a.relays.add(leg)
+    busy = a.latency.expected(time.monotonic(), None, s)
+    assert busy is not None and busy > 2.5 * base  # x (1 + 32 / 16)
+    for leg in legs:
+        a.observe_first(leg, 0.05)
+        a.relays.discard(leg)
+    assert a.latency.waiting == {}
+    # A leg still waiting long past the usual first-event time raises the estimate itself.
+    stuck = object()
+    a.latency.leg_started(stuck, time.monotonic() - 1.0)
+    late = a.latency.expected(time.monotonic(), None, s)
+    assert late is not None and late >= 1.0
+
+
+def test_a_stale_estimate_fades() -> None:
+    """An endpoint avoided for being slow gets no new first events (and, once its streams
+    end, no gaps): what it showed fades after `stale_s`, so it is tried again rather than
+    starved for good."""
+    s = LatencySettings(stale_s=1.0)
+    a = EndpointLatency(s)
+    a.gap(0.2, now=99.9)
+    a.gap(0.2, now=100.0)  # a window closed: its mean counts
+    fresh = a.expected(100.0, 0.05, s)
+    later = a.expected(103.0, 0.05, s)
+    assert fresh == pytest.approx(0.4)
+    assert later is not None and later < 0.08
+
+
+def test_spill_to_a_later_pool_only_for_new_requests_and_only_when_much_slower() -> None:
+    pool = Pool(default_cap=100)
+    f, p = _ep("f", "fallback", inflight=2), _ep("p", "primary", inflight=2)
+    for e in (f, p):
+        pool.add(e)
+        _feed(e, 0.03, ttfb=0.08)
+    pool.routes = {"standard": ["fallback", "primary"]}
+    assert pool.pick("m", "standard") is f  # the same speed: the route's order
+    _feed(f, 0.05)  # somewhat slower: still under spill_ratio
+    assert pool.pick("m", "standard") is f
+    _feed(p, 0.01, ttfb=0.02)  # the later pool much faster, but f has no backlog: kept
+    assert pool.pick("m", "standard") is f
+    for _ in range(16):  # a burst of continuations lands on f: a prefill backlog
+        f.relays.add(object())
+    assert pool.pick("m", "standard") is p  # a new request goes past it
+    assert pool.policy.spills == 1  # type: ignore[attr-defined]
+    # A continuation or a retry (it excludes where it was) keeps to the route's order.
+    other = _ep("x", "primary")
+    assert pool.pick("m", "standard", exclude=[other]) is f
+
+
+def test_contended_endpoint_stays_last_within_its_pool() -> None:
+    pool = Pool(default_cap=100)
+    a, b = _ep("a", inflight=0), _ep("b", inflight=50)
+    for e in (a, b):
+        pool.add(e)
+        _feed(e, 0.02)
+    a.set_condition("contended")
+    assert pool.pick("m", "standard") is b
+
+
+# -- real processes -----------------------------------------------------------------------------
+class _Streams:
+    """`n` long greedy streams read at full speed, restarted as they end."""
+
+    def __init__(self, url: str, n: int, max_tokens: int = 1500) -> None:
+        self.url, self.n, self.max_tokens = url, n, max_tokens
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
+        self.errors: list[str] = []
+
+    def __enter__(self) -> _Streams:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def _run(self, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"long stream {i}", "max_tokens": self.max_tokens,
+                "temperature": 0, "stream": True}  # fmt: skip
+        while not self._stop.is_set():
+            try:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+                    for _ in r.iter_raw():
+                        if self._stop.is_set():
+                            break
+                    if r.status_code != 200:
+                        self.errors.append(f"HTTP {r.status_code}")
+            except httpx.HTTPError as e:
+                self.errors.append(repr(e))
+
+
+def _probe(url: str) -> str:
+    """One short streaming request (20 tokens: a few overlap, so least load alternates
+    between equal replicas); the endpoint that served it."""
+    body = {"model": MODEL, "prompt": "where", "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        r.read()
+        assert r.status_code == 200, r.status_code
+        return r.headers["x-unbroken-endpoint"]
+
+
+def _probes(url: str, seconds: float, every: float = 0.025) -> list[tuple[float, str]]:
+    """Probes sent every `every` s for `seconds`, each in its own thread (an open loop): the
+    time each was sent and the endpoint that served it."""
+    out: list[tuple[float, str]] = []
+    threads = []
+    t0 = time.monotonic()
+
+    def one() -> None:
+        t = time.monotonic() - t0
+        out.append((t, _probe(url)))
+
+    while time.monotonic() - t0 < seconds:
+        th = threading.Thread(target=one)
+        th.start()
+        threads.append(th)
+        time.sleep(every)
+    for th in threads:
+        th.join(30)
+    return sorted(out)
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Proc, Proc, Proc, dict[str, str]]]:
+    """Two replicas of one pool behind a gateway (no controller), names by URL."""
+    a = engine(tmp_path, name="a")
+    b = engine(tmp_path, name="b")
+    g = gateway(tmp_path, a.url, b.url)
+    names = {e["url"]: e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+    yield g, a, b, names
+    for p in (g, a, b):
+        p.stop()
+
+
+def _routing(g: Proc) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+
+
+def test_a_replica_slowed_mid_run_gets_no_new_requests_within_a_quarter_second(
+    pair: tuple[Proc, Proc, Proc, dict[str, str]],
+) -> None:
+    """Contention on one replica (its decode steps ~10x longer), no controller: from 250 ms
+    after the onset (a few of its steps) no new request goes to it (measured: none in 4 runs),
+    while with least load alone it kept getting 4-6 of the ~50 probes sent after that."""
+    g, a, b, names = pair
+    slow = names[a.url]
+    with _Streams(g.url, 8) as load:
+        wait_for(lambda: all(e["inflight"] >= 3 for e in _routing(g).values()), timeout=10)
+        time.sleep(2.5)  # the streams' first events (a cold start) are older than stale_s
+        before = _probes(g.url, 0.5)
+        r = httpx.post(
+            a.url + "/admin/faults",
+            json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 20},
+            headers=AUTH,
+        )
+        assert r.status_code == 200, r.text
+        after = _probes(g.url, 1.5)
+        view = _routing(g)
+    assert not load.errors, load.errors[:3]
+    share_before = sum(n == slow for _, n in before) / len(before)
+    assert 0.2 <= share_before <= 0.8, before
+    late = [n for t, n in after if t >= 0.25]
+    assert late and late.count(slow) <= 1, after
+    # The listing shows why: the slowed replica's steps and expected first-token time.
+    ra, rb = view[slow]["routing"], view[names[b.url]]["routing"]
+    assert ra["gap_ms"] > 3 * rb["gap_ms"], (ra, rb)
+    assert ra["expected_ttft_ms"] > 3 * rb["expected_ttft_ms"], (ra, rb)
+
+
+def test_slow_clients_alone_never_change_routing(tmp_path: Path) -> None:
+    """Six clients that stop reading, all on replica B; six streams read at full speed on A
+    (20 ms decode steps: the measured latency is above the policy's floor, so it would weigh).
+    The gateway still reads B at engine speed (it buffers for the slow clients), so B's gaps
+    and first-event times, and so its expected first-token time, stay those of A: the policy
+    weighs the two alike and new requests go where least load sends them."""
+    a = engine(tmp_path, name="a", fast=False)
+    b = engine(tmp_path, name="b", fast=False)
+    g = gateway(tmp_path, a.url, b.url)
+    names = {e["url"]: e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+    na, nb = names[a.url], names[b.url]
+    socks: list[socket.socket] = []
+    body = json.dumps(
+        {"model": MODEL, "prompt": "never read", "max_tokens": 4000, "stream": True}
+    ).encode()
+    try:
+        admin(g, "PATCH", f"/admin/endpoints/{na}", {"cap": 0})
+        for _ in range(6):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", g.port))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            socks.append(s)
+        wait_for(lambda: _routing(g)[nb]["inflight"] >= 6, timeout=10, what="slow streams on B")
+        admin(g, "PATCH", f"/admin/endpoints/{na}", {"cap": None})
+        admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": 0})
+        with _Streams(g.url, 6, max_tokens=4000) as load:
+            wait_for(lambda: _routing(g)[na]["inflight"] >= 6, timeout=10, what="streams on A")
+            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": None})
+            wait_for(
+                lambda: _routing(g)[nb]["slow_clients"] >= 4, timeout=30, what="slow clients on B"
+            )
+            views = []
+            for _ in range(10):
+                time.sleep(0.2)
+                views.append(_routing(g))
+            probes = _probes(g.url, 1.0, every=0.05)
+        assert not load.errors, load.errors[:3]
+    finally:
+        for s in socks:
+            s.close()
+        for p in (g, a, b):
+            p.stop()
+    assert probes
+    for view in views:
+        ra, rb = view[na]["routing"], view[nb]["routing"]
+        assert view[na]["slow_clients"] == 0 and view[nb]["slow_clients"] >= 4, view
+        assert 15 < ra["gap_ms"] < 40 and 15 < rb["gap_ms"] < 40, (ra, rb)  # 20 ms steps
+        assert rb["gap_ms"] < 1.3 * ra["gap_ms"], (ra, rb)
+        assert rb["expected_ttft_ms"] < 1.3 * ra["expected_ttft_ms"], (ra, rb)
+        assert rb["awaiting_first"] == 0, rb
