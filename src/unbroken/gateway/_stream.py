@@ -623,6 +623,8 @@ class StreamRelay:
             self._gaps += 1
             if gap > self._gap_max:
                 self._gap_max = gap
+            if self._gaps == STALL_LEARN:
+                self._rearm_at = 0.0  # the learned (shorter) limit applies from now
         self._last_event = now
         if now > self._rearm_at and self._tmo is not None:
             # Re-armed sparingly (a timer move per chunk costs): at most every quarter limit.
