@@ -114,11 +114,22 @@ class GatewayAdmin(_AdminClient):
         """Set any of `cap`, `pool`, `cap_override` (None clears it), `condition`."""
         return await self._call("PATCH", f"/admin/endpoints/{name}", fields)
 
-    async def rebalance(self, *, name: str, priorities: list[str]) -> dict[str, Any]:
-        """Move the endpoint's running streams of these priorities elsewhere now."""
-        return await self._call(
-            "POST", f"/admin/endpoints/{name}/rebalance", {"priorities": priorities}
-        )
+    async def rebalance(
+        self,
+        *,
+        name: str,
+        priorities: list[str],
+        batch: int | None = None,
+        every_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Move the endpoint's running streams of these priorities elsewhere: all now, or
+        `batch` every `every_s` seconds."""
+        body: dict[str, Any] = {"priorities": priorities}
+        if batch is not None:
+            body["batch"] = batch
+        if every_s is not None:
+            body["every_s"] = every_s
+        return await self._call("POST", f"/admin/endpoints/{name}/rebalance", body)
 
     async def set_routes_override(self, *, routes: dict[str, list[str]]) -> dict[str, Any]:
         return await self._call("PUT", "/admin/routes/override", {"routes": routes})

@@ -113,6 +113,11 @@ class ControllerSettings(_Spec):
     # On contention, move the endpoint's running standard and sheddable streams elsewhere by
     # continuation (they would stall until they end); critical streams stay.
     move_streams: bool = True
+    # ... paced: this many streams every move_every_s (null: all at once). Each moved stream
+    # prefills its prompt and output again on the next endpoint; all at once, that prefill
+    # lands in front of every new request there.
+    move_batch: Annotated[int, Field(ge=1)] | None = 8
+    move_every_s: Annotated[float, Field(gt=0, le=10)] = 0.1
     cap_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
     min_cap: Annotated[int, Field(ge=1)] = 2
     # Pools by tier; empty = derived from pool precision (fp16/bf16 full, the rest degraded).

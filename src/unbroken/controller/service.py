@@ -497,7 +497,12 @@ class Controller:
             moving: list[Any] = []
             for url in self._gateway_views:
                 try:
-                    r = await self._admin(url).rebalance(name=name, priorities=prios)
+                    r = await self._admin(url).rebalance(
+                        name=name,
+                        priorities=prios,
+                        batch=self.s.move_batch,
+                        every_s=self.s.move_every_s,
+                    )
                     moving.append(r.get("moving"))
                 except AdminError as e:
                     self.metrics.errors.labels("apply").inc()

@@ -53,6 +53,9 @@ class Rebalance(_In):
     priorities: Annotated[
         list[Literal["critical", "standard", "sheddable"]], Field(min_length=1, max_length=3)
     ] = ["standard", "sheddable"]
+    # Paced: `batch` streams (for the whole gateway) every `every_s` seconds; null: all now.
+    batch: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    every_s: Annotated[float, Field(gt=0, le=60)] = 0.1
 
 
 class Routes(_In):
@@ -135,7 +138,7 @@ def admin_app(gw: Gateway, token: str) -> web.Application:
         continuation; `moving` is null where workers hold the streams (each moves its own)."""
         ep = get(request)
         spec = _parse(Rebalance, await request.read())
-        n = gw.rebalance(ep, spec.priorities)
+        n = gw.rebalance(ep, spec.priorities, spec.batch, spec.every_s)
         return json({"endpoint": ep.name, "priorities": spec.priorities,
                      "moving": None if n < 0 else n})  # fmt: skip
 

@@ -172,11 +172,26 @@ class MainGateway(Gateway):
         super().drain_endpoint(ep, deadline_s)
         self._changed()
 
-    def rebalance(self, ep: Endpoint, priorities: Iterable[str]) -> int:
-        """The streams live in the workers: each one moves its own."""
-        for w in self.workers:
-            if not w.draining:
-                w.send({"t": "rebalance", "endpoint": ep.name, "priorities": list(priorities)})
+    def rebalance(
+        self,
+        ep: Endpoint,
+        priorities: Iterable[str],
+        batch: int | None = None,
+        every_s: float = 0.1,
+    ) -> int:
+        """The streams live in the workers: each one moves its own (its share of `batch`)."""
+        serving = [w for w in self.workers if not w.draining]
+        share = None if batch is None else max(1, -(-batch // max(1, len(serving))))
+        for w in serving:
+            w.send(
+                {
+                    "t": "rebalance",
+                    "endpoint": ep.name,
+                    "priorities": list(priorities),
+                    "batch": share,
+                    "every_s": every_s,
+                }
+            )
         return -1  # unknown here: the workers count them in their migration metrics
 
     def _changed(self) -> None:

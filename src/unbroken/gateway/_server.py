@@ -133,19 +133,48 @@ class Gateway:
         for relay in list(ep.relays):
             relay.interrupt("drain_deadline")
 
-    def rebalance(self, ep: Endpoint, priorities: Iterable[str]) -> int:
-        """Move the streams of these priorities off `ep` now, by continuation (as at a drain
+    def rebalance(
+        self,
+        ep: Endpoint,
+        priorities: Iterable[str],
+        batch: int | None = None,
+        every_s: float = 0.1,
+    ) -> int:
+        """Move the streams of these priorities off `ep` by continuation (as at a drain
         deadline): the controller's answer to a contended device, whose running streams would
-        otherwise stall until they end. Returns how many were asked to move."""
+        otherwise stall until they end. All at once, or `batch` streams every `every_s`
+        seconds: each continuation prefills its prompt and what it generated on the next
+        endpoint, so moving dozens at once puts one long prefill in front of every new
+        request there. Returns how many streams are to move."""
         wanted = set(priorities)
-        moved = 0
-        for relay in list(ep.relays):
-            if getattr(relay, "priority", None) in wanted:
+
+        def todo() -> list[Any]:
+            return [
+                r
+                for r in list(ep.relays)
+                if getattr(r, "priority", None) in wanted and r.interrupted is None
+            ]
+
+        def step() -> None:
+            if self.pool.get(ep.name) is not ep:
+                return  # removed: what is left finishes there
+            left = todo()
+            for relay in left if batch is None else left[:batch]:
                 relay.interrupt("rebalance")
-                moved += 1
-        if moved:
-            log.info("rebalancing %s: moving %d %s stream(s)", ep.name, moved, "/".join(wanted))
-        return moved
+            if batch is not None and len(left) > batch:
+                asyncio.get_running_loop().call_later(every_s, step)
+
+        total = len(todo())
+        step()
+        if total:
+            log.info(
+                "rebalancing %s: moving %d %s stream(s)%s",
+                ep.name,
+                total,
+                "/".join(wanted),
+                "" if batch is None or total <= batch else f", {batch} every {every_s:g} s",
+            )
+        return total
 
     def _after_release(self, ep: Endpoint) -> None:
         if ep.state == State.DRAINING and ep.inflight == 0 and self.pool.get(ep.name) is ep:

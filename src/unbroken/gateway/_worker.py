@@ -184,7 +184,7 @@ class WorkerGateway(Gateway):
             elif t == "rebalance":
                 ep = self.pool.get(msg["endpoint"])
                 if ep is not None:
-                    self.rebalance(ep, msg["priorities"])
+                    self.rebalance(ep, msg["priorities"], msg.get("batch"), msg.get("every_s", 0.1))
             elif t == "drain":
                 self.drain(msg["timeout"], msg["why"], msg.get("handover"))
             elif t == "force":
