@@ -607,3 +607,66 @@ def test_a_saturated_engine_is_slow_not_hung(tmp_path: Path) -> None:
     finally:
         g.stop()
         a.stop()
+
+
+class Pauser(Recorder):
+    """Streams one token every 20 ms; a prompt "pause" goes quiet for 3 s after 20 tokens
+    while the other streams keep flowing (a request the engine preempted)."""
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        obj = orjson.loads(await request.read())
+        n = int(obj.get("max_tokens") or 1)
+        chunk = {"id": "p1", "object": "text_completion", "created": 1, "model": MODEL}
+        if not obj.get("stream"):
+            choice = {"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}
+            return web.json_response({**chunk, "choices": [choice]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            if obj.get("prompt") == "pause" and i == 20:
+                await asyncio.sleep(3.0)
+            fin = "length" if i == n - 1 else None
+            choice = {"index": 0, "text": f"t{i} ", "finish_reason": fin, "logprobs": None}
+            await resp.write(b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n")
+            await asyncio.sleep(0.02)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def test_a_stream_quiet_on_a_live_engine_with_nowhere_else_to_go_is_waited_out(
+    tmp_path: Path,
+) -> None:
+    """At 1,024 streams through 2 workers, streams on the saturated (but producing) engine
+    went quiet longer than their learned stall limit; each was cut, found no other endpoint
+    and was dropped with an error event (440-610 per run). Cutting is right when another
+    endpoint can continue the stream; with none, a stream whose engine is still producing
+    tokens for others is waited for, up to `stall_timeout_s` from its last event."""
+    eng = Pauser()
+    g = gateway(tmp_path, eng.url, args=_config(tmp_path, stall_timeout_s=10.0))
+    try:
+        out: dict[str, str] = {}
+
+        def one(prompt: str, n: int) -> None:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": n}
+            events, r = stream(g.url, "/v1/completions", body, timeout=60)
+            assert r.status_code == 200
+            assert not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+            out[prompt] = stream_text(events, chat=False)
+
+        jobs = [threading.Thread(target=one, args=(f"steady {i}", 300)) for i in range(3)]
+        jobs.append(threading.Thread(target=one, args=("pause", 60)))
+        for j in jobs:
+            j.start()
+        for j in jobs:
+            j.join(60)
+        assert out["pause"] == "".join(f"t{i} " for i in range(60))
+        assert all(out[f"steady {i}"] == "".join(f"t{k} " for k in range(300)) for i in range(3))
+        try:
+            dropped = metric(g.url, "unbroken_gateway_streams_dropped_total")
+        except KeyError:
+            dropped = 0.0
+        assert dropped == 0
+    finally:
+        g.stop()
+        eng.close()

@@ -500,7 +500,8 @@ class Proxy:
         try:
             async with tmo:
                 if streaming:
-                    stop_waiting = self.patience(tmo, ep, asyncio.get_running_loop().time())
+                    start = asyncio.get_running_loop().time()
+                    stop_waiting = self.patience(tmo, self.first_byte_patience(ep, start))
                 for i, form in enumerate(todo):
                     up = await self.upstream.request(ep.url, form.path, form.body, hdrs)
                     if up.status == 200 and streaming:
@@ -728,15 +729,27 @@ class Proxy:
         since = asyncio.get_running_loop().time() - _ALIVE_S
         return any(r.last_event > since for r in list(ep.relays))
 
-    def patience(self, tmo: asyncio.Timeout, ep: Endpoint, start: float) -> Callable[[], None]:
-        """Keep a first-byte limit `tmo` from firing while `ep` is alive: an engine that is
-        producing tokens for its other streams and slow to start this one has a queue, not a
-        hang (under saturation, cutting such requests only turned a slow answer into a 502).
-        Each time the limit comes due on a live endpoint it is pushed back by the endpoint's
-        limit again, never past `start` + `ttfb_timeout_s`. Returns the function that stops
-        watching."""
-        loop = asyncio.get_running_loop()
+    def first_byte_patience(self, ep: Endpoint, start: float) -> Callable[[float], float | None]:
+        """The rule for a first byte that is late (see `patience`): while `ep` is alive, an
+        engine producing tokens for its other streams and slow to start this one has a queue,
+        not a hang (under saturation, cutting such requests only turned a slow answer into a
+        502); wait the endpoint's limit again, never past `start` + `ttfb_timeout_s`."""
         ceiling = start + self.cfg.ttfb_timeout_s
+
+        def decide(now: float) -> float | None:
+            if now < ceiling and self.alive(ep):
+                return min(ceiling, now + self.ttfb_limit(ep))
+            return None
+
+        return decide
+
+    def patience(
+        self, tmo: asyncio.Timeout, decide: Callable[[float], float | None]
+    ) -> Callable[[], None]:
+        """Just before the time limit `tmo` fires, ask `decide(now)`: a new deadline pushes
+        it back (and is watched the same way), None lets it fire. Returns the function that
+        stops watching."""
+        loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle | None = None
 
         def check() -> None:
@@ -745,10 +758,9 @@ class Proxy:
             if when is None or tmo.expired():
                 return
             now = loop.time()
-            if when - now > _PATIENCE_LEAD_S:  # moved since (a first event re-armed it)
+            if when - now > _PATIENCE_LEAD_S:  # moved since (an event re-armed it)
                 handle = loop.call_at(when - _PATIENCE_LEAD_S, check)
-            elif when < ceiling and self.alive(ep):
-                new = min(ceiling, now + self.ttfb_limit(ep))
+            elif (new := decide(now)) is not None and new > when:
                 tmo.reschedule(new)
                 handle = loop.call_at(new - _PATIENCE_LEAD_S, check)
 

@@ -94,7 +94,10 @@ class RelayHost(Protocol):
     def ttfb_limit(self, ep: Endpoint) -> float: ...
     def observe_ttfb(self, ep: Endpoint, seconds: float) -> None: ...
     def watch_streams(self) -> None: ...
-    def patience(self, tmo: asyncio.Timeout, ep: Endpoint, start: float) -> Callable[[], None]: ...
+    def alive(self, ep: Endpoint) -> bool: ...
+    def first_byte_patience(
+        self, ep: Endpoint, start: float
+    ) -> Callable[[float], float | None]: ...
     def response_headers(self, base: dict[str, str], ep: Endpoint | None) -> dict[str, str]: ...
     async def detokenize(
         self, model: str, ids: list[int], exclude: list[Endpoint], headers: dict[str, str]
@@ -523,7 +526,6 @@ class StreamRelay:
         self.up, self.ep = up, ep
         ep.relays.add(self)
         self.p.watch_streams()
-        stop_waiting: Callable[[], None] | None = None
         loop = self._loop
         self._wake = loop.create_future()
         self._dec = SSEDecoder()
@@ -534,26 +536,45 @@ class StreamRelay:
         self._verdict = None
         self._exc = None
         self._outq = []
+        decide = self._patience(ep)
+        # Until the first event: the endpoint's time-to-first-byte limit; then the stall
+        # limit, learned from this stream's own gaps. When it comes due, `decide` may give
+        # the leg longer (the time limit is entered again; the leg goes on being read).
+        deadline = self._started + self.p.ttfb_limit(ep)
+        reading = False
         try:
-            # Until the first event: the endpoint's time-to-first-byte limit; then the stall
-            # limit, learned from this stream's own gaps.
-            async with asyncio.timeout_at(self._started + self.p.ttfb_limit(ep)) as tmo:
-                self._tmo = tmo
-                self._rearm_at = 0.0
-                stop_waiting = self.p.patience(tmo, ep, self._started)
-                up.stream(self._on_body, self._on_end)
-                while True:
-                    if self._outq:
-                        out = b"".join(self._outq)
-                        self._outq.clear()
-                        await self._send(out)
-                        continue
-                    if self._exc is not None:
-                        raise self._exc
-                    if self._verdict is not None:
-                        break
-                    self._wake = loop.create_future()
-                    await self._wake
+            while True:
+                waiting = False
+                try:
+                    async with asyncio.timeout_at(deadline) as tmo:
+                        self._tmo = tmo
+                        self._rearm_at = 0.0
+                        if not reading:
+                            reading = True
+                            up.stream(self._on_body, self._on_end)
+                        while True:
+                            if self._outq:
+                                out = b"".join(self._outq)
+                                self._outq.clear()
+                                await self._send(out)
+                                continue
+                            if self._exc is not None:
+                                raise self._exc
+                            if self._verdict is not None:
+                                break
+                            self._wake = loop.create_future()
+                            waiting = True
+                            await self._wake
+                            waiting = False
+                    break
+                except TimeoutError:
+                    # Only a limit that fell while idle is given longer (not one that cut a
+                    # write to the client half way).
+                    more = decide(loop.time()) if waiting and self._verdict is None else None
+                    if more is None:
+                        raise
+                    deadline = more
+            self._tmo = None  # left: an alert must not move it now
             verdict = self._verdict
             if verdict == "done":
                 return None
@@ -570,8 +591,6 @@ class StreamRelay:
         except TimeoutError:
             return self.interrupted or ("ttfb" if self._first else "stall")
         finally:
-            if stop_waiting is not None:
-                stop_waiting()
             up.detach()
             self._tmo = None
             ep.relays.discard(self)
@@ -581,6 +600,30 @@ class StreamRelay:
             else:
                 up.close()  # the engine sees the disconnect and frees the slot
             self.p.release(ep, n)
+
+    def _patience(self, ep: Endpoint) -> Callable[[float], float | None]:
+        """When this leg's time limit comes due: before its first event, the first-byte rule
+        (`first_byte_patience`); after it, a stall on an endpoint whose other streams still
+        get events, with no other endpoint to continue on, is waited out (a request the
+        engine preempted, or an engine past saturation) up to `stall_timeout_s` from the last
+        event, instead of being cut and then dropped for want of an endpoint."""
+        first = self.p.first_byte_patience(ep, self._started)
+        cfg = self.p.cfg
+
+        def decide(now: float) -> float | None:
+            if self._first:
+                return first(now)
+            ceiling = self._last_event + cfg.stall_timeout_s
+            if (
+                now < ceiling
+                and self.interrupted is None
+                and self.p.alive(ep)
+                and not self.p.could_serve(self.model, self.priority, [*self.failed, ep])
+            ):
+                return min(ceiling, now + self._stall_limit())
+            return None
+
+        return decide
 
     # -- the read callback's side -----------------------------------------------------------
     def _wake_up(self) -> None:
