@@ -50,7 +50,7 @@ from _common import (
     tree_cpu_seconds,
     wait_http,
 )
-from unbroken.bench.load import LoadConfig, LoadRun, Record
+from unbroken.bench.load import LoadConfig, LoadRun
 from unbroken.bench.stats import percentile
 from unbroken.wire.http import free_port
 
@@ -92,27 +92,15 @@ class PacedRun(LoadRun):
         super().__init__(cfg)
         self.ramp = ramp
 
-    async def run(self) -> list[Record]:
-        cfg = self.cfg
-        self.t0 = time.monotonic()
-        conn = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=10)
-        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-            await self._decide_verify(session)
+    async def _start_users(self, session: aiohttp.ClientSession) -> list[asyncio.Task[None]]:
+        users = self.cfg.users
 
-            async def user(i: int) -> None:
-                await asyncio.sleep(i * self.ramp / cfg.users)
-                if not self._stop.is_set():
-                    await self._user(session, i)
+        async def user(i: int) -> None:
+            await asyncio.sleep(i * self.ramp / users)
+            if not self._stop.is_set():
+                await self._user(session, i)
 
-            tasks = [asyncio.create_task(user(i)) for i in range(cfg.users)]
-            try:
-                await asyncio.wait_for(self._stop.wait(), max(0.0, cfg.duration - self.now()))
-            except TimeoutError:
-                pass
-            self._stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return self.records
+        return [asyncio.create_task(user(i)) for i in range(users)]
 
 
 async def closed_loop(

@@ -151,15 +151,7 @@ class LoadRun:
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=10)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
             await self._decide_verify(session)
-            tasks = []
-            for i in range(cfg.users):
-                tasks.append(asyncio.create_task(self._user(session, i)))
-                if cfg.spawn_rate > 0:
-                    try:
-                        await asyncio.wait_for(self._stop.wait(), 1.0 / cfg.spawn_rate)
-                        break
-                    except TimeoutError:
-                        pass
+            tasks = await self._start_users(session)
             try:
                 await asyncio.wait_for(self._stop.wait(), max(0.0, cfg.duration - self.now()))
             except TimeoutError:
@@ -167,6 +159,19 @@ class LoadRun:
             self._stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         return self.records
+
+    async def _start_users(self, session: aiohttp.ClientSession) -> list[asyncio.Task[None]]:
+        """Start the users, `spawn_rate` per second (all at once when 0)."""
+        tasks = []
+        for i in range(self.cfg.users):
+            tasks.append(asyncio.create_task(self._user(session, i)))
+            if self.cfg.spawn_rate > 0:
+                try:
+                    await asyncio.wait_for(self._stop.wait(), 1.0 / self.cfg.spawn_rate)
+                    break
+                except TimeoutError:
+                    pass
+        return tasks
 
     async def _decide_verify(self, session: aiohttp.ClientSession) -> None:
         cfg = self.cfg

@@ -175,9 +175,13 @@ class ClientSink:
                 self._pending_bytes -= n
                 if self.budget is not None:
                     self.budget.shrink(n)
-                await self.resp.write(b"".join(parts))
+                await self._write_queued(b"".join(parts))
         except (ConnectionError, RuntimeError) as e:
             self._error = e
+
+    async def _write_queued(self, data: bytes) -> None:
+        """Write queued bytes at the client's pace."""
+        await self.resp.write(data)
 
     def evict(self, why: str, code: str = "slow_client") -> None:
         """End this stream for being too slow (or for a shutdown that cannot wait, `code`
@@ -222,6 +226,10 @@ class ClientSink:
             raise SlowClient(self._evicted)
         if self._error is not None:
             raise ClientGone() from self._error
+        await self._end()
+
+    async def _end(self) -> None:
+        """Everything is sent: end the response."""
         try:
             await self.resp.write_eof()
         except (ConnectionError, RuntimeError) as e:
@@ -263,43 +271,18 @@ class AdoptedSink(ClientSink):
         self.on_finish = on_finish
         self.ended = False  # finished, ended or aborted by the gateway (not the client)
 
-    async def _drain(self) -> None:
-        try:
-            while self._pending:
-                parts: list[bytes] = []
-                n = 0
-                while self._pending and n < _WRITE_CHUNK:
-                    parts.append(self._pending.popleft())
-                    n += len(parts[-1])
-                self._pending_bytes -= n
-                if self.budget is not None:
-                    self.budget.shrink(n)
-                t = self.transport
-                if t is None or t.is_closing():
-                    raise ConnectionResetError("the client closed its connection")
-                data = b"".join(parts)
-                t.write(b"%x\r\n%b\r\n" % (len(data), data))
-                await self._drained()
-        except (ConnectionError, RuntimeError) as e:
-            self._error = e
+    async def _write_queued(self, data: bytes) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("the client closed its connection")
+        t.write(b"%x\r\n%b\r\n" % (len(data), data))
+        await self._drained()
 
     def evict(self, why: str, code: str = "slow_client") -> None:
         self.ended = True
         super().evict(why, code)
 
-    async def finish(self, tail: bytes = b"") -> None:
-        if tail:
-            await self.send(tail)
-        if self._writer is not None:
-            try:
-                await self._writer
-            except asyncio.CancelledError:
-                if self._evicted is None or not self._writer.cancelled():
-                    raise
-        if self._evicted is not None:
-            raise SlowClient(self._evicted)
-        if self._error is not None:
-            raise ClientGone() from self._error
+    async def _end(self) -> None:
         t = self.transport
         if t is None or t.is_closing():
             raise ClientGone()

@@ -236,7 +236,6 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "_headers_done",
         "_interim",
-        "_name",
         "_parser",
         "_resp",
         "_upstream",
@@ -254,7 +253,6 @@ class _Conn(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._resp: UpstreamResponse | None = None
         self._headers_done: asyncio.Future[None] | None = None
-        self._name = b""
         self._interim = False
         self.closed = False
         self.got_bytes = False
