@@ -350,11 +350,19 @@ def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     rs = streams(s, bodies)
     name = f"127.0.0.1:{s.a.port}"
+    # The premise: the primary pool's only endpoint has both streams (CI once counted no
+    # drain-deadline migration here, with every stream exact: say which part failed).
+    assert [r.endpoint for r in rs] == [name, name], (
+        [r.endpoint for r in rs],
+        admin(s.g, "GET", "/admin/endpoints").json(),
+    )
     r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
     assert r.status_code < 300, r.text
     for rd, ref in zip(rs, refs, strict=True):
         check_exact(rd, ref)
-    assert metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline") >= 2
+    moved = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline")
+    log_tail = s.g.log.read_text(errors="replace").splitlines()[-30:]
+    assert moved >= 2, "\n".join(log_tail)
     wait_for(
         lambda: all(
             e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
