@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from unbroken.engine.core import Output
 
 __all__ = ["INT64_MAX", "INT64_MIN", "RequestState", "client_request_id"]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A direct write goes out only while the client's socket holds less than this unsent (below
+# asyncio's default high-water mark, so it never needs to wait).
+DIRECT_LIMIT = 64 * 1024
 
 
 def client_request_id(header: str | None) -> str:
@@ -38,9 +41,11 @@ class RequestState:
         "n",
         "pending",
         "remaining",
+        "render",
         "request_id",
         "texts",
         "tokens",
+        "wire",
     )
 
     def __init__(self, request_id: str, n: int) -> None:
@@ -58,6 +63,32 @@ class RequestState:
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.fail_after: int | None = None
+        # Set by the stream task while it is idle and the response is chunked HTTP/1.1 with
+        # its headers sent: then `deliver` writes an output straight to the client's socket.
+        self.wire: asyncio.WriteTransport | None = None
+        self.render: Callable[[Output], bytes] | None = None
+
+    def deliver(self, out: Output) -> None:
+        """Hand `out` to the client. An output with nothing queued ahead of it is rendered and
+        written here, in the core's callback (one HTTP chunk): at a thousand streams a task
+        wake-up and aiohttp's writer per token cost more CPU than the tokens themselves. The
+        last output of a choice, and any while the stream task is writing or the socket is
+        backed up, goes through the task (`batches`), which keeps the order and waits."""
+        w = self.wire
+        if (
+            w is not None
+            and out.finish_reason is None
+            and not self.pending
+            and not w.is_closing()
+            and w.get_write_buffer_size() < DIRECT_LIMIT
+        ):
+            assert self.render is not None
+            self.tokens[out.seq.index] += out.tokens
+            data = self.render(out)
+            if data:
+                w.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
+        self.push(out)
 
     def push(self, out: Output) -> None:
         self.pending.append(out)

@@ -166,7 +166,7 @@ class Engine:
                     ),
                     o.finish_reason,
                 )
-            st.push(o)
+            st.deliver(o)
         if self.core is not None and not self.core.running:
             m.running.set(0)
             m.kv_usage.set(self.core.kv_usage)
@@ -435,12 +435,24 @@ class Engine:
         self, request: web.Request, state: RequestState, fmt: _Format
     ) -> web.StreamResponse:
         resp = await prepare_sse(request)
+        # Outputs may skip this task once the headers are out (the first write carries them)
+        # and the body is ours to frame: chunked, uncompressed, no injected failure to count.
+        direct = (
+            request.transport
+            if resp.headers.get("Transfer-Encoding") == "chunked"
+            and not resp.compression
+            and state.fail_after is None
+            else None
+        )
+        state.render = fmt.chunk
         try:
             head = fmt.head()
             if head:
                 await resp.write(head)
+                state.wire = direct
             sent = 0
             async for batch in state.batches():
+                state.wire = None  # a direct write now would overtake this batch
                 parts = []
                 for o in batch:
                     parts.append(fmt.chunk(o))
@@ -462,6 +474,8 @@ class Engine:
                     await resp.write(b"".join(parts))
                     return resp
                 await resp.write(b"".join(p for p in parts if p))
+                state.wire = direct
+            state.wire = None
             tail = fmt.usage_chunk()
             await resp.write((tail or b"") + encode_data(b"[DONE]"))
             await resp.write_eof()
