@@ -50,6 +50,7 @@ from _common import (
     tree_cpu_seconds,
     wait_http,
 )
+from _lean_client import LeanRun
 from unbroken.bench.load import LoadConfig, LoadRun
 from unbroken.bench.stats import percentile
 from unbroken.wire.http import free_port
@@ -104,10 +105,23 @@ class PacedRun(LoadRun):
 
 
 async def closed_loop(
-    url: str, users: int, duration: float, max_tokens: int, ramp: float, warmup: float
-) -> LoadRun:
-    """`users` clients streaming completions back to back, text verification off to keep
-    the client light. They start evenly over `ramp` (one request's length)."""
+    url: str,
+    users: int,
+    duration: float,
+    max_tokens: int,
+    ramp: float,
+    warmup: float,
+    client: str = "lean",
+) -> LoadRun | LeanRun:
+    """`users` clients streaming completions back to back, starting evenly over `ramp` (one
+    request's length). `lean` (the default): `_lean_client.py`, which costs a few us per
+    token; `bench`: `unbroken bench`'s load generator with text verification off, which
+    costs several times that and at 1,024 streams takes a core from the engine and the
+    gateway."""
+    if client == "lean":
+        lean = LeanRun(url, users, warmup + duration, max_tokens, ramp, model="unbroken-sim")
+        await lean.run()
+        return lean
     cfg = LoadConfig(
         url=url,
         users=users,
@@ -192,7 +206,9 @@ async def measure(
     assert t.url is not None
     c0 = tree_cpu_seconds(t.pid) if t.pid else 0.0
     e0, l0, w0 = tree_cpu_seconds(engine_pid), time.process_time(), time.monotonic()
-    run = await closed_loop(t.url, users, args.duration, args.max_tokens, ramp, warmup)
+    run = await closed_loop(
+        t.url, users, args.duration, args.max_tokens, ramp, warmup, client=args.client
+    )
     cpu = (tree_cpu_seconds(t.pid) - c0) if t.pid else float("nan")
     wall = time.monotonic() - w0
     engine_cores = (tree_cpu_seconds(engine_pid) - e0) / wall
@@ -280,6 +296,12 @@ async def main() -> None:
         "--workers", type=int, default=max(2, os.cpu_count() or 1), help="N [os.cpu_count()]"
     )
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    ap.add_argument(
+        "--client",
+        choices=("lean", "bench"),
+        default="lean",
+        help="load client: lean (benchmarks/_lean_client.py) or unbroken bench's",
+    )
     ap.add_argument(
         "--peer-policy",
         choices=PEER_POLICIES,
