@@ -110,6 +110,40 @@ def test_a_stale_estimate_fades() -> None:
     assert later is not None and later < 0.08
 
 
+def _gaps(e: EndpointLatency, gap: float, t0: float, t1: float, step: float = 0.01) -> None:
+    t = t0
+    while t < t1:
+        e.gap(gap, now=t)
+        t += step
+
+
+def test_an_endpoint_slowing_down_counts_more_than_one_slow_all_along() -> None:
+    """One endpoint has run at 30 ms gaps for seconds; another ran at 20 ms until 0.3 s ago
+    and at 40 ms since (the onset of contention). Beyond their gaps' ratio, the one slowing
+    down is expected to be slower still (its gap's rise over its own slow average counts
+    squared); the steady one is weighed by its gap alone, and a rise within `rise_min` is
+    noise and counts for nothing."""
+    s = LatencySettings()
+    steady, rising, noisy = EndpointLatency(s), EndpointLatency(s), EndpointLatency(s)
+    _gaps(steady, 0.030, 90.0, 100.3)
+    _gaps(rising, 0.020, 90.0, 100.0)
+    _gaps(rising, 0.040, 100.0, 100.3)
+    _gaps(noisy, 0.020, 90.0, 100.0)
+    _gaps(noisy, 0.021, 100.0, 100.3)
+    now = 100.3
+    assert rising.gap_s is not None and steady.gap_s is not None
+    assert rising.gap_s == pytest.approx(steady.gap_s, rel=0.35)
+    assert rising.rise(s) > 1.2
+    assert steady.rise(s) == 1.0 and noisy.rise(s) == 1.0
+    e_steady, e_rising = steady.expected(now, None, s), rising.expected(now, None, s)
+    assert e_steady is not None and e_rising is not None
+    assert e_rising > 1.4 * e_steady * (rising.gap_s / steady.gap_s)
+    assert noisy.expected(now, None, s) == pytest.approx(2 * noisy.gap_s)  # type: ignore[operator]
+    # Seconds later the slow average has caught up: the rise no longer counts.
+    _gaps(rising, 0.040, 100.3, 110.0)
+    assert rising.rise(s) == 1.0
+
+
 def test_spill_to_a_later_pool_only_for_new_requests_and_only_when_much_slower() -> None:
     pool = Pool(default_cap=100)
     f, p = _ep("f", "fallback", inflight=2), _ep("p", "primary", inflight=2)

@@ -11,6 +11,11 @@ every stream of every endpoint itself. This policy uses that:
   made it). The gap is averaged over every event of a short window (`gap_window_s`: the
   gateway's own scheduling shifts single gaps, not their mean) and smoothed across windows
   (`gap_alpha`), so a slower step shows within two windows;
+  a gap that rises above the endpoint's own slower average (`trend_s`) by more than
+  `rise_min` counts `(gap / slow average) ** rise_power` times over: an endpoint slowing
+  faster than it ever was is avoided before its smoothed gap has caught up (the first
+  tenth of a second of a contention episode, when requests admitted there wait out the
+  slower prefill and decode steps); one slow all along is weighed by its gap alone;
   the first-event time is a peak EWMA (a slower one counts at once, faster ones pull it back
   down over `ttfb_decay_s`); a signal with no new sample for `stale_s` fades, so an endpoint
   avoided for what it once showed is tried again, not starved.
@@ -62,6 +67,9 @@ class LatencySettings:
     spill_backlog: int = 8  # legs waiting for a first event that make a backlog
     spill_ratio: float = 2.0  # ... a later pool is taken when the first is this many times slower
     spill_min_s: float = 0.05  # ... and at least this much slower
+    trend_s: float = 2.0  # time constant of the slow gap average a rise is judged against
+    rise_min: float = 0.1  # a rise counts above (1 + this) x the slow average
+    rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
 
 
 class EndpointLatency:
@@ -75,7 +83,9 @@ class EndpointLatency:
         "alpha_gap",
         "gap_at",
         "gap_s",
+        "gap_slow_s",
         "gap_window_s",
+        "trend_s",
         "ttfb_at",
         "ttfb_decay_s",
         "ttfb_s",
@@ -84,15 +94,17 @@ class EndpointLatency:
 
     def __init__(self, settings: LatencySettings | None = None) -> None:
         s = settings or _DEFAULT
-        self.alpha_gap, self.gap_window_s, self.ttfb_decay_s = (
+        self.alpha_gap, self.gap_window_s, self.ttfb_decay_s, self.trend_s = (
             s.gap_alpha,
             s.gap_window_s,
             s.ttfb_decay_s,
+            s.trend_s,
         )
         self._sum, self._n, self._window_at = 0.0, 0, 0.0
         self.ttfb_s: float | None = None
         self.ttfb_at = 0.0
         self.gap_s: float | None = None
+        self.gap_slow_s: float | None = None  # the gap's average over ~trend_s
         self.gap_at = 0.0
         self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
 
@@ -119,8 +131,13 @@ class EndpointLatency:
     def gap(self, seconds: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         if self._n and now - self._window_at >= self.gap_window_s:
-            mean, g = self._sum / self._n, self.gap_s
+            mean, g, slow = self._sum / self._n, self.gap_s, self.gap_slow_s
             self.gap_s = mean if g is None else g + self.alpha_gap * (mean - g)
+            if slow is None:
+                self.gap_slow_s = mean
+            else:
+                w = 1.0 - math.exp(-max(0.0, now - self.gap_at) / self.trend_s)
+                self.gap_slow_s = slow + w * (mean - slow)
             self.gap_at = now
             self._sum, self._n = 0.0, 0
         if not self._n:
@@ -138,9 +155,20 @@ class EndpointLatency:
         if self.ttfb_s is not None:
             out = self.ttfb_s * _fade(now - self.ttfb_at, s.stale_s)
         if self.gap_s is not None:
-            g = s.first_steps * self.gap_s * _fade(now - self.gap_at, s.stale_s)
+            fade = _fade(now - self.gap_at, s.stale_s)
+            g = s.first_steps * self.gap_s * fade
             out = g if out is None else max(out, g)
+            rise = self.rise(s)
+            if rise > 1.0:
+                out *= 1.0 + (rise**s.rise_power - 1.0) * fade
         return out
+
+    def rise(self, s: LatencySettings) -> float:
+        """How far the smoothed gap stands above its slow average; 1.0 within `rise_min`."""
+        g, slow = self.gap_s, self.gap_slow_s
+        if g is None or not slow or g <= slow * (1.0 + s.rise_min):
+            return 1.0
+        return g / slow
 
     def expected(self, now: float, prior: float | None, s: LatencySettings) -> float | None:
         """Expected time to a new request's first token here; `prior` (the best sibling's)
@@ -161,6 +189,7 @@ class EndpointLatency:
         return {
             "ttfb_ms": None if self.ttfb_s is None else round(self.ttfb_s * 1e3, 2),
             "gap_ms": None if self.gap_s is None else round(self.gap_s * 1e3, 2),
+            "gap_rise": round(self.rise(s), 3),
             "awaiting_first": len(self.waiting),
             "expected_ttft_ms": None if exp is None else round(exp * 1e3, 2),
         }
