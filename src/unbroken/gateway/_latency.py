@@ -10,15 +10,15 @@ every stream of every endpoint itself. This policy uses that:
   the legs still waiting for their first event (the engine's prefill queue as this gateway
   made it). The gap is averaged over every event of a short window (`gap_window_s`: the
   gateway's own scheduling shifts single gaps, not their mean) and smoothed across windows
-  (`gap_alpha`), so a slower step shows within two windows;
-  a gap that rises above the endpoint's own slower average (`trend_s`) by more than
-  `rise_min` counts `(gap / slow average) ** rise_power` times over: an endpoint slowing
-  faster than it ever was is avoided before its smoothed gap has caught up (the first
-  tenth of a second of a contention episode, when requests admitted there wait out the
-  slower prefill and decode steps); one slow all along is weighed by its gap alone;
-  the first-event time is a peak EWMA (a slower one counts at once, faster ones pull it back
-  down over `ttfb_decay_s`); a signal with no new sample for `stale_s` fades, so an endpoint
-  avoided for what it once showed is tried again, not starved.
+  (`gap_alpha`), so a slower step shows within two windows. While that gap stands more than
+  `rise_min` above its own slow average (`trend_s`), the expected time is multiplied by
+  `(gap / slow average) ** rise_power`: an endpoint that is slowing down is avoided before
+  its smoothed gap has caught up (the first tenth of a second of a contention episode, when
+  a request admitted there waits out slower prefill and decode steps); one slow all along
+  is weighed by its gap alone. The first-event time is a peak EWMA (a slower one counts at
+  once, faster ones pull it back down over `ttfb_decay_s`); a signal with no new sample for
+  `stale_s` fades, so an endpoint avoided for what it once showed is tried again, not
+  starved.
 - **Expected time to first token** of a new request on an endpoint:
   `max(TTFB, first_steps x gap, age of its oldest waiting leg, floor_s) x (1 + waiting legs /
   pending_scale)`: a first token waits out the step in progress and its own prefill step, and
