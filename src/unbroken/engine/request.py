@@ -32,6 +32,7 @@ class RequestState:
     __slots__ = (
         "arrival",
         "created",
+        "direct",
         "event",
         "fail_after",
         "finish",
@@ -63,8 +64,10 @@ class RequestState:
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.fail_after: int | None = None
-        # Set by the stream task while it is idle and the response is chunked HTTP/1.1 with
-        # its headers sent: then `deliver` writes an output straight to the client's socket.
+        # `direct`: the client's transport, once the stream task has sent the headers of a
+        # chunked HTTP/1.1 response it frames itself; `wire` is armed with it only while the
+        # task waits in `batches`, and then `deliver` writes straight to the socket.
+        self.direct: asyncio.WriteTransport | None = None
         self.wire: asyncio.WriteTransport | None = None
         self.render: Callable[[Output], bytes] | None = None
 
@@ -109,7 +112,11 @@ class RequestState:
                 if self.remaining == 0:
                     return
                 self.event.clear()
-                await self.event.wait()
+                self.wire = self.direct
+                try:
+                    await self.event.wait()
+                finally:
+                    self.wire = None  # a direct write now would overtake the next batch
                 continue
             batch, self.pending = self.pending, []
             yield batch

@@ -449,10 +449,9 @@ class Engine:
             head = fmt.head()
             if head:
                 await resp.write(head)
-                state.wire = direct
+                state.direct = direct
             sent = 0
             async for batch in state.batches():
-                state.wire = None  # a direct write now would overtake this batch
                 parts = []
                 for o in batch:
                     parts.append(fmt.chunk(o))
@@ -474,8 +473,7 @@ class Engine:
                     await resp.write(b"".join(parts))
                     return resp
                 await resp.write(b"".join(p for p in parts if p))
-                state.wire = direct
-            state.wire = None
+                state.direct = direct
             tail = fmt.usage_chunk()
             await resp.write((tail or b"") + encode_data(b"[DONE]"))
             await resp.write_eof()
