@@ -3,11 +3,11 @@
 `unbroken bench`'s load generator (aiohttp, one StreamReader wake-up, SSE decode and
 `orjson.loads` per event, usage on every chunk) costs ~20-30 us of CPU per token; at 1,024
 streams of 50 tokens/s that is more than a core of a 2-core machine, taken from the engine and
-the gateway it is meant to measure. This client does the least a latency measurement needs:
-one keep-alive HTTP/1.1 connection per user (llhttp via `httptools`), the response parsed in
-the protocol's callbacks, token events counted in each read (`data: {`), the time of every
-read kept. A request is ok when it answered 200, ended with `data: [DONE]` and carried the
-tokens it asked for with no error event.
+the gateway it is meant to measure. This client does the least a latency measurement needs.
+HTTP is the gateway's own upstream client (`unbroken.gateway._upstream.Upstream`: keep-alive
+HTTP/1.1, llhttp via `httptools`, the body handed over inside the read callback); token
+events are counted in each read (`data: {`) and the time of every read is kept. A request is
+ok when it answered 200, ended with `data: [DONE]` and had no error event.
 
 Closed loop: `users` clients, each starting at its own offset over `ramp` and sending
 completions back to back until `duration` seconds from the start.
@@ -18,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
-import httptools
 import orjson
+
+from unbroken.gateway._upstream import Upstream
 
 __all__ = ["LeanRecord", "LeanRun"]
 
 _EVENT = b"data: {"
 _DONE = b"data: [DONE]"
 _ERROR = b'{"error"'
+_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass(slots=True)
@@ -43,55 +44,23 @@ class LeanRecord:
     gaps: list[float] = field(default_factory=list)
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection; one request at a time."""
+class _Events:
+    """Counts one response's token events as its body arrives (a marker may be split across
+    two reads: the end of the last one is kept)."""
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.rec: LeanRecord | None = None
-        self.t0 = 0.0
-        self.last = 0.0
-        self.status = 0
-        self.done = False
-        self.error = False
-        self.tail = b""  # the end of the last read: a marker split across two reads
-        self.keep = True
-        self.finished: asyncio.Future[None] | None = None
-        self.lost = False
+    __slots__ = ("done", "error", "last", "rec", "t0", "tail")
 
-    # -- asyncio.Protocol ------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._end(f"bad response: {e}")
-            if self.transport is not None:
-                self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self._end(f"connection lost: {exc or 'closed'}")
-
-    # -- httptools callbacks -----------------------------------------------------------------
-    def on_status(self, status: bytes) -> None:
-        self.status = self.parser.get_status_code()
-
-    def on_headers_complete(self) -> None:
-        self.keep = self.parser.should_keep_alive()
+    def __init__(self, rec: LeanRecord, t0: float) -> None:
+        self.rec, self.t0, self.last = rec, t0, t0
+        self.tail = b""
+        self.done = self.error = False
 
     def on_body(self, body: bytes) -> None:
-        rec = self.rec
-        if rec is None or self.status != 200:
-            return
         now = time.monotonic()
+        rec = self.rec
         seen = self.tail + body
         n = seen.count(_EVENT) - self.tail.count(_EVENT)
-        if _ERROR in body:
+        if _ERROR in seen:
             self.error = True
         if _DONE in seen:
             self.done = True
@@ -107,36 +76,6 @@ class _Conn(asyncio.Protocol):
         rec.tokens += n
         self.last = now
 
-    def on_message_complete(self) -> None:
-        rec = self.rec
-        if rec is None:
-            return
-        if self.status != 200:
-            rec.outcome, rec.detail = "error", f"HTTP {self.status}"
-        elif self.error:
-            rec.outcome, rec.detail = "error", "error event"
-        elif not self.done:
-            rec.outcome, rec.detail = "truncated", "no [DONE]"
-        else:
-            rec.outcome = "ok"
-        self._end(None)
-
-    def _end(self, why: str | None) -> None:
-        rec, self.rec = self.rec, None
-        if rec is not None and why is not None:
-            rec.outcome, rec.detail = "error", why
-        if self.finished is not None and not self.finished.done():
-            self.finished.set_result(None)
-
-    # -- used by the user loop ---------------------------------------------------------------
-    def send(self, request: bytes, rec: LeanRecord) -> asyncio.Future[None]:
-        assert self.transport is not None
-        self.rec, self.status, self.done, self.error, self.tail = rec, 0, False, False, b""
-        self.finished = asyncio.get_running_loop().create_future()
-        self.t0 = time.monotonic()
-        self.transport.write(request)
-        return self.finished
-
 
 class LeanRun:
     """`users` closed-loop streaming clients of /v1/completions (module doc). `records`
@@ -145,8 +84,7 @@ class LeanRun:
     def __init__(
         self, url: str, users: int, duration: float, max_tokens: int, ramp: float, model: str
     ) -> None:
-        u = urlsplit(url)
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.url = url.rstrip("/")
         self.users, self.duration, self.ramp = users, duration, ramp
         self.max_tokens = max_tokens
         self.model = model
@@ -156,8 +94,8 @@ class LeanRun:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
-    def _request(self, user: int, i: int) -> bytes:
-        body = orjson.dumps(
+    def _body(self, user: int, i: int) -> bytes:
+        return orjson.dumps(
             {
                 "model": self.model,
                 "prompt": f"user {user} request {i}",
@@ -167,35 +105,53 @@ class LeanRun:
                 "stream": True,
             }
         )
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        return head.encode() + body
 
-    async def _user(self, user: int) -> None:
+    async def _one(self, upstream: Upstream, rec: LeanRecord, body: bytes) -> None:
+        t0 = time.monotonic()
+        try:
+            up = await upstream.request(self.url, "/v1/completions", body, _HEADERS)
+            if up.status != 200:
+                await up.read()
+                rec.outcome, rec.detail = "error", f"HTTP {up.status}"
+                return
+        except OSError as e:  # ConnectionError (and the client's UpstreamClosed) included
+            rec.outcome, rec.detail = "error", f"{type(e).__name__}: {e}"
+            await asyncio.sleep(0.1)
+            return
+        ev = _Events(rec, t0)
+        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+        def on_end(exc: BaseException | None) -> None:
+            if not ended.done():
+                ended.set_result(exc)
+
+        up.stream(ev.on_body, on_end)
+        exc = await ended
+        if exc is not None:
+            up.close()
+            rec.outcome, rec.detail = "error", f"connection lost: {exc}"
+            return
+        up.release()
+        if ev.error:
+            rec.outcome, rec.detail = "error", "error event"
+        elif not ev.done:
+            rec.outcome, rec.detail = "truncated", "no [DONE]"
+        else:
+            rec.outcome = "ok"
+
+    async def _user(self, upstream: Upstream, user: int) -> None:
         await asyncio.sleep(user * self.ramp / self.users)
-        loop = asyncio.get_running_loop()
-        conn: _Conn | None = None
         i = 0
         while self.now() < self.duration:
             rec = LeanRecord(start=self.now())
             self.records.append(rec)
-            if conn is None or conn.lost or not conn.keep:
-                if conn is not None and conn.transport is not None:
-                    conn.transport.close()
-                try:
-                    _, conn = await loop.create_connection(_Conn, self.host, self.port)
-                except OSError as e:
-                    rec.outcome, rec.detail = "error", f"connect: {e}"
-                    conn = None
-                    await asyncio.sleep(0.1)
-                    continue
-            await conn.send(self._request(user, i), rec)
+            await self._one(upstream, rec, self._body(user, i))
             i += 1
-        if conn is not None and conn.transport is not None:
-            conn.transport.close()
 
     async def run(self) -> None:
         self._t0 = time.monotonic()
-        await asyncio.gather(*(self._user(u) for u in range(self.users)))
+        upstream = Upstream()
+        try:
+            await asyncio.gather(*(self._user(upstream, u) for u in range(self.users)))
+        finally:
+            upstream.close()
