@@ -31,12 +31,17 @@ def _ep(name: str, pool: str = "default", inflight: int = 0) -> Endpoint:
     return e
 
 
+def _gaps(e: EndpointLatency, gap: float, t0: float, t1: float, step: float = 0.01) -> None:
+    """Gaps of `gap` seconds every `step` from `t0` until `t1` (excluded)."""
+    for i in range(round((t1 - t0) / step)):
+        e.gap(gap, now=t0 + i * step)
+
+
 def _feed(e: Endpoint, gap: float, n: int = 50, ttfb: float | None = None) -> None:
     """`n` gaps spread over the last n x 10 ms (several averaging windows), then a first
     event."""
     now = time.monotonic()
-    for i in range(n + 1):
-        e.latency.gap(gap, now=now - (n - i) * 0.01)
+    _gaps(e.latency, gap, now - n * 0.01, now + 0.01)
     if ttfb is not None:
         leg = object()
         e.relays.add(leg)
@@ -108,13 +113,6 @@ def test_a_stale_estimate_fades() -> None:
     later = a.expected(103.0, 0.05, s)
     assert fresh == pytest.approx(0.4)
     assert later is not None and later < 0.08
-
-
-def _gaps(e: EndpointLatency, gap: float, t0: float, t1: float, step: float = 0.01) -> None:
-    t = t0
-    while t < t1:
-        e.gap(gap, now=t)
-        t += step
 
 
 def test_an_endpoint_slowing_down_counts_more_than_one_slow_all_along() -> None:
