@@ -211,13 +211,16 @@ def test_actuator_lowers_then_restores_step_by_step() -> None:
     }
     assert act.routes({"p-1": "contended"}, {"p-1": "fallback"}) == {}
     act.on_transition(Transition("p-1", "contended", "recovering", 20.0, "why"), v, 10, 1e9)
-    assert act.routes({"p-1": "recovering"}, {"p-1": "primary"}) == {}
-    caps, t, done = [], 20.0, False
+    # Capacity first, then traffic: the routes stay while the cap is still lowered.
+    caps, routed, t, done = [], [], 20.0, False
     while not done:
+        routed.append(act.routes({"p-1": "recovering"}, {"p-1": "primary"}) != {})
         t += 0.5
         ds, done = act.step_up("p-1", v, t, 1e9)
         caps.append(act.caps["p-1"])
     assert caps == [40, 80, 160, None]
+    assert all(routed)
+    assert act.routes({"p-1": "recovering"}, {"p-1": "primary"}) == {}
 
 
 # -- the loop on real processes ----------------------------------------------------------------

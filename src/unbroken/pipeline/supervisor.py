@@ -61,6 +61,8 @@ __all__ = [
 
 log = logging.getLogger("unbroken.pipeline")
 
+PREWARM_NICE = 10  # the pre-warm yields the CPU to serving engines (it waits on storage)
+
 
 class StartupError(RuntimeError):
     pass
@@ -264,23 +266,51 @@ class Supervisor:
 
     async def prewarm(self, pool: PoolSpec) -> dict[str, Any] | None:
         """Read the pool's weight files into the page cache before a replica starts (the
-        engine then loads from memory, not from disk). None when there is nothing to read."""
-        from unbroken.prewarm import PrewarmError, find_weight_files, warm_files
+        engine then loads from memory, not from disk). None when there is nothing to read
+        or the pre-warm failed (the replica then reads the disk itself; the rollout goes on).
 
+        It runs as `unbroken prewarm` in a child process at nice PREWARM_NICE: its reader
+        threads, in this process, held the GIL against the supervisor's event loop (and,
+        in `unbroken demo`, the load generator's, whose clock then measured stalls that no
+        engine had), and at normal priority its copies took CPU from the serving engines."""
         weights = self.weights_for(pool)
         if weights is None:
             return None
+        argv = [sys.executable, "-m", "unbroken", "prewarm", "--json", str(weights)]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        with contextlib.suppress(OSError):  # gone already: nothing to lower
+            os.setpriority(os.PRIO_PROCESS, proc.pid, PREWARM_NICE)
         try:
-            files = find_weight_files([str(weights)])
-        except PrewarmError as e:
-            log.warning("no pre-warm for %s: %s", pool.name, e)
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        why = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        try:
+            result = json.loads(out)
+        except ValueError:
+            log.warning("no pre-warm for %s: %s", pool.name, why[0])
             return None
-        stats = await asyncio.get_running_loop().run_in_executor(None, warm_files, files)
+        read = result.get("read") or {}
+        if proc.returncode != 0:  # read, but not all resident (memory pressure): say so
+            log.warning(
+                "pre-warm of %s: %.1f %% resident after the read",
+                pool.name,
+                result.get("residency", {}).get("percent", 0.0),
+            )
         return {
-            "files": stats.files,
-            "bytes": stats.bytes,
-            "seconds": round(stats.seconds, 3),
-            "gbps": round(stats.gbps, 2),
+            "files": len(result.get("files", [])),
+            "bytes": read.get("bytes", 0),
+            "seconds": round(read.get("seconds", 0.0), 3),
+            "gbps": round(read.get("gbps", 0.0), 2),
         }
 
     def engine_argv(self, pool: PoolSpec, host: str, port: int) -> list[str]:
