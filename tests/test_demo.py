@@ -230,6 +230,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
             "6",
             "--contention",
             "6",
+            "--recovery",
+            "5",
             "--deadline",
             "2",
             "--weights-size",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,48 @@ pools:
     engine: {{profile: fp8, overrides: {{decode_base_s: 0.004}}}}
 gateway: {{routes: {{standard: [primary]}}}}
 """
+
+
+class NiceWatch:
+    """Samples every 5 ms the niceness of the supervisor's children that are engines or
+    pre-warms (/proc: parent pid, cmdline, the nice field of stat)."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.seen: dict[tuple[str, int], set[int]] = {}  # (kind, pid) -> nice values
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for d in Path("/proc").iterdir():
+                if not d.name.isdigit():
+                    continue
+                try:
+                    f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                    argv = (d / "cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if int(f[1]) != self.parent or b"unbroken" not in argv:
+                    continue
+                kind = argv[argv.index(b"unbroken") + 1].decode()
+                if kind in ("engine", "prewarm"):
+                    self.seen.setdefault((kind, int(d.name)), set()).add(int(f[16]))
+            time.sleep(0.005)
+
+    def __enter__(self) -> NiceWatch:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def values(self, kind: str, pids: set[int] | None = None) -> set[int]:
+        return {
+            n for (k, pid), ns in self.seen.items() if k == kind and (pids is None or pid in pids)
+            for n in ns
+        }
 
 
 def _up(tmp: Path) -> Up:
@@ -57,7 +100,10 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
             t.start()
         time.sleep(1.0)
         t0 = time.monotonic()
-        r = u.run("rollout", "primary", "--set", "decode_base_s=0.005", "--deadline", "1", "--json")
+        with NiceWatch(u.proc.pid) as nice:
+            r = u.run(
+                "rollout", "primary", "--set", "decode_base_s=0.005", "--deadline", "1", "--json"
+            )
         took = time.monotonic() - t0
         assert r.returncode == 0, r.stderr
         events = [json.loads(line) for line in r.stdout.splitlines()]
@@ -84,6 +130,16 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
         )
         kinds = [e["event"] for e in st["events"]]
         assert kinds.count("rollout_replaced") == 2
+        # The surge replicas started niced and serve at nice 0; the pre-warm ran niced.
+        new = {r["pid"] for r in st["replicas"] if r["name"] in ("primary-3", "primary-4")}
+        for pid in new:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            assert int(fields[16]) == 0, pid
+        if os.geteuid() == 0:  # CI: the supervisor can raise them back, so it lowers them
+            assert nice.values("engine", new) == {10, 0}, nice.seen
+            assert nice.values("prewarm") >= {10}, nice.seen
+        else:  # it could not undo a lowered priority, so it never lowers one
+            assert nice.values("engine", new) == {0}, nice.seen
     finally:
         assert u.stop() == 0
 

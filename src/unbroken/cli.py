@@ -737,6 +737,13 @@ def demo(
     contention_extra_ms: Annotated[
         float, typer.Option(help="Contention severity: ms added to each CUDA call.")
     ] = 30.0,
+    recovery: Annotated[
+        float,
+        typer.Option(
+            help="Seconds from the contention episode's end to the rollout (the controller's "
+            "step-by-step undo, ~10 s with the default spec, ends before the rollout's window)."
+        ),
+    ] = 12.0,
     deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
     weights_size: Annotated[str, typer.Option(help="Weights per pool (generated once).")] = "1GiB",
     max_ttft_ratio: Annotated[
@@ -757,11 +764,14 @@ def demo(
 
     _logging(False)
     logging.getLogger().setLevel(logging.WARNING)
+    if recovery < 0:
+        _fail("--recovery must be >= 0 seconds")
     settings = DemoSettings(
         users=users,
         phases=Phases(
             steady_s=steady,
             contention=Contention(seconds=contention, extra_ms=contention_extra_ms),
+            recovery_s=recovery,
             deadline_s=deadline,
         ),
         weights_size=weights_size,

@@ -48,6 +48,7 @@ class StandardDeployment:
         spec = spec.model_copy(deep=True)
         for pool in spec.pools:
             pool.engine.shutdown_timeout_s = 0.0
+            pool.engine.startup_nice = 0  # a plain Deployment's pods start at normal priority
         self.spec = spec
         self.state = state
         # The supervisor is used only to launch and stop engine processes: no gateway.

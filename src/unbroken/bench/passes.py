@@ -64,7 +64,9 @@ class Contention:
 class Phases:
     steady_s: float = 20.0
     contention: Contention = field(default_factory=Contention)
-    recovery_s: float = 5.0
+    # Contention's end to the rollout: the controller's undo (exit dwell, then the cap steps,
+    # then the routes: ~10 s with the default spec) is over before the rollout's window.
+    recovery_s: float = 12.0
     deadline_s: float = 5.0
     settle_s: float = 4.0
     after_kill_s: float = 4.0

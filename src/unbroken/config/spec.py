@@ -173,6 +173,11 @@ class EngineSpec(_Spec):
     seed: int = 0
     eos_rate: Annotated[float, Field(ge=0, lt=1)] = 0.0
     shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    # CPU niceness of a starting replica (its whole process group) until it answers /health,
+    # then back to 0: a replica started beside serving ones (rollout surge, a crash's
+    # replacement) takes only spare CPU for its imports and weight load. 0: off. Only used
+    # where the supervisor may return it to 0 (root, or RLIMIT_NICE allows).
+    startup_nice: Annotated[int, Field(ge=0, le=19)] = 10
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:

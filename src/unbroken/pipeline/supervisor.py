@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -106,6 +107,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _may_renice() -> bool:
+    """Whether a process we lower can be brought back to nice 0: root (CAP_SYS_NICE) or an
+    RLIMIT_NICE of 20 (its ceiling is 20 - rlim). Elsewhere a lowered replica would serve
+    at the lower priority for good, so it is not lowered at all."""
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or soft >= 20
+
+
 @dataclass(eq=False)
 class Replica:
     name: str
@@ -116,6 +127,7 @@ class Replica:
     log_path: Path | None = None
     started_at: float = field(default_factory=time.time)
     healthy_at: float | None = None
+    niced: bool = False  # started at the pool's startup_nice, not yet back to 0
     stopping: bool = False
 
     @property
@@ -356,6 +368,12 @@ class Supervisor:
             env.setdefault("VLLM_API_KEY", key)
         r.proc, r.log_path = await self._spawn(name, self.engine_argv(pool, r.host, port), env)
         r.started_at = time.time()
+        if pool.engine.startup_nice and _may_renice():
+            # The whole group (the session _spawn made): engines that fork workers while
+            # starting (vLLM's engine core) are lowered and raised with it.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, r.proc.pid, pool.engine.startup_nice)
+                r.niced = True
         self.replicas[name] = r
         log.info("started %s (pid %d, port %d)", name, r.pid, port)
         self.record("replica_started", replica=name, pid=r.pid)
@@ -378,6 +396,10 @@ class Supervisor:
                     f"{self.health_timeout:.0f} s; log: {r.log_path}"
                 ) from None
         r.healthy_at = time.time()
+        if r.niced and r.proc is not None:  # serving from here on: its fair share again
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, r.proc.pid, 0)
+            r.niced = False
 
     async def register(self, r: Replica) -> None:
         await self.admin.add(url=r.url, name=r.name, pool=r.pool.name, cap=r.pool.cap)
