@@ -320,10 +320,12 @@ def build_app(agent: Agent) -> web.Application:
 
 
 async def serve(cfg: AgentConfig) -> None:
+    from unbroken.wire.heap import freeze_startup_heap
     from unbroken.wire.http import start_site
 
     agent = Agent(cfg)
     agent.start()
+    freeze_startup_heap()
     try:
         runner = await start_site(build_app(agent), cfg.host, cfg.port)
     except OSError:

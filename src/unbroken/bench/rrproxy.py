@@ -23,6 +23,8 @@ import signal
 from pathlib import Path
 from typing import cast
 
+from unbroken.wire.heap import freeze_startup_heap
+
 __all__ = ["RoundRobinProxy", "main"]
 
 log = logging.getLogger("unbroken.rrproxy")
@@ -163,6 +165,7 @@ async def _serve(listen: str, backends_file: Path) -> None:
     backends, gen = _load(backends_file)
     proxy = RoundRobinProxy(backends)
     host, port = _addr(listen)
+    freeze_startup_heap()  # kube-proxy, which this stands in for, has no collector pauses
     await proxy.start(host, port)
     ack = backends_file.with_name(backends_file.name + ".ack")
     ack.write_text(str(gen))

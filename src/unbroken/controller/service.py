@@ -673,9 +673,11 @@ def build_app(c: Controller) -> web.Application:
 async def serve(cfg: ControllerConfig) -> None:
     import signal
 
+    from unbroken.wire.heap import freeze_startup_heap
     from unbroken.wire.http import start_site
 
     c = Controller(cfg)
+    freeze_startup_heap()
     runner = await start_site(build_app(c), cfg.settings.host, cfg.settings.port)
     log.info("controller API on http://%s:%d", cfg.settings.host, cfg.settings.port)
     loop = asyncio.get_running_loop()

@@ -30,6 +30,7 @@ from unbroken.engine.request import INT64_MAX, INT64_MIN, RequestState, client_r
 from unbroken.engine.textmodel import StopChecker, TextModel, count_tokens, render_chat
 from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
 from unbroken.wire.errors import ApiError
+from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import bearer_auth_middleware, error_middleware, prepare_sse, start_site
 from unbroken.wire.openai import (
     ChatRequest,
@@ -601,6 +602,7 @@ async def serve(cfg: EngineConfig) -> None:
         await runner.cleanup()
         raise SystemExit(1) from None
     engine.start_core(loop)
+    freeze_startup_heap()
     engine.ready = True
     engine.startup_s = time.time() - started
     engine.metrics.startup.set(engine.startup_s)

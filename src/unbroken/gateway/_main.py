@@ -60,6 +60,7 @@ from unbroken.gateway._server import (
     resolve_token,
 )
 from unbroken.gateway._shared import MAX_ENDPOINTS, MAX_WORKERS, SharedCounters, SharedSlot
+from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import ServerLimits, start_site
 
 if TYPE_CHECKING:
@@ -516,6 +517,7 @@ class MainGateway(Gateway):
         self.start_control_plane(static, warmup=warmup, k8s=k8s)
         admin = admin_app(self, self.admin_token)
         admin.router.add_get("/metrics", self.metrics_handler)
+        freeze_startup_heap()
         runner = await start_site(
             admin, cfg.admin_host, cfg.admin_port, limits=ServerLimits(cfg.header_timeout_s)
         )

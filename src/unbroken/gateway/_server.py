@@ -27,6 +27,7 @@ from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
 from unbroken.gateway._proxy import PASSTHROUGH_ROUTES, Proxy
+from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
     ServerLimits,
     body_middleware,
@@ -317,6 +318,7 @@ class Gateway:
         cfg = self.cfg
         self.start_control_plane(static or [], warmup=warmup, k8s=k8s)
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
+        freeze_startup_heap()
         public = await start_site(self.public_app(), cfg.host, cfg.port, limits=limits)
         admin = await start_site(
             admin_app(self, self.admin_token),

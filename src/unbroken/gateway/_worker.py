@@ -41,6 +41,7 @@ from unbroken.gateway._handover import Inbound, Outbound
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
+from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import ServerLimits, client_session, start_site
 
 __all__ = ["WorkerGateway", "main"]
@@ -132,6 +133,7 @@ class WorkerGateway(Gateway):
         self.proxy.session = client_session(connect_timeout=cfg.connect_timeout_s)
         self.proxy.on_hang = lambda ep: self.send({"t": "suspect", "name": ep.name})
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
+        freeze_startup_heap()
         self.runner = await start_site(
             self.public_app(), cfg.host, cfg.port, sock=listen, limits=limits
         )
