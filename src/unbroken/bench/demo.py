@@ -491,11 +491,15 @@ def _verdict(
             "p50": _ms(percentile(r.loop_lag, 50)),
             "p99": _ms(percentile(r.loop_lag, 99)),
             "max": _ms(max(r.loop_lag, default=None)),
+            "late": [[round(t, 3), _ms(x)] for t, x in r.loop_late],
         }
         for r in (std_res, ub_res)
         if r is not None
     }
-    lag = "; ".join(f"{n} p99 {v['p99']} ms, max {v['max']} ms" for n, v in lag_ms.items())
+    lag = "; ".join(
+        f"{n} p99 {v['p99']} ms, max {v['max']} ms ({len(v['late'])} wake-ups >= 30 ms late)"
+        for n, v in lag_ms.items()
+    )
     config = {
         "users": cfg.users,
         "priorities": PRIORITIES,

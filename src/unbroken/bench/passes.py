@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,16 +88,30 @@ class PassResult:
     decisions: list[dict[str, Any]]  # controller decisions, t in seconds since load start
     contended: list[str]
     loop_lag: list[float] = field(default_factory=list)  # the load generator's own lateness
+    # (t, seconds late) of each wake-up LATE_S or more late: tails that coincide with one
+    # were (at least partly) the measuring process's own delay
+    loop_late: list[tuple[float, float]] = field(default_factory=list)
 
 
-async def _lag_probe(out: list[float], period: float = 0.02) -> None:
+LATE_S = 0.03
+
+
+async def _lag_probe(
+    out: list[float],
+    late: list[tuple[float, float]],
+    now: Callable[[], float],
+    period: float = 0.02,
+) -> None:
     """How late the load generator's event loop wakes up: if it is late, so are its
     timestamps, and the pass's latencies include the measuring process's own delay."""
     loop = asyncio.get_running_loop()
     while True:
         t = loop.time()
         await asyncio.sleep(period)
-        out.append(loop.time() - t - period)
+        lag = loop.time() - t - period
+        out.append(lag)
+        if lag >= LATE_S:
+            late.append((now() - lag, lag))
 
 
 class Target(Protocol):
@@ -270,6 +285,7 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
     wall0 = time.time()
     collected: dict[str, Any] = {}
     lag: list[float] = []
+    late: list[tuple[float, float]] = []
     try:
         with live_progress(console) as prog:
             tid = prog.add_task(target.name, total=None, stats="")
@@ -285,7 +301,7 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
                     await asyncio.sleep(0.5)
 
             ticker = asyncio.create_task(tick())
-            prober = asyncio.create_task(_lag_probe(lag))
+            prober = asyncio.create_task(_lag_probe(lag, late, load.now))
 
             def mark(name: str, **data: Any) -> None:
                 marks[name] = load.now()
@@ -344,4 +360,5 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
         decisions=collected.get("decisions", []),
         contended=contended,
         loop_lag=lag,
+        loop_late=late,
     )
