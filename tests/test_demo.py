@@ -279,6 +279,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert rows["cold_start_s"]["standard"] > 0 and rows["cold_start_s"]["unbroken"] > 0
     spans = {s["name"] for s in data["spans"]}
     assert {"contention", "rollout"} <= spans
+    if data["config"]["storage"].startswith("storage: reads"):  # root with a blkio controller
+        # The weight readers, and only they, were put behind the cap: the standard
+        # deployment's cold starts and unbroken's pre-warms read 64 MiB each through it.
+        assert data["config"]["storage_throttled_read_bytes"] >= 3 * 64 * 2**20
 
 
 # -- the table's arithmetic ----------------------------------------------------------------------

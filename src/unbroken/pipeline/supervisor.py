@@ -203,6 +203,9 @@ class Supervisor:
         self.engine_token: str | None = None
         self.stopped = asyncio.Event()  # set when the pipeline should end (gateway exit 0)
         self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
+        # Called with the pid of each process that reads weights (engines, the pre-warm) as
+        # it starts: `unbroken demo` puts these, and only these, behind its storage throttle.
+        self.weight_readers: Callable[[int], None] | None = None
 
     # -- processes ----------------------------------------------------------------------------
     async def _spawn(
@@ -298,6 +301,7 @@ class Supervisor:
         )
         with contextlib.suppress(OSError):  # gone already: nothing to lower
             os.setpriority(os.PRIO_PROCESS, proc.pid, PREWARM_NICE)
+        self._reads_weights(proc.pid)
         try:
             out, err = await proc.communicate()
         except asyncio.CancelledError:
@@ -324,6 +328,13 @@ class Supervisor:
             "seconds": round(read.get("seconds", 0.0), 3),
             "gbps": round(read.get("gbps", 0.0), 2),
         }
+
+    def _reads_weights(self, pid: int) -> None:
+        if self.weight_readers is not None:
+            try:
+                self.weight_readers(pid)
+            except OSError as e:  # exited already, or the cgroup is gone
+                log.warning("weight reader %d: %s", pid, e)
 
     def engine_argv(self, pool: PoolSpec, host: str, port: int) -> list[str]:
         e = pool.engine
@@ -368,6 +379,7 @@ class Supervisor:
             env.setdefault("VLLM_API_KEY", key)
         r.proc, r.log_path = await self._spawn(name, self.engine_argv(pool, r.host, port), env)
         r.started_at = time.time()
+        self._reads_weights(r.proc.pid)
         if pool.engine.startup_nice and _may_renice():
             # The whole group (the session _spawn made): engines that fork workers while
             # starting (vLLM's engine core) are lowered and raised with it.
