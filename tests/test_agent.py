@@ -125,9 +125,12 @@ def test_exact_counts_and_latency_buckets(agent: Agent, tmp_path: Path) -> None:
         ):
             slot = int(seconds * 1e9).bit_length() - 1
             s = stats[fn]
-            # A preempted call on a busy 2-core box lands higher: allow 10 %, or one call of
-            # the 7 graph launches (where 10 % is less than one).
-            assert s.slots[slot] >= min(0.9 * s.count, s.count - 1), (fn, slot, s.slots)
+            # No call is timed shorter than it took, so none lands below its slot; a call
+            # preempted on a busy 2-core VM lands higher (14 % of the 300 launches did in one
+            # full-suite run), so the injected slot must hold most calls, not all.
+            assert sum(s.slots[:slot]) == 0, (fn, slot, s.slots)
+            assert s.slots[slot] == max(s.slots) and s.slots[slot] >= s.count / 2, (fn, s.slots)
+            assert s.sum_ns >= 0.99 * s.count * seconds * 1e9, (fn, s.sum_ns, s.count)
     finally:
         p.kill()
         p.wait()

@@ -31,8 +31,9 @@ gateway: {{routes: {{standard: [primary]}}}}
 
 
 class NiceWatch:
-    """Samples every 5 ms the niceness of the supervisor's children that are engines or
-    pre-warms (/proc: parent pid, cmdline, the nice field of stat)."""
+    """Samples every 10 ms the niceness of the supervisor's children that are engines or
+    pre-warms (/proc/PID/task/*/children, then each child's cmdline and the nice field of
+    its stat: a scan of all of /proc this often took most of a core)."""
 
     def __init__(self, parent: int) -> None:
         self.parent = parent
@@ -40,22 +41,30 @@ class NiceWatch:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
+    def _children(self) -> set[int]:
+        out: set[int] = set()
+        for t in Path(f"/proc/{self.parent}/task").iterdir():
+            try:
+                out.update(int(p) for p in (t / "children").read_text().split())
+            except OSError:
+                continue
+        return out
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            for d in Path("/proc").iterdir():
-                if not d.name.isdigit():
-                    continue
+            for pid in self._children():
+                d = Path(f"/proc/{pid}")
                 try:
                     f = (d / "stat").read_text().rsplit(")", 1)[1].split()
                     argv = (d / "cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if int(f[1]) != self.parent or b"unbroken" not in argv:
+                if b"unbroken" not in argv:
                     continue
                 kind = argv[argv.index(b"unbroken") + 1].decode()
                 if kind in ("engine", "prewarm"):
-                    self.seen.setdefault((kind, int(d.name)), set()).add(int(f[16]))
-            time.sleep(0.005)
+                    self.seen.setdefault((kind, pid), set()).add(int(f[16]))
+            time.sleep(0.01)
 
     def __enter__(self) -> NiceWatch:
         self._t.start()
