@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,3 +310,29 @@ class Up:
             text=True,
             timeout=timeout,
         )
+
+
+class Poller:
+    """Calls `poll()` every `period` seconds in a thread, from `__enter__` to `__exit__`."""
+
+    period = 0.01
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            time.sleep(self.period)
+
+    def __enter__(self) -> Any:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()

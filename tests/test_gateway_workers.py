@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, admin, engine, gateway, metric, wait_for
+from helpers import MODEL, Poller, Proc, admin, engine, gateway, metric, wait_for
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.sse import SSEDecoder
 
@@ -63,36 +63,30 @@ def stream_text(url: str, prompt: str, max_tokens: int, timeout: float = 60) -> 
     return "".join(text), error
 
 
-class Sampler:
+class Sampler(Poller):
     """Reads an engine's running and waiting gauges every few ms in a thread; keeps maxima."""
 
+    period = 0.005
+
     def __init__(self, url: str) -> None:
+        super().__init__()
         self.url = url
         self.max_running = 0.0
         self.max_waiting = 0.0
         self.samples = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        self._client = httpx.Client(timeout=5)
 
-    def _run(self) -> None:
-        with httpx.Client(timeout=5) as c:
-            while not self._stop.is_set():
-                text = c.get(self.url + "/metrics").text
-                for line in text.splitlines():
-                    if line.startswith("vllm:num_requests_running"):
-                        self.max_running = max(self.max_running, float(line.rsplit(" ", 1)[1]))
-                    elif line.startswith("vllm:num_requests_waiting"):
-                        self.max_waiting = max(self.max_waiting, float(line.rsplit(" ", 1)[1]))
-                self.samples += 1
-                time.sleep(0.005)
-
-    def __enter__(self) -> Sampler:
-        self._t.start()
-        return self
+    def poll(self) -> None:
+        for line in self._client.get(self.url + "/metrics").text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                self.max_running = max(self.max_running, float(line.rsplit(" ", 1)[1]))
+            elif line.startswith("vllm:num_requests_waiting"):
+                self.max_waiting = max(self.max_waiting, float(line.rsplit(" ", 1)[1]))
+        self.samples += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
+        super().__exit__(*exc)
+        self._client.close()
 
 
 @pytest.fixture
@@ -151,25 +145,30 @@ def test_queue_waiters_get_slots_freed_by_other_workers(tmp_path: Path, eng: Pro
         g.stop()
 
 
-def client_conns(pid: int, port: int) -> int:
-    """Established connections on the gateway's `port` held by process `pid` (its socket
-    inodes in /proc/<pid>/fd matched with /proc/net/tcp*): which worker the kernel's shared
-    accept queue gave each client to."""
-    inodes = set()
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
         except OSError:
             continue
         if m:
-            inodes.add(m.group(1))
-    n = 0
+            out.add(m.group(1))
+    return out
+
+
+def client_conns(pids: tuple[int, ...], port: int) -> dict[int, int]:
+    """Established connections on the gateway's `port` held by each process (its socket
+    inodes in /proc/<pid>/fd matched with /proc/net/tcp*, read once for all): which worker
+    the kernel's shared accept queue gave each client to."""
+    owner = {ino: pid for pid in pids for ino in _socket_inodes(pid)}
+    held = dict.fromkeys(pids, 0)
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             f = line.split()
-            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "01" and f[9] in inodes:
-                n += 1
-    return n
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "01" and f[9] in owner:
+                held[owner[f[9]]] += 1
+    return held
 
 
 def test_killed_worker_costs_only_its_streams_and_is_replaced(tmp_path: Path, eng: Proc) -> None:
@@ -187,7 +186,7 @@ def test_killed_worker_costs_only_its_streams_and_is_replaced(tmp_path: Path, en
                 jobs.append(pool.submit(_try_stream, g.url, f"kill {n}", 400))
                 n += 1
                 time.sleep(0.05)
-                held = {pid: client_conns(pid, g.port) for pid in (victim, other)}
+                held = client_conns((victim, other), g.port)
                 if sum(held.values()) == n and min(held.values()) >= 2:
                     break
             assert min(held.values()) >= 2, held  # both workers took streams

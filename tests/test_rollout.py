@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from helpers import MODEL, Up
+from helpers import MODEL, Poller, Up
 from test_migration import check_one_stream, read_stream, text_of
 from unbroken.engine.textmodel import expected_completion
 
@@ -30,16 +30,15 @@ gateway: {{routes: {{standard: [primary]}}}}
 """
 
 
-class NiceWatch:
+class NiceWatch(Poller):
     """Samples every 10 ms the niceness of the supervisor's children that are engines or
     pre-warms (/proc/PID/task/*/children, then each child's cmdline and the nice field of
     its stat: a scan of all of /proc this often took most of a core)."""
 
     def __init__(self, parent: int) -> None:
+        super().__init__()
         self.parent = parent
         self.seen: dict[tuple[str, int], set[int]] = {}  # (kind, pid) -> nice values
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
 
     def _children(self) -> set[int]:
         out: set[int] = set()
@@ -50,33 +49,25 @@ class NiceWatch:
                 continue
         return out
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for pid in self._children():
-                d = Path(f"/proc/{pid}")
-                try:
-                    f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                    argv = (d / "cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"unbroken" not in argv:
-                    continue
-                kind = argv[argv.index(b"unbroken") + 1].decode()
-                if kind in ("engine", "prewarm"):
-                    self.seen.setdefault((kind, pid), set()).add(int(f[16]))
-            time.sleep(0.01)
-
-    def __enter__(self) -> NiceWatch:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
+    def poll(self) -> None:
+        for pid in self._children():
+            d = Path(f"/proc/{pid}")
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"unbroken" not in argv:
+                continue
+            kind = argv[argv.index(b"unbroken") + 1].decode()
+            if kind in ("engine", "prewarm"):
+                self.seen.setdefault((kind, pid), set()).add(int(f[16]))
 
     def values(self, kind: str, pids: set[int] | None = None) -> set[int]:
         return {
-            n for (k, pid), ns in self.seen.items() if k == kind and (pids is None or pid in pids)
+            n
+            for (k, pid), ns in self.seen.items()
+            if k == kind and (pids is None or pid in pids)
             for n in ns
         }
 

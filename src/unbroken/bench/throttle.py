@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,8 +69,8 @@ def _v2_root() -> Path | None:
 
 @dataclass
 class IoThrottle:
-    """A cgroup with a read-bandwidth cap on one block device. `applied()` moves this process
-    into it (children started meanwhile inherit it) and back out afterwards."""
+    """A cgroup with a read-bandwidth cap on one block device. `add(pid)` puts a process in
+    it (what it starts afterwards inherits it); the demo adds only its weight readers."""
 
     path: Path
     version: int
@@ -130,16 +129,6 @@ class IoThrottle:
                 return int(kv.get("rbytes", 0))
         return 0
 
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[IoThrottle]:
-        origin = _own_cgroup(self.version, self.path.parent)
-        self.add(os.getpid())
-        try:
-            yield self
-        finally:
-            with contextlib.suppress(OSError):
-                (origin / "cgroup.procs").write_text(str(os.getpid()))
-
     def remove(self, timeout: float = 5.0) -> None:
         """Delete the cgroup once its processes have left (children that outlive the demo are
         moved to the parent first)."""
@@ -157,12 +146,3 @@ class IoThrottle:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-
-
-def _own_cgroup(version: int, root: Path) -> Path:
-    """This process's cgroup in the hierarchy mounted at `root`."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        hid, ctrls, rel = line.split(":", 2)
-        if (version == 1 and "blkio" in ctrls.split(",")) or (version == 2 and hid == "0"):
-            return root / rel.lstrip("/")
-    return root

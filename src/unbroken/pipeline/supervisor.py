@@ -309,11 +309,11 @@ class Supervisor:
                 proc.kill()
             await proc.wait()
             raise
-        why = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         try:
             result = json.loads(out)
         except ValueError:
-            log.warning("no pre-warm for %s: %s", pool.name, why[0])
+            last = err.decode(errors="replace").strip().splitlines()[-1:]
+            log.warning("no pre-warm for %s: %s", pool.name, *(last or [f"exit {proc.returncode}"]))
             return None
         read = result.get("read") or {}
         if proc.returncode != 0:  # read, but not all resident (memory pressure): say so

@@ -143,8 +143,9 @@ def warm_files(
             t.join()
         if work.error is not None:
             raise work.error
-        kept = work.target if threads is None else len(pool)
-        return ReadStats(len(files), work.done_bytes, time.perf_counter() - t0, kept, history)
+        return ReadStats(
+            len(files), work.done_bytes, time.perf_counter() - t0, work.target, history
+        )
     finally:
         for fd in fds:
             os.close(fd)
