@@ -120,6 +120,8 @@ def test_replacement_retries_until_it_serves_and_rollout_reports_the_gap(tmp_pat
         wait_for(failed_once, timeout=60, interval=0.3, what="a failed replacement")
         st = u.status()
         assert all(r["alive"] for r in st["replicas"]), st["replicas"]
+        # The next try may be starting already (1 s back-off): listed, but not live.
+        assert [r["name"] for r in st["replicas"] if r["state"] == "serving"] == ["main-2"]
         assert st["pools"]["main"] == {"declared": 2, "live": 1}
         assert st["replacing"].get("main-1")
         r = u.run("rollout", "main", "--deadline", "2", "--warmup-budget", "5", timeout=120)

@@ -30,6 +30,11 @@ class ReplicaHandle(Protocol):
     @property
     def alive(self) -> bool: ...
 
+    @property
+    def serving(self) -> bool:
+        """Alive and answering /health (not still starting)."""
+        ...
+
 
 class Backend(Protocol):
     spec: PipelineSpec

@@ -259,7 +259,7 @@ async def _finish(
     error: str | None,
 ) -> dict[str, Any]:
     """The summary, with the pool's live size checked against its declared size."""
-    live = len(sup.replicas_of(pool))
+    live = sum(1 for r in sup.replicas_of(pool) if r.serving)
     missing = max(0, declared - live)
     summary = _summary(pool, steps, t0, ok=error is None, error=error)
     summary["replicas"] = {"declared": declared, "live": live, "missing": missing}

@@ -142,6 +142,12 @@ class Replica:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def serving(self) -> bool:
+        """Alive and past /health: a replica still starting (a replacement's next try, a
+        rollout's surge) is not one of the pool's live replicas yet."""
+        return self.alive and self.healthy_at is not None
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -153,7 +159,8 @@ class Replica:
             "start_to_health_s": None
             if self.healthy_at is None
             else round(self.healthy_at - self.started_at, 3),
-            "alive": self.proc is not None and self.proc.returncode is None,
+            "alive": self.alive,
+            "state": "serving" if self.serving else "starting",
         }
 
 
@@ -663,7 +670,7 @@ class Supervisor:
             "pools": {
                 p.name: {
                     "declared": p.replicas,
-                    "live": sum(1 for r in self.replicas_of(p.name) if r.alive),
+                    "live": sum(1 for r in self.replicas_of(p.name) if r.serving),
                 }
                 for p in self.spec.pools
             },

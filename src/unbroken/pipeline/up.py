@@ -177,6 +177,10 @@ STATUS_COLUMNS = (
 DROPPABLE = ("start→health", "pid", "healthy", "pool", "condition")
 
 
+def _unregistered(replica: dict[str, Any]) -> str:
+    return "starting" if replica.get("state") == "starting" else "unregistered"
+
+
 def status_rows(status: dict[str, Any]) -> list[dict[str, str]]:
     """One row per endpoint or replica, every column as text."""
     eps = {e["name"]: e for e in (status.get("gateway") or {}).get("endpoints", [])}
@@ -191,7 +195,8 @@ def status_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                 "endpoint": name,
                 "url": str(e.get("url") or r.get("url", "")),
                 "pid": str(r.get("pid") or "-"),
-                "state": str(e.get("state", "unregistered")),
+                # Not in the gateway (yet): a replica still before /health says so.
+                "state": str(e.get("state") or _unregistered(r)),
                 "condition": str(e.get("condition") or "-"),
                 "healthy": "yes" if e.get("healthy") else "no",
                 "in-flight": f"{e.get('inflight', 0)}/{e.get('cap', '-')}",
