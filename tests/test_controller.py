@@ -615,6 +615,24 @@ def _ctl_state(url: str) -> dict[str, Any]:
         return {}
 
 
+def _agent_story(up: Up, ctl: str) -> str:
+    """What the agent and the controller saw, for a failure that only CI reproduces."""
+    parts = [f"controller state: {_ctl_state(ctl).get('primary-1')}"]
+    agent = f"http://127.0.0.1:{up.agent_port}"
+    for path in ("/probes", "/metrics"):
+        try:
+            text = httpx.get(agent + path, timeout=2).text
+        except httpx.HTTPError as e:
+            text = repr(e)
+        if path == "/metrics":
+            text = "\n".join(ln for ln in text.splitlines() if "cuda" in ln and "bucket" not in ln)
+        parts.append(f"agent {path}:\n{text[-3000:]}")
+    for name in ("agent", "controller"):
+        log = up.state / "logs" / f"{name}.log"
+        parts.append(f"{log}:\n" + (log.read_text()[-3000:] if log.exists() else "(none)"))
+    return "\n".join(parts)
+
+
 AGENT_SPEC = """
 pools:
   - {name: primary, precision: fp16, replicas: 2}
@@ -639,14 +657,17 @@ def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
     ctl = f"http://127.0.0.1:{up.controller_port}"
     try:
         with Load(up.url, users=6) as load:
-            wait_for(
-                lambda: (
-                    (_ctl_state(ctl).get("primary-1") or {}).get("source") == "cuda"
-                    and _ctl_state(ctl)["primary-1"].get("ratio") is not None
-                ),
-                timeout=60,
-                what="the CUDA signal from the agent",
-            )
+            try:
+                wait_for(
+                    lambda: (
+                        (_ctl_state(ctl).get("primary-1") or {}).get("source") == "cuda"
+                        and _ctl_state(ctl)["primary-1"].get("ratio") is not None
+                    ),
+                    timeout=60,
+                    what="the CUDA signal from the agent",
+                )
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{_agent_story(up, ctl)}") from None
             st = up.status()
             assert st["agent"]["pid"] and st["agent"].get("signals") == "live", st["agent"]
             r = up.run("fault", "primary-1", "slow_cuda", "--extra-ms", "10", "--seconds", "4")
