@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -14,6 +15,7 @@ import httpx
 from helpers import MODEL, Poller, Up
 from test_migration import check_one_stream, read_stream, text_of
 from unbroken.engine.textmodel import expected_completion
+from unbroken.pipeline.niceness import AUTOGROUP_SWITCH
 
 SPEC = f"""
 model: {MODEL}
@@ -39,6 +41,7 @@ class NiceWatch(Poller):
         super().__init__()
         self.parent = parent
         self.seen: dict[tuple[str, int], set[int]] = {}  # (kind, pid) -> nice values
+        self.autogroup: dict[int, set[int]] = {}  # engine pid -> its autogroup's nice values
 
     def _children(self) -> set[int]:
         out: set[int] = set()
@@ -62,6 +65,10 @@ class NiceWatch(Poller):
             kind = argv[argv.index(b"unbroken") + 1].decode()
             if kind in ("engine", "prewarm"):
                 self.seen.setdefault((kind, pid), set()).add(int(f[16]))
+            if kind == "engine":  # "/autogroup-123 nice 10": the session's, as scheduled
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    ag = int((d / "autogroup").read_text().split()[2])
+                    self.autogroup.setdefault(pid, set()).add(ag)
 
     def values(self, kind: str, pids: set[int] | None = None) -> set[int]:
         return {
@@ -138,6 +145,12 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
         if os.geteuid() == 0:  # CI: the supervisor can raise them back, so it lowers them
             assert nice.values("engine", new) == {10, 0}, nice.seen
             assert nice.values("prewarm") >= {10}, nice.seen
+            if AUTOGROUP_SWITCH.exists() and AUTOGROUP_SWITCH.read_text().strip() == "1":
+                # Sessions are scheduled as units here: the session's own nice is what
+                # lowers a starting engine against the serving ones (pipeline/niceness.py).
+                assert {n for p in new for n in nice.autogroup.get(p, ())} == {10, 0}, (
+                    nice.autogroup
+                )
         else:  # it could not undo a lowered priority, so it never lowers one
             assert nice.values("engine", new) == {0}, nice.seen
     finally:

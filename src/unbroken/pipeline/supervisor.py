@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -48,6 +47,7 @@ from unbroken.config.paths import (
 from unbroken.config.spec import GatewaySettings, PipelineSpec, PoolSpec, SpecError
 from unbroken.pipeline.backend import ReplicaHandle
 from unbroken.pipeline.companions import Companions
+from unbroken.pipeline.niceness import may_renice, set_session_nice
 from unbroken.pipeline.rollout import RolloutError, RolloutRequest, run_rollout
 from unbroken.wire.http import free_port, wait_ok
 
@@ -105,16 +105,6 @@ def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM if the supervisor dies, even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _may_renice() -> bool:
-    """Whether a process we lower can be brought back to nice 0: root (CAP_SYS_NICE) or an
-    RLIMIT_NICE of 20 (its ceiling is 20 - rlim). Elsewhere a lowered replica would serve
-    at the lower priority for good, so it is not lowered at all."""
-    if os.geteuid() == 0:
-        return True
-    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-    return soft == resource.RLIM_INFINITY or soft >= 20
 
 
 @dataclass(eq=False)
@@ -387,11 +377,12 @@ class Supervisor:
         r.proc, r.log_path = await self._spawn(name, self.engine_argv(pool, r.host, port), env)
         r.started_at = time.time()
         self._reads_weights(r.proc.pid)
-        if pool.engine.startup_nice and _may_renice():
-            # The whole group (the session _spawn made): engines that fork workers while
-            # starting (vLLM's engine core) are lowered and raised with it.
+        if pool.engine.startup_nice and may_renice():
+            # The whole session _spawn made (niceness.py: its process group and its
+            # autogroup): engines that fork workers while starting (vLLM's engine core) are
+            # lowered and raised with it.
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PGRP, r.proc.pid, pool.engine.startup_nice)
+                set_session_nice(r.proc.pid, pool.engine.startup_nice)
                 r.niced = True
         self.replicas[name] = r
         log.info("started %s (pid %d, port %d)", name, r.pid, port)
@@ -417,7 +408,7 @@ class Supervisor:
         r.healthy_at = time.time()
         if r.niced and r.proc is not None:  # serving from here on: its fair share again
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PGRP, r.proc.pid, 0)
+                set_session_nice(r.proc.pid, 0)
             r.niced = False
 
     async def register(self, r: Replica) -> None:
