@@ -756,6 +756,13 @@ def demo(
         float, typer.Option(help="Read cap on the weights' disk for both passes (MB/s).")
     ] = 300.0,
     baseline: Annotated[bool, typer.Option(help="Also run the standard deployment's pass.")] = True,
+    realtime_loadgen: Annotated[
+        bool,
+        typer.Option(
+            help="Run the load generator at SCHED_FIFO while it measures (root), so that its "
+            "clock is not delayed by what it measures on the same cores."
+        ),
+    ] = True,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
 ) -> None:
     """The main job: the seed's results table, a standard deployment vs unbroken, measured."""
@@ -779,6 +786,7 @@ def demo(
         stall_ms=stall_ms,
         baseline=baseline,
         storage_bps=int(storage_mbps * 1e6),
+        realtime_loadgen=realtime_loadgen,
     )
     raise typer.Exit(run_demo(out=out, settings=settings, console=_console()))
 

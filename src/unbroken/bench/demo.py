@@ -63,6 +63,7 @@ class DemoSettings:
     stall_ms: float = 150.0
     baseline: bool = True
     storage_bps: int = SEED_BPS
+    realtime_loadgen: bool = True  # SCHED_FIFO for the load generator (bench/priority.py)
 
 
 def stall_spikes(records: list[Record], start: float, end: float, threshold_s: float) -> int:
@@ -463,10 +464,14 @@ async def _demo(console: Console, out: Path, s: DemoSettings) -> int:
             )
             dep.sup.weight_readers = readers
             cfg.url = dep.url
-            std_res = await run_pass(StandardTarget(dep), cfg, s.phases, console)
+            std_res = await run_pass(
+                StandardTarget(dep), cfg, s.phases, console, realtime=s.realtime_loadgen
+            )
         sup.weight_readers = readers
         cfg.url = sup.gateway_url
-        ub_res = await run_pass(UnbrokenTarget(sup), cfg, s.phases, console)
+        ub_res = await run_pass(
+            UnbrokenTarget(sup), cfg, s.phases, console, realtime=s.realtime_loadgen
+        )
     finally:
         if throttle is not None:
             with contextlib.suppress(OSError):
@@ -502,12 +507,14 @@ def _verdict(
             "p99": _ms(percentile(r.loop_lag, 99)),
             "max": _ms(max(r.loop_lag, default=None)),
             "late": [[round(t, 3), _ms(x)] for t, x in r.loop_late],
+            "sched": r.sched,
         }
         for r in (std_res, ub_res)
         if r is not None
     }
     lag = "; ".join(
-        f"{n} p99 {v['p99']} ms, max {v['max']} ms ({len(v['late'])} wake-ups >= 30 ms late)"
+        f"{n} p99 {v['p99']} ms, max {v['max']} ms ({len(v['late'])} wake-ups >= 30 ms late, "
+        f"{v['sched']} policy)"
         for n, v in lag_ms.items()
     )
     config = {

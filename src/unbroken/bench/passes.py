@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from rich.console import Console
 from unbroken.bench.baseline import StandardDeployment
 from unbroken.bench.control import PipelineControl, Sampler
 from unbroken.bench.load import LoadConfig, LoadRun, Record
+from unbroken.bench.priority import measuring_priority, normal_policy
 from unbroken.bench.runner import live_progress
 from unbroken.bench.throttle import drop_page_cache
 from unbroken.clients import EngineAdmin
@@ -91,6 +93,7 @@ class PassResult:
     # (t, seconds late) of each wake-up LATE_S or more late: tails that coincide with one
     # were (at least partly) the measuring process's own delay
     loop_late: list[tuple[float, float]] = field(default_factory=list)
+    sched: str = "normal"  # the load generator's CPU policy while it measured (priority.py)
 
 
 LATE_S = 0.03
@@ -272,7 +275,14 @@ async def inject(url: str, token: str, fault: dict[str, Any]) -> None:
         await adm.inject(**fault)
 
 
-async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Console) -> PassResult:
+async def run_pass(
+    target: Target,
+    cfg: LoadConfig,
+    phases: Phases,
+    console: Console,
+    *,
+    realtime: bool = True,
+) -> PassResult:
     t_boot = time.monotonic()
     await target.start(console)
     boot_s = time.monotonic() - t_boot
@@ -286,8 +296,13 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
     collected: dict[str, Any] = {}
     lag: list[float] = []
     late: list[tuple[float, float]] = []
+    sched = "normal"
     try:
-        with live_progress(console) as prog:
+        with measuring_priority(realtime) as sched, live_progress(console) as prog:
+            if sched == "fifo":  # threads started from here on would inherit it
+                asyncio.get_running_loop().set_default_executor(
+                    ThreadPoolExecutor(thread_name_prefix="pass", initializer=normal_policy)
+                )
             tid = prog.add_task(target.name, total=None, stats="")
             runner = asyncio.create_task(load.run())
             await asyncio.sleep(0)
@@ -361,4 +376,5 @@ async def run_pass(target: Target, cfg: LoadConfig, phases: Phases, console: Con
         contended=contended,
         loop_lag=lag,
         loop_late=late,
+        sched=sched,
     )
