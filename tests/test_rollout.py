@@ -41,7 +41,7 @@ class NiceWatch(Poller):
         super().__init__()
         self.parent = parent
         self.seen: dict[tuple[str, int], set[int]] = {}  # (kind, pid) -> nice values
-        self.autogroup: dict[int, set[int]] = {}  # engine pid -> its autogroup's nice values
+        self.autogroup: dict[tuple[str, int], set[int]] = {}  # its autogroup's nice values
 
     def _children(self) -> set[int]:
         out: set[int] = set()
@@ -65,10 +65,10 @@ class NiceWatch(Poller):
             kind = argv[argv.index(b"unbroken") + 1].decode()
             if kind in ("engine", "prewarm"):
                 self.seen.setdefault((kind, pid), set()).add(int(f[16]))
-            if kind == "engine":  # "/autogroup-123 nice 10": the session's, as scheduled
+                # "/autogroup-123 nice 10": its session's, as the scheduler sees it
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     ag = int((d / "autogroup").read_text().split()[2])
-                    self.autogroup.setdefault(pid, set()).add(ag)
+                    self.autogroup.setdefault((kind, pid), set()).add(ag)
 
     def values(self, kind: str, pids: set[int] | None = None) -> set[int]:
         return {
@@ -148,9 +148,10 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
             if AUTOGROUP_SWITCH.exists() and AUTOGROUP_SWITCH.read_text().strip() == "1":
                 # Sessions are scheduled as units here: the session's own nice is what
                 # lowers a starting engine against the serving ones (pipeline/niceness.py).
-                assert {n for p in new for n in nice.autogroup.get(p, ())} == {10, 0}, (
-                    nice.autogroup
-                )
+                engines = {n for p in new for n in nice.autogroup.get(("engine", p), ())}
+                assert engines == {10, 0}, nice.autogroup
+                prewarm = {n for (k, _), ns in nice.autogroup.items() if k == "prewarm" for n in ns}
+                assert 10 in prewarm, nice.autogroup
         else:  # it could not undo a lowered priority, so it never lowers one
             assert nice.values("engine", new) == {0}, nice.seen
     finally:

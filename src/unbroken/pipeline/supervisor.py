@@ -294,10 +294,14 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             stdin=asyncio.subprocess.DEVNULL,
+            # Its own session, lowered as a whole (niceness.py): in ours, its nice value
+            # ordered it only against the supervisor's own process, and the session as a
+            # unit took as much CPU as a serving engine's.
+            start_new_session=True,
             preexec_fn=_die_with_parent,
         )
         with contextlib.suppress(OSError):  # gone already: nothing to lower
-            os.setpriority(os.PRIO_PROCESS, proc.pid, PREWARM_NICE)
+            set_session_nice(proc.pid, PREWARM_NICE)
         self._reads_weights(proc.pid)
         try:
             out, err = await proc.communicate()
