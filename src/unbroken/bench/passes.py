@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +27,7 @@ from rich.console import Console
 from unbroken.bench.baseline import StandardDeployment
 from unbroken.bench.control import PipelineControl, Sampler
 from unbroken.bench.load import LoadConfig, LoadRun, Record
-from unbroken.bench.priority import measuring_priority, normal_policy
+from unbroken.bench.priority import measuring_priority
 from unbroken.bench.runner import live_progress
 from unbroken.bench.throttle import drop_page_cache
 from unbroken.clients import EngineAdmin
@@ -299,10 +298,6 @@ async def run_pass(
     sched = "normal"
     try:
         with measuring_priority(realtime) as sched, live_progress(console) as prog:
-            if sched == "fifo":  # threads started from here on would inherit it
-                asyncio.get_running_loop().set_default_executor(
-                    ThreadPoolExecutor(thread_name_prefix="pass", initializer=normal_policy)
-                )
             tid = prog.add_task(target.name, total=None, stats="")
             runner = asyncio.create_task(load.run())
             await asyncio.sleep(0)

@@ -10,8 +10,11 @@ other machines. A real-time policy (SCHED_FIFO, the lowest priority) lets the lo
 run the moment it is runnable, so its clock measures the gateway and the engines, not its
 own turn on a core; what the system under test does with the CPU that is left is still
 measured. Both passes of the demo get the same policy. SCHED_RESET_ON_FORK keeps every
-process it starts (gateway, engines, the L4 proxy) at the normal policy, and the kernel's
-real-time throttling (`sched_rt_runtime_us`) bounds what it could take if it ever spun.
+process it starts (gateway, engines, the L4 proxy) at the normal policy, and every thread
+too (the flag acts on clone(), so the executor's threads that evict the weights from the
+page cache or resolve names run normally): only the event loop's thread measures at FIFO.
+The kernel's real-time throttling (`sched_rt_runtime_us`) bounds what it could take if it
+ever spun.
 """
 
 from __future__ import annotations
@@ -20,25 +23,16 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-__all__ = ["measuring_priority", "normal_policy"]
+__all__ = ["measuring_priority"]
 
 _FIFO = getattr(os, "SCHED_FIFO", None)
 _RESET = getattr(os, "SCHED_RESET_ON_FORK", 0)
 
 
-def normal_policy() -> None:
-    """Back to the normal policy for the calling thread: the initializer of the pass's
-    executor threads, which would otherwise inherit the real-time policy and run the pass's
-    heavy calls (evicting the weights from the page cache: 52 ms of kernel time per GiB)
-    ahead of the gateway and the engines."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-
-
 @contextlib.contextmanager
 def measuring_priority(enabled: bool = True) -> Iterator[str]:
-    """SCHED_FIFO (priority 1) for the calling thread and the threads it starts, back to the
-    previous policy on exit. Yields what it got, for the report: "fifo", or "normal (why)"
+    """SCHED_FIFO (priority 1) for the calling thread alone, back to the previous policy on
+    exit. Yields what it got, for the report: "fifo", or "normal (why)"
     where the policy could not be set (not root, no RLIMIT_RTPRIO, not Linux)."""
     if not enabled:
         yield "normal (disabled)"
