@@ -244,3 +244,24 @@ def test_gateway_restarts_back_off(tmp_path: Path) -> None:
     finally:
         squat.close()
         assert u.stop() == 0
+
+
+def test_status_table_says_starting_for_a_replica_before_health() -> None:
+    """A replacement's next try (or a surge) is listed by the supervisor before the gateway
+    knows it: the table said "unregistered", as if it had been forgotten."""
+    from unbroken.pipeline.up import status_rows
+
+    status = {
+        "replicas": [
+            {"name": "main-2", "pool": "main", "url": "http://a", "pid": 10, "state": "serving"},
+            {"name": "main-3", "pool": "main", "url": "http://b", "pid": 11, "state": "starting"},
+            {"name": "main-4", "pool": "main", "url": "http://c", "pid": 12, "state": "serving"},
+        ],
+        "gateway": {
+            "endpoints": [
+                {"name": "main-2", "pool": "main", "url": "http://a", "state": "ready"},
+            ]
+        },
+    }
+    states = {r["endpoint"]: r["state"] for r in status_rows(status)}
+    assert states == {"main-2": "ready", "main-3": "starting", "main-4": "unregistered"}
