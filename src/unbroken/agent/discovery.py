@@ -133,8 +133,10 @@ def process_info(pid: int, pods: PodResolver, endpoints: dict[int, str]) -> Proc
     return info
 
 
-async def supervisor_endpoints() -> dict[int, str]:
-    """pid → name of the engines and gateway of a local `unbroken up`, if one runs."""
+async def supervisor_endpoints() -> dict[int, str] | None:
+    """pid → name of the engines and gateway of a local `unbroken up` ({} when none runs);
+    None when one runs but did not answer in time (a busy machine): the caller keeps the
+    names it has rather than unlabelling every process until the next answer."""
     import aiohttp
 
     from unbroken.config.paths import RunInfo, state_dir
@@ -150,7 +152,7 @@ async def supervisor_endpoints() -> dict[int, str]:
         ):
             st = await r.json()
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return {}
+        return None
     out = {r["pid"]: r["name"] for r in st.get("replicas", []) if r.get("pid")}
     if st.get("gateway_pid"):
         out[st["gateway_pid"]] = "gateway"

@@ -103,7 +103,9 @@ class Agent:
                         continue
                     if rep is not None:
                         self.libraries.append(rep)
-        self.endpoints = await supervisor_endpoints()
+        names = await supervisor_endpoints()
+        if names is not None:
+            self.endpoints = names
         self.cuda_pids = set(libs)
         wanted = self.cuda_pids | set(self.endpoints)
         if self.pods.wants(wanted - set(self.procs)):
