@@ -14,7 +14,9 @@ process it starts (gateway, engines, the L4 proxy) at the normal policy, and eve
 too (the flag acts on clone(), so the executor's threads that evict the weights from the
 page cache or resolve names run normally): only the event loop's thread measures at FIFO.
 The kernel's real-time throttling (`sched_rt_runtime_us`) bounds what it could take if it
-ever spun.
+ever spun. That loop also runs the pass's orchestration (unbroken's supervisor in the demo,
+the standard deployment's rollout and Service updates): little CPU (spawns, health polls, the
+rollout's steps), but it runs at the same policy, in both passes.
 """
 
 from __future__ import annotations
