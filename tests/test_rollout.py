@@ -15,7 +15,7 @@ import httpx
 from helpers import MODEL, Poller, Up
 from test_migration import check_one_stream, read_stream, text_of
 from unbroken.engine.textmodel import expected_completion
-from unbroken.pipeline.niceness import AUTOGROUP_SWITCH
+from unbroken.pipeline.niceness import autogroups_enabled
 
 SPEC = f"""
 model: {MODEL}
@@ -70,10 +70,13 @@ class NiceWatch(Poller):
                     ag = int((d / "autogroup").read_text().split()[2])
                     self.autogroup.setdefault((kind, pid), set()).add(ag)
 
-    def values(self, kind: str, pids: set[int] | None = None) -> set[int]:
+    def values(
+        self, kind: str, pids: set[int] | None = None, *, autogroup: bool = False
+    ) -> set[int]:
+        """Nice values seen for `kind` (of `pids`): the processes', or their autogroups'."""
         return {
             n
-            for (k, pid), ns in self.seen.items()
+            for (k, pid), ns in (self.autogroup if autogroup else self.seen).items()
             if k == kind and (pids is None or pid in pids)
             for n in ns
         }
@@ -145,13 +148,11 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
         if os.geteuid() == 0:  # CI: the supervisor can raise them back, so it lowers them
             assert nice.values("engine", new) == {10, 0}, nice.seen
             assert nice.values("prewarm") >= {10}, nice.seen
-            if AUTOGROUP_SWITCH.exists() and AUTOGROUP_SWITCH.read_text().strip() == "1":
+            if autogroups_enabled():
                 # Sessions are scheduled as units here: the session's own nice is what
                 # lowers a starting engine against the serving ones (pipeline/niceness.py).
-                engines = {n for p in new for n in nice.autogroup.get(("engine", p), ())}
-                assert engines == {10, 0}, nice.autogroup
-                prewarm = {n for (k, _), ns in nice.autogroup.items() if k == "prewarm" for n in ns}
-                assert 10 in prewarm, nice.autogroup
+                assert nice.values("engine", new, autogroup=True) == {10, 0}, nice.autogroup
+                assert 10 in nice.values("prewarm", autogroup=True), nice.autogroup
         else:  # it could not undo a lowered priority, so it never lowers one
             assert nice.values("engine", new) == {0}, nice.seen
     finally:

@@ -295,7 +295,6 @@ async def run_pass(
     collected: dict[str, Any] = {}
     lag: list[float] = []
     late: list[tuple[float, float]] = []
-    sched = "normal"
     try:
         with measuring_priority(realtime) as sched, live_progress(console) as prog:
             tid = prog.add_task(target.name, total=None, stats="")

@@ -19,7 +19,7 @@ import os
 import resource
 from pathlib import Path
 
-__all__ = ["may_renice", "set_session_nice"]
+__all__ = ["autogroups_enabled", "may_renice", "set_session_nice"]
 
 log = logging.getLogger("unbroken.pipeline")
 
@@ -36,7 +36,8 @@ def may_renice() -> bool:
     return soft == resource.RLIM_INFINITY or soft >= 20
 
 
-def _autogroups() -> bool:
+def autogroups_enabled() -> bool:
+    """Whether the kernel schedules sessions as autogroups (read each time: a sysctl)."""
     try:
         return AUTOGROUP_SWITCH.read_text().strip() == "1"
     except OSError:  # no CONFIG_SCHED_AUTOGROUP: nice values are all there is
@@ -48,7 +49,7 @@ def set_session_nice(leader: int, nice: int) -> None:
     scheduled as autogroups, of the session's autogroup. OSError from the group's (the
     process is gone, not permitted) is the caller's; the autogroup's is logged."""
     os.setpriority(os.PRIO_PGRP, leader, nice)
-    if not _autogroups():
+    if not autogroups_enabled():
         return
     try:
         # Only a session leader's autogroup is its own; another process's is its parent's
