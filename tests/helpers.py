@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,14 +171,20 @@ def wait_endpoints(p: Proc, cond: Any, timeout: float = 20.0) -> list[dict[str, 
         time.sleep(0.05)
 
 
-def wait_for(cond: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
+def wait_for(
+    cond: Any, timeout: float = 10.0, interval: float = 0.02, what: str | Callable[[], str] = ""
+) -> Any:
+    """Poll `cond` until truthy; `what` (or what it returns, evaluated only on a timeout) is
+    the failure's message."""
     deadline = time.monotonic() + timeout
     while True:
         v = cond()
         if v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
+            raise AssertionError(
+                f"timed out waiting for {(what() if callable(what) else what) or cond}"
+            )
         time.sleep(interval)
 
 

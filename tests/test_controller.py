@@ -255,6 +255,45 @@ LOOP_SETTINGS = {
 }
 
 
+FIELDS = ("condition", "source", "ratio", "signal_s", "baseline_s", "cap_override")
+
+
+class StateTrail:
+    """The controller's reading of one endpoint every poll, in a thread: what a timed-out
+    wait prints, so a failure on a loaded machine says what the controller saw."""
+
+    def __init__(self, url: str, endpoint: str, interval: float = 0.1) -> None:
+        self.url, self.endpoint, self.interval = url, endpoint, interval
+        self.rows: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> StateTrail:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                st = httpx.get(self.url + "/state", timeout=2).json()
+            except httpx.HTTPError as e:
+                self.rows.append(f"{time.monotonic() - self._t0:6.2f} s  {e!r}")
+                continue
+            e = st["endpoints"].get(self.endpoint) or {}
+            self.rows.append(
+                f"{time.monotonic() - self._t0:6.2f} s  poll {st['polls']}  "
+                + "  ".join(f"{k}={e.get(k)}" for k in FIELDS)
+            )
+
+    def story(self) -> str:
+        return "\n".join(self.rows)
+
+
 class Load:
     """Streaming users in threads: each records (start, priority, endpoint, ok)."""
 
@@ -486,7 +525,12 @@ def test_routed_around_endpoint_recovers_by_probing(
                 headers=AUTH,
             )
             assert r.status_code == 200, r.text
-            wait_for(lambda: _by_name(g)[victim]["condition"] == "contended", timeout=10)
+            with StateTrail(c.url, victim) as trail:
+                wait_for(
+                    lambda: _by_name(g)[victim]["condition"] == "contended",
+                    timeout=10,
+                    what=lambda: f"contended; the controller read:\n{trail.story()}",
+                )
             wait_for(lambda: _by_name(g)[victim]["condition"] == "normal", timeout=30)
             assert _by_name(g)[victim]["cap_override"] is None
             probes = httpx.get(c.url + "/metrics").text
@@ -499,6 +543,53 @@ def test_routed_around_endpoint_recovers_by_probing(
         if ln.startswith('unbroken_controller_probes_total{result="ok"}')
     ]
     assert ok and float(ok[0].split()[-1]) >= 1, ok
+
+
+def test_a_suspicion_that_lost_its_traffic_is_confirmed_by_probes(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """One slow window, then no traffic (the gateway's balancing moved it, or the client
+    left): the controller probes the suspect endpoint directly, so the dwell can confirm it.
+    Without probes it would stay `normal` with no data for as long as nobody sent it work.
+    Requests go straight to the engine, so no other traffic reaches it."""
+    g, engines = tiered
+    p1 = engines["p-1"]
+    victim = _name_of(g, p1.url)
+    c = tiered_controller(tmp_path, g).start()
+    body = {"model": MODEL, "prompt": "direct", "max_tokens": 30, "temperature": 0}
+    try:
+        deadline = time.monotonic() + 30
+        while (httpx.get(c.url + "/state").json()["endpoints"].get(victim) or {}).get(
+            "ratio"
+        ) is None:
+            assert time.monotonic() < deadline, "no baseline after 30 s of direct requests"
+            stream(p1.url, "/v1/completions", body)
+        before = metric(c.url, "unbroken_controller_probes_total", result="ok")
+        r = httpx.post(
+            p1.url + "/admin/faults",
+            json={"kind": "slow_cuda", "extra_ms": 20, "duration_s": 8},
+            headers=AUTH,
+        )
+        assert r.status_code == 200, r.text
+        # About 0.2 s of decode: one or two slow windows, shorter than the enter dwell.
+        events, resp = stream(p1.url, "/v1/completions", {**body, "max_tokens": 8})
+        assert resp.status_code == 200 and events[-1] == "[DONE]"
+        with StateTrail(c.url, victim) as trail:
+            wait_for(
+                lambda: _by_name(g)[victim]["condition"] == "contended",
+                timeout=6,
+                what=lambda: f"contended; the controller read:\n{trail.story()}",
+            )
+        wait_for(
+            lambda: metric(c.url, "unbroken_controller_probes_total", result="ok") > before,
+            timeout=5,
+            what="a probe of the suspect endpoint",
+        )
+        decisions = httpx.get(c.url + "/decisions").json()["decisions"]
+    finally:
+        c.stop()
+    entered = next(d for d in decisions if d["action"] == "condition normal -> contended")
+    assert entered["endpoint"] == victim, decisions
 
 
 def test_precision_plan_respects_the_floor_and_converts_back() -> None:

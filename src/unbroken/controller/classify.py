@@ -192,6 +192,13 @@ class Detector:
         self.last = r
         return r
 
+    @property
+    def suspect(self) -> bool:
+        """A window crossed the enter threshold and the dwell has not confirmed or cleared it
+        yet: the moment the gateway may route around the endpoint (it looks slow), leaving
+        no traffic to confirm it with."""
+        return self._above_since is not None
+
     def step(self, r: Reading) -> Transition | None:
         """Advance the state machine by one reading."""
         s = self.settings

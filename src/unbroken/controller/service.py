@@ -314,7 +314,7 @@ class Controller:
             if reading.baseline is not None and reading.source is not None:
                 self.metrics.baseline.labels(v.name, reading.source).set(reading.baseline)
             self.metrics.slow_clients.labels(v.name).set(v.slow_clients)
-            if reading.ratio is None and det.condition != "normal":
+            if reading.ratio is None and (det.condition != "normal" or det.suspect):
                 self._probe(v)
             tr = det.step(reading)
             if tr is not None:
@@ -396,8 +396,10 @@ class Controller:
 
     def _probe(self, v: EndpointView) -> None:
         """A contended endpoint gets little or no traffic (it was routed around), so it may
-        produce no signal to show it recovered: send it one small greedy completion directly,
-        at most one at a time, to make it run decode steps the signals can measure."""
+        produce no signal to show it recovered; a suspect one (one slow window) may have lost
+        its traffic to the gateway's own load balancing before the dwell could confirm it.
+        Send it one small greedy completion directly, at most one at a time, to make it run
+        decode steps the signals can measure."""
         if v.name in self._probing or not v.models or self._session is None:
             return
         self._probing.add(v.name)
