@@ -376,3 +376,72 @@ def test_priority_order_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
     finally:
         release.set()
         g.stop()
+
+
+def _served(g: Proc) -> float:
+    return metric(g.url, "unbroken_gateway_requests_total", status="200")
+
+
+def _complete(c: httpx.Client, g: Proc, n: int) -> None:
+    for i in range(n):
+        body = {"model": MODEL, "prompt": f"count {i}", "max_tokens": 2}
+        r = c.post(g.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_metrics_never_go_back_for_a_stopped_killed_or_reloaded_worker(
+    tmp_path: Path, eng: Proc
+) -> None:
+    """One /metrics for all workers, and its counters only ever grow: a worker that cannot
+    answer (SIGSTOP) is represented by its last exposition, a killed worker's counts (up to
+    its last answer) and a drained worker's (all of them, its last word) stay counted. Two
+    keep-alive clients, one held by each worker, so each worker's share is known."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+    clients: list[httpx.Client] = []
+    try:
+        pids = tuple(workers_of(g)["pids"])
+        by_worker: dict[int, httpx.Client] = {}
+        while len(by_worker) < 2:
+            assert len(clients) < 40, "the accept queue never gave a connection to each worker"
+            c = httpx.Client()
+            clients.append(c)
+            before = client_conns(pids, g.port)
+            _complete(c, g, 1)  # opens its connection; kept alive
+            after = client_conns(pids, g.port)
+            pid = next(p for p in pids if after[p] > before[p])
+            by_worker.setdefault(pid, c)
+        first, second = pids
+        _complete(by_worker[first], g, 10)
+        _complete(by_worker[second], g, 15)
+        total = _served(g)
+        assert total >= 27
+        assert metric(g.url, "unbroken_gateway_metrics_late_workers") == 0
+        # A stopped worker: its last exposition stands in, and the scrape still answers.
+        os.kill(first, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert _served(g) == total
+            assert time.monotonic() - t0 < 4.0
+            assert metric(g.url, "unbroken_gateway_metrics_late_workers") == 1
+        finally:
+            os.kill(first, signal.SIGCONT)
+        assert _served(g) == total
+        assert metric(g.url, "unbroken_gateway_metrics_late_workers") == 0
+        # A killed worker: what it counted up to its last answer (the scrape above) stays.
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: (w := workers_of(g))["serving"] == 2 and first not in w["pids"])
+        assert _served(g) == total
+        # A drained worker (a reload): its last word has what no scrape saw yet.
+        _complete(by_worker[second], g, 5)
+        g.signal(signal.SIGHUP)
+        wait_for(
+            lambda: (w := workers_of(g))["generation"] == 1 and w["draining"] == 0
+            and second not in w["pids"],
+            timeout=30,
+            what="the reload's old worker gone",
+        )  # fmt: skip
+        assert _served(g) == total + 5
+    finally:
+        for c in clients:
+            c.close()
+        g.stop()

@@ -60,6 +60,19 @@ def test_build_info_and_process_metrics(exporters: tuple[Proc, Proc], which: str
     assert fams["process_resident_memory_bytes"].samples[0].value > 1e6  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("which", ["gateway", "agent"])
+def test_every_family_is_typed(exporters: tuple[Proc, Proc], which: str) -> None:
+    """The gateway merges its workers' expositions and writes the text itself: a counter
+    written as `# TYPE x counter` with `x_total` samples reads as an untyped `x_total`."""
+    g, a = exporters
+    fams = _families(g.url if which == "gateway" else a.url)
+    untyped = sorted(n for n, f in fams.items() if f.type == "unknown")  # type: ignore[attr-defined]
+    assert not untyped, untyped
+    if which == "gateway":
+        assert fams["unbroken_gateway_requests"].type == "counter"  # type: ignore[attr-defined]
+        assert fams["unbroken_gateway_ttft_seconds"].type == "histogram"  # type: ignore[attr-defined]
+
+
 def test_gateway_counters_start_at_zero_and_unknown_routes_count(
     exporters: tuple[Proc, Proc],
 ) -> None:

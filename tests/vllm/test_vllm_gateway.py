@@ -264,7 +264,9 @@ def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
         check_exact(r, ref)
     gaps = [r.max_gap_after(t) for r in rs]
     print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
-    assert metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before == 3
+    moved = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before
+    continued = [ln for ln in s.g.log.read_text().splitlines() if "continued on" in ln]
+    assert moved == 3, continued[-6:]
     restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
 
 

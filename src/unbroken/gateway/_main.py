@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
-from unbroken.gateway._metrics import merge_expositions
+from unbroken.gateway._metrics import merge_expositions, retire
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._server import (
     READINESS_LEAD_S,
@@ -73,6 +73,7 @@ log = logging.getLogger("unbroken.gateway.main")
 STATE_S = 0.25  # scraped engine load reaches the workers at least this often
 START_TIMEOUT_S = 30.0  # a new worker must serve within this, or the reload is abandoned
 SYNC_S = 2.0  # an admin change waits at most this long for the workers to apply it
+METRICS_WAIT_S = 2.0  # a /metrics scrape waits this long for the workers' expositions
 
 
 @dataclass(eq=False)
@@ -86,6 +87,10 @@ class Worker:
     draining: bool = False
     acked: int = -1  # the last state message it applied
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # Its latest /metrics exposition: stands in for it while it is late to answer, and is
+    # what of its counters outlives it.
+    last_metrics: str = ""
+    late: bool = False
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -143,6 +148,7 @@ class MainGateway(Gateway):
         self._free_rows = list(range(MAX_WORKERS - 1, -1, -1))
         self._ids = itertools.count()
         self._asked: dict[int, tuple[asyncio.Future[str], int]] = {}
+        self._retired_metrics = ""  # counters of workers that have exited (reloads, deaths)
         self._broadcast_soon = False
         self._seq = 0
         self._reloading: asyncio.Task[None] | None = None
@@ -343,6 +349,7 @@ class MainGateway(Gateway):
                     if ep is not None and self.prober is not None:
                         self.prober.suspect(ep)
                 elif t == "metrics":
+                    w.last_metrics = msg["text"]  # a late answer still updates the stand-in
                     got = self._asked.get(msg["id"])
                     if got is not None and not got[0].done():
                         got[0].set_result(msg["text"])
@@ -359,6 +366,9 @@ class MainGateway(Gateway):
         self.shared.clear_row(w.row)  # what its streams held is free again
         self._free_rows.append(w.row)
         w.writer.close()
+        if w.last_metrics:  # what it counted stays counted
+            self._retired_metrics = retire(self._retired_metrics, w.last_metrics)
+            w.last_metrics = ""
         for fut, row in self._asked.values():
             if row == w.row and not fut.done():
                 fut.set_result("")
@@ -488,20 +498,42 @@ class MainGateway(Gateway):
 
     # -- metrics: one gateway -----------------------------------------------------------------
     async def merged_metrics(self) -> str:
-        own = generate_latest(self.metrics.registry).decode()
+        """Every worker's exposition merged with the main process's. All workers are asked at
+        once; one that does not answer within METRICS_WAIT_S (a stopped or starved process)
+        is represented by its last answer, so a scrape never shows a counter going back."""
         asks = []
         for w in list(self.workers):
             k = next(self._ids)
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self._asked[k] = (fut, w.row)
             w.send({"t": "metrics", "id": k})
-            asks.append((k, fut))
-        texts = []
-        for k, fut in asks:
-            with contextlib.suppress(TimeoutError):
-                texts.append(await asyncio.wait_for(fut, 2.0))
+            asks.append((k, fut, w))
+        if asks:
+            await asyncio.wait([f for _, f, _ in asks], timeout=METRICS_WAIT_S)
+        texts, late = [], 0
+        for k, fut, w in asks:
             self._asked.pop(k, None)
-        return merge_expositions(own, [t for t in texts if t])
+            if fut.done() and fut.result():
+                texts.append(fut.result())
+                if w.late:
+                    w.late = False
+                    log.info("worker pid %d answers /metrics again", w.proc.pid)
+                continue
+            if not fut.done():
+                late += 1
+                if not w.late:
+                    w.late = True
+                    log.warning(
+                        "worker pid %d did not answer /metrics within %.0f s: its last "
+                        "exposition stands in",
+                        w.proc.pid,
+                        METRICS_WAIT_S,
+                    )
+            if w.last_metrics:  # "" once it exited: its counters are in the retired ones
+                texts.append(w.last_metrics)
+        self.metrics.late_workers.set(late)
+        own = generate_latest(self.metrics.registry).decode()
+        return merge_expositions(own, texts, self._retired_metrics)
 
     async def _answer_metrics(self, w: Worker, k: int) -> None:
         w.send({"t": "aggr", "id": k, "text": await self.merged_metrics()})

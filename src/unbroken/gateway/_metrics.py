@@ -8,7 +8,13 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -276,6 +282,12 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.late_workers = Gauge(
+            "unbroken_gateway_metrics_late_workers",
+            "Workers that did not answer the last /metrics scrape in time (stopped or starved);"
+            " their previous exposition stood in.",
+            registry=r,
+        )
         # Which continuation each migration took: token ids (exact) or text (re-tokenized).
         self.migration_path = Counter(
             "unbroken_gateway_migration_path",
@@ -385,14 +397,17 @@ PER_WORKER_GAUGES = frozenset(
 )
 
 
-def merge_expositions(main: str, workers: list[str]) -> str:
-    """One exposition for the whole gateway: the main process's families, with the workers'
-    counters, histograms and per-worker gauges added up sample by sample."""
-    from prometheus_client.parser import text_string_to_metric_families
-    from prometheus_client.utils import floatToGoString
+_Families = dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]]
 
-    fams: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
-    for i, text in enumerate([main, *workers]):
+
+def merge_expositions(main: str, workers: list[str], retired: str = "") -> str:
+    """One exposition for the whole gateway: the main process's families, with the workers'
+    counters, histograms and per-worker gauges added up sample by sample; `retired` holds
+    the counters of workers that have exited (see `retire`), so no counter ever goes back."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams: _Families = {}
+    for i, text in enumerate([main, *workers, retired]):
         for f in text_string_to_metric_families(text):
             summed = f.type in ("counter", "histogram", "summary") or f.name in PER_WORKER_GAUGES
             if i > 0 and not summed:
@@ -403,10 +418,36 @@ def merge_expositions(main: str, workers: list[str]) -> str:
             for s in f.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
                 samples[key] = samples.get(key, 0.0) + s.value if i > 0 else s.value
+    return _render(fams)
+
+
+def retire(retired: str, worker: str) -> str:
+    """Fold an exited worker's last exposition into the retired counters: its counters,
+    histograms and summaries are kept (what it served happened), its gauges are not (it holds
+    no stream any more)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams: _Families = {}
+    for text in (retired, worker):
+        for f in text_string_to_metric_families(text):
+            if f.type not in ("counter", "histogram", "summary"):
+                continue
+            samples = fams.setdefault(f.name, (f.type, f.documentation, {}))[2]
+            for s in f.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                samples[key] = samples.get(key, 0.0) + s.value
+    return _render(fams)
+
+
+def _render(fams: _Families) -> str:
     out: list[str] = []
     for name, (typ, doc, samples) in fams.items():
         doc = doc.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {typ}\n")
+        # A counter's family is named with its _total, as prometheus_client writes it: under
+        # the bare name, parsers (prometheus_client's, Prometheus's metadata) see an untyped
+        # x_total series instead of a counter.
+        fname = f"{name}_total" if typ == "counter" else name
+        out.append(f"# HELP {fname} {doc}\n# TYPE {fname} {typ}\n")
         for (sname, labels), v in samples.items():
             lab = ",".join(
                 '{}="{}"'.format(

@@ -41,6 +41,7 @@ from unbroken.gateway._handover import Inbound, Outbound
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
+from unbroken.wire.errors import ApiError
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import ServerLimits, client_session, start_site
 
@@ -123,7 +124,14 @@ class WorkerGateway(Gateway):
         try:
             text = await asyncio.wait_for(fut, 5.0)
         except TimeoutError:
-            text = generate_latest(self.metrics.registry).decode()  # main busy: ours alone
+            # This worker's counters alone would read as a reset of the others': fail the
+            # scrape instead (Prometheus records it as down and keeps the series intact).
+            raise ApiError(
+                503,
+                "metrics unavailable: the gateway's main process did not merge the workers' "
+                "expositions within 5 s",
+                type="service_unavailable",
+            ) from None
         finally:
             self._asked.pop(k, None)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -230,6 +238,10 @@ async def _run(spec: dict[str, Any]) -> None:
     while gw.drain_task is None:
         await asyncio.sleep(0.05)
     await gw.drain_task
+    # The last word: what this worker counted, so the main process keeps it after the exit.
+    gw.send({"t": "metrics", "id": -1, "text": generate_latest(gw.metrics.registry).decode()})
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
     control.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await control
