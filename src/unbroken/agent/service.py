@@ -104,7 +104,13 @@ class Agent:
                     if rep is not None:
                         self.libraries.append(rep)
         names = await supervisor_endpoints()
-        if names is not None:
+        if names is not None and names != self.endpoints:
+            # Once per change: without these names the controller gets no CUDA signal for
+            # an endpoint (it falls back to the engine's ITL), so say what the agent knows.
+            log.info(
+                "endpoints from the supervisor: %s",
+                ", ".join(f"{n} (pid {p})" for p, n in sorted(names.items())) or "none",
+            )
             self.endpoints = names
         self.cuda_pids = set(libs)
         wanted = self.cuda_pids | set(self.endpoints)

@@ -129,7 +129,10 @@ class RunInfo:
     started: float
 
     def write(self, directory: Path) -> None:
-        (directory / "run.json").write_text(json.dumps(asdict(self), indent=1))
+        # Atomically: the agent and `unbroken status` read it while a pipeline starts.
+        tmp = directory / f".run.json.{os.getpid()}"
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, directory / "run.json")
 
     @classmethod
     def read(cls, directory: Path) -> RunInfo | None:

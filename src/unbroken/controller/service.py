@@ -42,6 +42,7 @@ __all__ = ["Controller", "ControllerConfig", "run_controller", "serve"]
 log = logging.getLogger("unbroken.controller")
 
 DETECTION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+UNCOVERED_S = 5.0  # a live agent silent this long about a busy endpoint is worth a warning
 
 
 @dataclass
@@ -172,6 +173,9 @@ class Controller:
         self._stop = asyncio.Event()
         self.polls = 0
         self._probing: set[str] = set()
+        # Per endpoint: since when the agent, live, has had no CUDA calls for it while its
+        # engine decodes (a process the agent cannot name), and whether that was said.
+        self._uncovered: dict[str, tuple[float, bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.precision = PrecisionState()
         self._converting: str | None = None
@@ -301,6 +305,8 @@ class Controller:
                 det = self.detectors[v.name] = Detector(v.name, self.s, since=mono)
             cw = (agent or {}).get(v.name)
             cuda = cw.quantile(self.s.cuda_quantile) if cw is not None and cw.count >= 3 else None
+            if agent is not None:
+                self._coverage(v.name, mono, cuda is not None, ew, agent)
             win = self.s.interval_s
             reading = det.read(
                 mono,
@@ -443,7 +449,31 @@ class Controller:
                 self.metrics.actions.labels(d.action).inc()
             log.info("%s: %s (%s)", d.endpoint, d.action, d.reason)
 
+    def _coverage(
+        self, name: str, mono: float, covered: bool, ew: Any, agent: dict[str, Any]
+    ) -> None:
+        """Say once when a live agent has no CUDA calls for a busy endpoint (the controller
+        then judges it by the engine's ITL, slower to show contention), and when they come."""
+        busy = ew is not None and ew.itl_count >= 3
+        since, said = self._uncovered.get(name, (mono, False))
+        if covered or not busy:
+            if covered and said:
+                log.info("%s: CUDA calls from the agent again", name)
+            self._uncovered.pop(name, None)
+            return
+        if not said and mono - since >= UNCOVERED_S:
+            log.warning(
+                "%s: the agent is live but reported no CUDA calls for it for %.0f s while "
+                "it decodes (endpoints the agent names: %s): judging it by the engine's ITL",
+                name,
+                mono - since,
+                ", ".join(sorted(agent)) or "none",
+            )
+            said = True
+        self._uncovered[name] = (since, said)
+
     def _forget(self, name: str) -> None:
+        self._uncovered.pop(name, None)
         self.detectors.pop(name, None)
         self._engine_deltas.pop(name, None)
         self.actuator.caps.pop(name, None)

@@ -91,6 +91,7 @@ class Worker:
     # what of its counters outlives it.
     last_metrics: str = ""
     late: bool = False
+    reading: asyncio.Task[None] | None = None  # its control socket's reader
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -328,10 +329,8 @@ class MainGateway(Gateway):
         w = Worker(proc, row, generation, writer, handover)
         w.send(self.snapshot())
         self.workers.append(w)
-        w.tasks = [
-            asyncio.create_task(self._read(w, reader)),
-            asyncio.create_task(self._watch(w)),
-        ]
+        w.reading = asyncio.create_task(self._read(w, reader))
+        w.tasks = [w.reading, asyncio.create_task(self._watch(w))]
         log.info("worker pid %d started (row %d, generation %d)", proc.pid, row, generation)
         return w
 
@@ -366,6 +365,10 @@ class MainGateway(Gateway):
         self.shared.clear_row(w.row)  # what its streams held is free again
         self._free_rows.append(w.row)
         w.writer.close()
+        # Its last word may still be unread in the control socket: read to the end first
+        # (the exit closed the worker's end, so this is quick).
+        if w.reading is not None:
+            await asyncio.wait([w.reading], timeout=1.0)
         if w.last_metrics:  # what it counted stays counted
             self._retired_metrics = retire(self._retired_metrics, w.last_metrics)
             w.last_metrics = ""
