@@ -592,6 +592,48 @@ def test_a_suspicion_that_lost_its_traffic_is_confirmed_by_probes(
     assert entered["endpoint"] == victim, decisions
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/kernel/btf/vmlinux").exists(),
+    reason="a live agent (eBPF loaded) needs root and kernel BTF (CI runs as root)",
+)
+def test_a_live_agent_silent_about_an_endpoint_is_reported(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """The agent is live (eBPF loaded) but has no pipeline to ask for names, so it labels no
+    engine: the controller says once per busy endpoint that the agent reports no CUDA calls
+    for it, naming what the agent does report, and judges it by the engine's ITL."""
+    g, engines = tiered
+    port = free_port()
+    a = Proc(
+        [sys.executable, "-m", "unbroken", "agent", "--listen", f"127.0.0.1:{port}"],
+        port,
+        tmp_path / "agent.log",
+        env={"UNBROKEN_STATE_DIR": str(tmp_path / "no-pipeline")},
+    ).start()
+    args = ("--agent", a.url, "--full-pool", "primary", "--degraded-pool", "fallback")
+    c = controller(tmp_path, g, *args, settings=LOOP_SETTINGS).start()
+    victim = _name_of(g, engines["p-1"].url)
+    try:
+        with Load(g.url, users=4, critical_every=0):
+            wait_for(
+                lambda: (
+                    f"{victim}: the agent is live but reported no CUDA calls" in c.log.read_text()
+                ),
+                timeout=30,
+                what=lambda: f"the warning; controller log:\n{c.tail(20)}",
+            )
+            time.sleep(1.5)  # more windows without CUDA calls: still said once
+            st = httpx.get(c.url + "/state").json()
+    finally:
+        c.stop()
+        a.stop()
+    assert st["agent"] == "live", st["agent"]
+    assert st["endpoints"][victim]["source"] == "itl", st["endpoints"][victim]
+    said = [ln for ln in c.log.read_text().splitlines() if "reported no CUDA calls" in ln]
+    assert sum(1 for ln in said if f"{victim}: " in ln) == 1, said
+    assert "endpoints the agent names: none" in said[0], said
+
+
 def test_precision_plan_respects_the_floor_and_converts_back() -> None:
     s = ControllerSettings(convert_after_s=2.0, convert_back_after_s=5.0, min_full_replicas=1)
     st = PrecisionState()

@@ -42,7 +42,7 @@ __all__ = ["Controller", "ControllerConfig", "run_controller", "serve"]
 log = logging.getLogger("unbroken.controller")
 
 DETECTION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
-UNCOVERED_S = 5.0  # a live agent silent this long about a busy endpoint is worth a warning
+UNCOVERED_S = 5.0  # decoding seconds a live agent may be silent about before a warning
 
 
 @dataclass
@@ -173,8 +173,8 @@ class Controller:
         self._stop = asyncio.Event()
         self.polls = 0
         self._probing: set[str] = set()
-        # Per endpoint: since when the agent, live, has had no CUDA calls for it while its
-        # engine decodes (a process the agent cannot name), and whether that was said.
+        # Per endpoint: seconds of decoding the live agent has reported no CUDA calls for (a
+        # process it cannot name), and whether that was said.
         self._uncovered: dict[str, tuple[float, bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.precision = PrecisionState()
@@ -306,7 +306,7 @@ class Controller:
             cw = (agent or {}).get(v.name)
             cuda = cw.quantile(self.s.cuda_quantile) if cw is not None and cw.count >= 3 else None
             if agent is not None:
-                self._coverage(v.name, mono, cuda is not None, ew, agent)
+                self._coverage(v.name, cuda is not None, ew, agent)
             win = self.s.interval_s
             reading = det.read(
                 mono,
@@ -449,28 +449,29 @@ class Controller:
                 self.metrics.actions.labels(d.action).inc()
             log.info("%s: %s (%s)", d.endpoint, d.action, d.reason)
 
-    def _coverage(
-        self, name: str, mono: float, covered: bool, ew: Any, agent: dict[str, Any]
-    ) -> None:
-        """Say once when a live agent has no CUDA calls for a busy endpoint (the controller
-        then judges it by the engine's ITL, slower to show contention), and when they come."""
-        busy = ew is not None and ew.itl_count >= 3
-        since, said = self._uncovered.get(name, (mono, False))
-        if covered or not busy:
-            if covered and said:
+    def _coverage(self, name: str, covered: bool, ew: Any, agent: dict[str, Any]) -> None:
+        """Say once when a live agent has reported no CUDA calls for an endpoint over 5 s of
+        its decoding (the controller then judges it by the engine's ITL, slower to show
+        contention), and again when they come."""
+        uncovered, said = self._uncovered.get(name, (0.0, False))
+        if covered:
+            if said:
                 log.info("%s: CUDA calls from the agent again", name)
             self._uncovered.pop(name, None)
             return
-        if not said and mono - since >= UNCOVERED_S:
+        if ew is None or ew.itl_count < 3:
+            return  # idle: no calls expected
+        uncovered += self.s.interval_s
+        if not said and uncovered >= UNCOVERED_S:
             log.warning(
-                "%s: the agent is live but reported no CUDA calls for it for %.0f s while "
-                "it decodes (endpoints the agent names: %s): judging it by the engine's ITL",
+                "%s: the agent is live but reported no CUDA calls for it over %.0f s of its "
+                "decoding (endpoints the agent names: %s): judging it by the engine's ITL",
                 name,
-                mono - since,
+                uncovered,
                 ", ".join(sorted(agent)) or "none",
             )
             said = True
-        self._uncovered[name] = (since, said)
+        self._uncovered[name] = (uncovered, said)
 
     def _forget(self, name: str) -> None:
         self._uncovered.pop(name, None)

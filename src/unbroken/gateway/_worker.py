@@ -240,8 +240,8 @@ async def _run(spec: dict[str, Any]) -> None:
     await gw.drain_task
     # The last word: what this worker counted, so the main process keeps it after the exit.
     gw.send({"t": "metrics", "id": -1, "text": generate_latest(gw.metrics.registry).decode()})
-    with contextlib.suppress(ConnectionError):
-        await writer.drain()
+    with contextlib.suppress(ConnectionError, TimeoutError):  # a stopped main: exit anyway
+        await asyncio.wait_for(writer.drain(), 2.0)
     control.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await control
