@@ -369,6 +369,18 @@ def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
         [r.endpoint for r in rs],
         admin(s.g, "GET", "/admin/endpoints").json(),
     )
+
+    # ...and the main process counts them (its shared admission table): a drain of an
+    # endpoint it counts as empty removes it at once, and the streams just finish there.
+    def counted() -> int:
+        eps = admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+        return next(e["inflight"] for e in eps if e["name"] == name)
+
+    wait_for(
+        lambda: counted() == 2,
+        timeout=5,
+        what=lambda: f"2 in flight on {name} in the main process's count, read {counted()}",
+    )
     r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
     assert r.status_code < 300, r.text
     for rd, ref in zip(rs, refs, strict=True):
