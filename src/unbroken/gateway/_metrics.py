@@ -4,7 +4,7 @@ scrape time by a collector, so the request path never touches them."""
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from aiohttp import web
@@ -404,20 +404,10 @@ def merge_expositions(main: str, workers: list[str], retired: str = "") -> str:
     """One exposition for the whole gateway: the main process's families, with the workers'
     counters, histograms and per-worker gauges added up sample by sample; `retired` holds
     the counters of workers that have exited (see `retire`), so no counter ever goes back."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     fams: _Families = {}
-    for i, text in enumerate([main, *workers, retired]):
-        for f in text_string_to_metric_families(text):
-            summed = f.type in ("counter", "histogram", "summary") or f.name in PER_WORKER_GAUGES
-            if i > 0 and not summed:
-                continue
-            if f.name not in fams:
-                fams[f.name] = (f.type, f.documentation, {})
-            samples = fams[f.name][2]
-            for s in f.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                samples[key] = samples.get(key, 0.0) + s.value if i > 0 else s.value
+    _add(fams, main, lambda typ, name: True, summed=False)
+    for text in (*workers, retired):
+        _add(fams, text, lambda typ, name: typ in _SUMMED or name in PER_WORKER_GAUGES)
     return _render(fams)
 
 
@@ -425,18 +415,29 @@ def retire(retired: str, worker: str) -> str:
     """Fold an exited worker's last exposition into the retired counters: its counters,
     histograms and summaries are kept (what it served happened), its gauges are not (it holds
     no stream any more)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     fams: _Families = {}
     for text in (retired, worker):
-        for f in text_string_to_metric_families(text):
-            if f.type not in ("counter", "histogram", "summary"):
-                continue
-            samples = fams.setdefault(f.name, (f.type, f.documentation, {}))[2]
-            for s in f.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                samples[key] = samples.get(key, 0.0) + s.value
+        _add(fams, text, lambda typ, name: typ in _SUMMED)
     return _render(fams)
+
+
+_SUMMED = ("counter", "histogram", "summary")
+
+
+def _add(
+    fams: _Families, text: str, keep: Callable[[str, str], bool], *, summed: bool = True
+) -> None:
+    """Parse `text` into `fams`: the families `keep(type, name)` accepts, each sample added
+    to what is there (or, not `summed`, set)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for f in text_string_to_metric_families(text):
+        if not keep(f.type, f.name):
+            continue
+        samples = fams.setdefault(f.name, (f.type, f.documentation, {}))[2]
+        for s in f.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            samples[key] = samples.get(key, 0.0) + s.value if summed else s.value
 
 
 def _render(fams: _Families) -> str:

@@ -47,6 +47,8 @@ from unbroken.wire.http import ServerLimits, client_session, start_site
 
 __all__ = ["WorkerGateway", "main"]
 
+MERGE_WAIT_S = 5.0  # a /metrics scrape waits this long for the main process's merge
+
 log = logging.getLogger("unbroken.gateway.worker")
 
 
@@ -122,19 +124,25 @@ class WorkerGateway(Gateway):
         fut = self._asked[k] = asyncio.get_running_loop().create_future()
         self.send({"t": "aggr?", "id": k})
         try:
-            text = await asyncio.wait_for(fut, 5.0)
+            text = await asyncio.wait_for(fut, MERGE_WAIT_S)
         except TimeoutError:
             # This worker's counters alone would read as a reset of the others': fail the
             # scrape instead (Prometheus records it as down and keeps the series intact).
             raise ApiError(
                 503,
                 "metrics unavailable: the gateway's main process did not merge the workers' "
-                "expositions within 5 s",
+                f"expositions within {MERGE_WAIT_S:g} s",
                 type="service_unavailable",
             ) from None
         finally:
             self._asked.pop(k, None)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def send_metrics(self, k: int) -> None:
+        """This worker's exposition to the main process, which merges every worker's."""
+        self.send(
+            {"t": "metrics", "id": k, "text": generate_latest(self.metrics.registry).decode()}
+        )
 
     async def start_worker(self, listen: socket.socket) -> None:
         cfg = self.cfg
@@ -185,8 +193,7 @@ class WorkerGateway(Gateway):
                 self.apply(msg)
                 self.send({"t": "ack", "seq": msg["seq"]})
             elif t == "metrics":
-                text = generate_latest(self.metrics.registry).decode()
-                self.send({"t": "metrics", "id": msg["id"], "text": text})
+                self.send_metrics(msg["id"])
             elif t == "aggr":
                 fut = self._asked.get(msg["id"])
                 if fut is not None and not fut.done():
@@ -239,7 +246,7 @@ async def _run(spec: dict[str, Any]) -> None:
         await asyncio.sleep(0.05)
     await gw.drain_task
     # The last word: what this worker counted, so the main process keeps it after the exit.
-    gw.send({"t": "metrics", "id": -1, "text": generate_latest(gw.metrics.registry).decode()})
+    gw.send_metrics(-1)
     with contextlib.suppress(ConnectionError, TimeoutError):  # a stopped main: exit anyway
         await asyncio.wait_for(writer.drain(), 2.0)
     control.cancel()
