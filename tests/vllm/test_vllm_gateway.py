@@ -29,6 +29,7 @@ from vllmstack import (
 )
 
 from helpers import TOKEN, admin, metric, wait_for
+from unbroken.gateway._stream import STALL_LEARN
 
 # Install, model build and two server starts land in the first test: minutes on 2 cores.
 pytestmark = pytest.mark.timeout(1500)
@@ -129,12 +130,32 @@ def streams(s: Stack, bodies: list[tuple[str, dict[str, Any]]]) -> list[Reader]:
     return rs
 
 
-def generating(s: Stack, n: int) -> None:
-    """The premise of a disruption: the `n` streams are still being generated on `a`."""
+def generating(s: Stack, rs: list[Reader], events: int = 1) -> None:
+    """The premise of a disruption: every stream has reached its client (`events` events
+    each) and is still being generated on `a` (the gateway holds all of them there)."""
+    wait_for(
+        lambda: all(len(r.events) >= events or not r.is_alive() for r in rs),
+        timeout=120,
+        interval=0.01,
+        what=lambda: f"{events} event(s) on every stream: {describe(rs)}",
+    )
     got = in_flight(s)
-    assert got == n, (
-        f"premise: {n} streams still generating on a when it is disrupted; the gateway "
-        f"counts {got} there (endpoints: {admin(s.g, 'GET', '/admin/endpoints').json()})"
+    assert got == len(rs), (
+        f"premise: {len(rs)} streams still generating on a when it is disrupted; the gateway "
+        f"counts {got} there; clients: {describe(rs)}; "
+        f"endpoints: {admin(s.g, 'GET', '/admin/endpoints').json()}"
+    )
+
+
+def describe(rs: list[Reader]) -> str:
+    """What each client has seen, for failure messages."""
+    now = time.monotonic()
+    return "; ".join(
+        f"{r.path} via {r.endpoint} status {r.status}: {len(r.events)} events"
+        + (f", last {now - r.times[-1]:.2f} s ago" if r.times else "")
+        + ("" if r.is_alive() else ", ended")
+        + (f", error {r.error!r}" if r.error is not None else "")
+        for r in rs
     )
 
 
@@ -288,8 +309,7 @@ def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
     rs = streams(s, bodies)
-    time.sleep(0.2)
-    generating(s, 3)
+    generating(s, rs)
     t = time.monotonic()
     s.a.signal(signal.SIGKILL)
     for r, ref in zip(rs, refs, strict=True):
@@ -325,8 +345,7 @@ def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_ran
     ]
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     rs = streams(s, bodies)
-    time.sleep(0.2)
-    generating(s, 4)
+    generating(s, rs)
     t = time.monotonic()
     s.a.signal(signal.SIGTERM)
     for r, ref in zip(rs, refs, strict=True):
@@ -375,8 +394,8 @@ def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> N
     ]
     refs = [reference(s.b.url, p, b) for p, b in bodies]
     rs = streams(s, bodies)
-    time.sleep(1.0)
-    generating(s, 2)
+    # Enough events for the stall limit to be learned from the stream's own gaps.
+    generating(s, rs, events=STALL_LEARN + 4)
     t = time.monotonic()
     s.a.signal(signal.SIGSTOP)
     try:
@@ -402,18 +421,18 @@ def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
     rs = streams(s, bodies)
     name = f"127.0.0.1:{s.a.port}"
     # The premise: the primary pool's only endpoint is still generating both streams (CI
-    # once drained it after vLLM had finished them: the gateway counted 0 in flight, removed
-    # it at once, and nothing was left to migrate).
-    time.sleep(0.2)
-    generating(s, 2)
+    # twice drained it with the gateway counting 0 in flight: removed at once, nothing left
+    # to migrate).
+    generating(s, rs)
     r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
     assert r.status_code < 300, r.text
+    at_drain = describe(rs)
     for rd, ref in zip(rs, refs, strict=True):
         check_exact(rd, ref)
     assert [rd.endpoint for rd in rs] == [name, name]
     moved = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline")
     log_tail = s.g.log.read_text(errors="replace").splitlines()[-30:]
-    assert moved >= 2, "\n".join(log_tail)
+    assert moved >= 2, f"clients at the drain: {at_drain}\n" + "\n".join(log_tail)
     wait_for(
         lambda: all(
             e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]

@@ -83,7 +83,10 @@ def model_dirs(vllm_venv: Path) -> dict[str, Path]:
 
 class Vllm:
     """One real vLLM server in its own session (a signal reaches API server and EngineCore),
-    bound to one core."""
+    all of its processes bound to one core. `VLLM_CPU_OMP_THREADS_BIND` binds only the model
+    worker process: the unbound EngineCore polls it (a spinning `sched_yield` loop) and took
+    0.85 of the other core while generating, so two busy servers wanted four cores of two and
+    starved the gateway and the test's readers."""
 
     def __init__(self, venv: Path, model: Path, core: int, log: Path) -> None:
         self.venv, self.model, self.core, self.log = venv, model, core, log
@@ -128,9 +131,18 @@ class Vllm:
         ]
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self._pin,
             )
         return self
+
+    def _pin(self) -> None:
+        """In the child before exec: every process of the server inherits the one core."""
+        os.sched_setaffinity(0, {self.core % (os.cpu_count() or 1)})
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Vllm:
         deadline = time.monotonic() + timeout
@@ -301,6 +313,3 @@ def reference(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 def ref_text(obj: dict[str, Any], chat: bool) -> str:
     c = obj["choices"][0]
     return c["message"]["content"] if chat else c["text"]
-
-
-
