@@ -153,6 +153,23 @@ def test_hysteresis_enter_exit_and_dwell() -> None:
     assert det.recovered(t) is not None and det.condition == "normal"
 
 
+def test_a_dwell_of_one_interval_is_the_next_reading_however_it_jitters() -> None:
+    """The default dwell (0.2 s) equals the controller's interval: the second slow reading
+    confirms, even when it comes a millisecond early; a reading half an interval after the
+    first does not."""
+    settings = ControllerSettings(enter_dwell_s=0.2, interval_s=0.2, baseline_windows=4)
+    det = Detector("p-1", settings)
+    t = 0.0
+    for _ in range(6):
+        assert _feed(det, t, 200e-6) is None
+        t += 0.2
+    assert _feed(det, t, 3e-3) is None
+    assert _feed(det, t + 0.1, 3e-3) is None  # half an interval: not yet
+    tr = _feed(det, t + 0.199, 3e-3)
+    assert tr is not None and tr.new == "contended"
+    assert tr.detection_s == pytest.approx(0.199)
+
+
 def test_slow_clients_alone_never_mark_contended() -> None:
     """High backpressure with normal CUDA latency: reported elsewhere, never contended; and
     high latency with high backpressure is blamed on the network (the seed's rule)."""

@@ -227,7 +227,7 @@ class Detector:
         if (
             self.condition in ("normal", "recovering")
             and self._above_since is not None
-            and t - self._above_since >= s.enter_dwell_s
+            and self._held_for(t - self._above_since, s.enter_dwell_s)
             and held
         ):
             detection = t - self._above_since
@@ -240,13 +240,21 @@ class Detector:
         if (
             self.condition == "contended"
             and self._below_since is not None
-            and t - self._below_since >= s.exit_dwell_s
+            and self._held_for(t - self._below_since, s.exit_dwell_s)
             and held
         ):
             return self._go(
                 "recovering", t, f"{numbers}: below x{exit_:g} for {t - self._below_since:.2f} s"
             )
         return None
+
+    def _held_for(self, elapsed: float, dwell: float) -> bool:
+        """Has a crossing seen `elapsed` seconds apart held for `dwell`? Readings come every
+        `interval_s`, a little early or late: with the default dwell of one interval, a next
+        reading 0.199 s after the first had to wait for a third (half of the demo's
+        detections took 0.4 s instead of 0.2). A quarter interval of slack counts readings,
+        not milliseconds."""
+        return elapsed >= dwell - 0.25 * self.settings.interval_s
 
     def recovered(self, t: float) -> Transition | None:
         """Called by the actuator once every setting is back: recovering → normal, unless the
