@@ -51,8 +51,9 @@ def test_verification_against_a_reference_engine() -> None:
         assert run.verify_mode == "reference"
         assert run.records and all(r.outcome == "ok" for r in run.records if r.end)
         # Each distinct request reaches the reference once, not once per stream.
-        assert len(ref.bodies) == len({(p, b.get("prompt") or str(b.get("messages")))
-                                       for p, b in ref.bodies})
+        assert len(ref.bodies) == len(
+            {(p, b.get("prompt") or str(b.get("messages"))) for p, b in ref.bodies}
+        )
         # A reference that answers differently: every finished stream is corrupted.
         other.suffix = "!"
         bad = _run(eng, other.url)
@@ -70,10 +71,31 @@ def test_scenario_on_your_own_engines_runs_your_command(tmp_path: Path) -> None:
     out = tmp_path / "out"
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "unbroken", "bench", "--url", e.url, "--scenario", "chaos",
-             "--at", "0.5", "--duration", "2", "--users", "2", "--max-tokens", "8",
-             "--scenario-command", f"touch {marker}", "--out", str(out)],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "bench",
+                "--url",
+                e.url,
+                "--scenario",
+                "chaos",
+                "--at",
+                "0.5",
+                "--duration",
+                "2",
+                "--users",
+                "2",
+                "--max-tokens",
+                "8",
+                "--scenario-command",
+                f"touch {marker}",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     finally:
         e.stop()
@@ -84,6 +106,8 @@ def test_scenario_on_your_own_engines_runs_your_command(tmp_path: Path) -> None:
     assert "simulator" in data["meta"]["verification"]
     refused = subprocess.run(
         [sys.executable, "-m", "unbroken", "bench", "--url", e.url, "--scenario", "rollout"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert refused.returncode == 2 and "--scenario-command" in refused.stderr + refused.stdout

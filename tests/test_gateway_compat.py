@@ -107,7 +107,6 @@ def test_engine_routes_pass_through(gw: tuple[Proc, Proc]) -> None:
     assert httpx.get(g.url + "/v1/v1/models", timeout=10).status_code == 404
 
 
-
 def test_a_run_of_5xx_takes_an_endpoint_out_until_readiness(tmp_path: Path) -> None:
     """/health stays green while every request gets a 500 (as vLLM shutting down): out of
     rotation after 3 in a row, back only once a real completion succeeds again."""

@@ -55,6 +55,7 @@ class FakeVllm:
     def _serve(self, ready: threading.Event) -> None:
         self._loop = asyncio.new_event_loop()
         app = web.Application()
+
         async def text(_: web.Request) -> web.Response:
             return web.Response(text="ok")
 
@@ -66,6 +67,7 @@ class FakeVllm:
         app.router.add_get("/health", text)
         app.router.add_get("/metrics", text)
         app.router.add_get("/v1/models", models)
+
         async def detokenize(request: web.Request) -> web.Response:
             ids = (await request.json())["tokens"]
             text = "".join(f"<{t}>" for t in ids if t >= 100)
@@ -136,9 +138,20 @@ class FakeVllm:
             return b"data: " + orjson.dumps(obj) + b"\n\n"
 
         if chat:
-            role = {"id": rid, "object": kind, "created": 1, "model": MODEL, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""},
-                 "logprobs": None, "finish_reason": None}]}
+            role = {
+                "id": rid,
+                "object": kind,
+                "created": 1,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
             await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
         done = 0
         first = True
@@ -158,8 +171,14 @@ class FakeVllm:
             first = False
         if so.get("include_usage"):
             u = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-            final = {"id": rid, "object": kind, "created": 1, "model": MODEL, "choices": [],
-                     "usage": u}
+            final = {
+                "id": rid,
+                "object": kind,
+                "created": 1,
+                "model": MODEL,
+                "choices": [],
+                "usage": u,
+            }
             await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -260,8 +279,13 @@ def test_a_split_inside_a_character_is_moved_back(
     g, a, b = pair
     for e in (a, b):
         e.partial = {112, 125}
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "hi",
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     events, _ = stream(g.url, "/v1/completions", body)
     assert _text(events, False) == "".join(tok(3 + i) for i in range(40))
     usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]

@@ -250,9 +250,7 @@ def test_upstream_headers_rebuilt(recorded: tuple[Proc, Recorder, Recorder]) -> 
     assert h["content-type"] == "application/json"
     assert h["x-request-id"] == "trace-42.a"
     # An id that is not a sane token is replaced, and the replacement echoed.
-    r = httpx.post(
-        g.url + "/v1/completions", content=body, headers={"X-Request-ID": "x" * 500}
-    )
+    r = httpx.post(g.url + "/v1/completions", content=body, headers={"X-Request-ID": "x" * 500})
     rid = r.headers["x-request-id"]
     assert r.status_code == 200 and len(rid) == 32 and rid != "x" * 500
     sent = {k.lower(): v for k, v in (r1.seen + r2.seen)[-1]["headers"].items()}
@@ -392,7 +390,7 @@ def test_slowloris_and_short_bodies_are_cut(tmp_path: Path) -> None:
         out = _raw(
             g.port,
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n{\"model\":",
+            b'Content-Length: 100\r\n\r\n{"model":',
             wait=10,
         )
         status, body = _status_and_json(out)

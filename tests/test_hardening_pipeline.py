@@ -51,9 +51,7 @@ def test_one_pipeline_per_state_dir_private_dir_and_engine_token(tmp_path: Path)
     )  # fmt: skip
     try:
         time.sleep(0.3)
-        second = subprocess.run(
-            _up_argv(spec), env=env, capture_output=True, text=True, timeout=60
-        )
+        second = subprocess.run(_up_argv(spec), env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1, second.stdout + second.stderr
         assert "UNBROKEN_STATE_DIR" in second.stdout + second.stderr
         wait_for(lambda: (state / "run.json").exists(), timeout=60, what="first pipeline up")

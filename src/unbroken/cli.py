@@ -313,9 +313,7 @@ def up(
     ] = None,
     port: Annotated[int | None, typer.Option(help="Gateway port [8080].")] = None,
     admin_port: Annotated[int | None, typer.Option(help="Gateway admin port [8081].")] = None,
-    controller_port: Annotated[
-        int | None, typer.Option(help="Controller API port [8082].")
-    ] = None,
+    controller_port: Annotated[int | None, typer.Option(help="Controller API port [8082].")] = None,
     agent_port: Annotated[int | None, typer.Option(help="Agent exporter port [9101].")] = None,
     no_agent: Annotated[
         bool, typer.Option("--no-agent", help="Do not start the eBPF agent, even as root.")

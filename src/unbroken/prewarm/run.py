@@ -122,9 +122,7 @@ def run_prewarm(
                 f"read {rd['bytes'] / 1e9:.2f} GB in {rd['seconds']:.2f} s "
                 f"({rd['gbps']:.2f} GB/s, {rd['threads']} threads)"
             )
-        console.print(
-            f"resident: {resident_pages} of {pages} pages ({_pct(pct)} %)", markup=False
-        )
+        console.print(f"resident: {resident_pages} of {pages} pages ({_pct(pct)} %)", markup=False)
         if not ok:
             console.print(
                 f"error: residency {_pct(pct)} % ({pages - resident_pages} page(s) not "
