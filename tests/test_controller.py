@@ -36,6 +36,7 @@ from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, EndpointView, Tiers
 from unbroken.controller.classify import Detector, ItlBaseline, Transition
 from unbroken.controller.precision import PrecisionState, plan
+from unbroken.controller.service import AGENT_START_GRACE_S
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window, parse_text
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.http import free_port
@@ -607,6 +608,58 @@ def test_a_suspicion_that_lost_its_traffic_is_confirmed_by_probes(
         c.stop()
     entered = next(d for d in decisions if d["action"] == "condition normal -> contended")
     assert entered["endpoint"] == victim, decisions
+
+
+def test_an_agent_still_starting_is_waited_for_not_reported_down(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """Started together (as `unbroken up` does), the controller polls before the agent
+    listens: that is said at INFO, not as an outage; an agent that never answers is warned
+    about once the start grace is over."""
+    g, _ = tiered
+    late, never = free_port(), free_port()
+    for d in ("late", "never"):
+        (tmp_path / d).mkdir()
+    args = ("--full-pool", "primary", "--degraded-pool", "fallback")
+    c_late = controller(
+        tmp_path / "late", g, "--agent", f"http://127.0.0.1:{late}", *args, settings=LOOP_SETTINGS
+    )
+    c_never = controller(
+        tmp_path / "never", g, "--agent", f"http://127.0.0.1:{never}", *args, settings=LOOP_SETTINGS
+    )
+    c_late.start()
+    c_never.start()
+    a = None
+    try:
+        time.sleep(1.5)  # several polls with nothing listening
+        a = Proc(
+            [sys.executable, "-m", "unbroken", "agent", "--listen", f"127.0.0.1:{late}"],
+            late,
+            tmp_path / "agent.log",
+            env={"UNBROKEN_STATE_DIR": str(tmp_path / "no-pipeline")},
+        ).start()
+        wait_for(
+            lambda: (
+                httpx.get(c_late.url + "/state", timeout=2).json()["agent"] in ("live", "no-ebpf")
+            ),
+            timeout=10,
+            what=lambda: f"the agent read; controller log:\n{c_late.tail(20)}",
+        )
+        log_late = c_late.log.read_text()
+        assert "waiting for the agent" in log_late, log_late
+        assert "WARNING" not in log_late, log_late
+        assert "unknown" == httpx.get(c_never.url + "/state", timeout=2).json()["agent"]
+        wait_for(
+            lambda: "WARNING unbroken.controller: agent unreachable" in c_never.log.read_text(),
+            timeout=AGENT_START_GRACE_S + 5,
+            what=lambda: f"the warning; controller log:\n{c_never.tail(20)}",
+        )
+        assert httpx.get(c_never.url + "/state", timeout=2).json()["agent"] == "unreachable"
+    finally:
+        if a is not None:
+            a.stop()
+        c_late.stop()
+        c_never.stop()
 
 
 @pytest.mark.skipif(

@@ -43,6 +43,9 @@ log = logging.getLogger("unbroken.controller")
 
 DETECTION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 UNCOVERED_S = 5.0  # decoding seconds a live agent may be silent about before a warning
+# An agent started beside the controller (`unbroken up`, a DaemonSet rolling out) takes a
+# moment to listen: until it has answered once, this long passes before "unreachable" warns.
+AGENT_START_GRACE_S = 10.0
 
 
 @dataclass
@@ -167,6 +170,8 @@ class Controller:
         self._engine_deltas: dict[str, HistogramDelta] = {}
         self._session: aiohttp.ClientSession | None = None
         self.agent_state = "off" if not self.sources.has_agents else "unknown"
+        self._started = time.monotonic()
+        self._waiting_said = False
         self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
         self._routes_wanted: dict[str, list[str]] | None = None
         self._moved: set[str] = set()  # endpoints whose streams were moved this episode
@@ -268,6 +273,17 @@ class Controller:
         return merged if self._gateway_views else None
 
     def _agent_now(self, state: str, message: str) -> None:
+        if (
+            state == "unreachable"
+            and self.agent_state == "unknown"
+            and time.monotonic() - self._started < AGENT_START_GRACE_S
+        ):
+            # Not an outage yet: the agent has never answered and is likely still starting.
+            if not self._waiting_said:
+                log.info("waiting for the agent to listen: %s", message.split(": ", 1)[-1])
+                self._waiting_said = True
+            self.metrics.agent_live.set(0)
+            return
         if state != self.agent_state:
             (log.info if state == "live" else log.warning)(
                 "%s%s",
