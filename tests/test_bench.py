@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import MODEL, Proc, engine, gateway
+from unbroken.bench.demo import rank_note
 from unbroken.bench.load import LoadConfig, LoadRun, Record, base_url
 from unbroken.bench.report import write_report
 from unbroken.bench.runner import error_counts, make_window, verdict, window_counts
@@ -311,3 +314,14 @@ def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
         assert chaos["open"]["corrupted"] == 0
     finally:
         u.stop()
+
+
+@given(st.integers(min_value=1, max_value=20_000))
+def test_rank_note_names_the_request_the_p999_is(n: int) -> None:
+    """The demo says which request its p99.9 is (the slowest of fewer than 1,000): the same
+    one `percentile` picks."""
+    xs = [float(i) for i in range(n)]  # the k-th slowest is n - k
+    k = n - int(percentile(xs, 99.9) or 0)
+    note = rank_note(n)
+    assert note.endswith(f" of {n}")
+    assert note.startswith("the slowest" if k == 1 else f"the {k}")
