@@ -120,12 +120,18 @@ def _feed(
     return det.step(det.read(t, cuda_latency=cuda, itl=itl, running=running, backpressure=bp))
 
 
+def _healthy(det: Detector, windows: int, every: float) -> float:
+    """Healthy windows from t = 0 (the baseline learns; nothing changes); the next window's t."""
+    t = 0.0
+    for _ in range(windows):
+        assert _feed(det, t, 200e-6) is None
+        t += every
+    return t
+
+
 def test_hysteresis_enter_exit_and_dwell() -> None:
     det = Detector("p-1", FAST_SETTINGS)
-    t = 0.0
-    for _ in range(8):
-        assert _feed(det, t, 200e-6) is None
-        t += 0.25
+    t = _healthy(det, windows=8, every=0.25)
     # One slow window is not enough (dwell 0.5 s).
     assert _feed(det, t, 3e-3) is None
     t += 0.25
@@ -160,10 +166,7 @@ def test_a_dwell_of_one_interval_is_the_next_reading_however_it_jitters() -> Non
     first does not."""
     settings = ControllerSettings(enter_dwell_s=0.2, interval_s=0.2, baseline_windows=4)
     det = Detector("p-1", settings)
-    t = 0.0
-    for _ in range(6):
-        assert _feed(det, t, 200e-6) is None
-        t += 0.2
+    t = _healthy(det, windows=6, every=0.2)
     assert _feed(det, t, 3e-3) is None
     assert _feed(det, t + 0.1, 3e-3) is None  # half an interval: not yet
     tr = _feed(det, t + 0.199, 3e-3)
@@ -617,18 +620,16 @@ def test_an_agent_still_starting_is_waited_for_not_reported_down(
     listens: that is said at INFO, not as an outage; an agent that never answers is warned
     about once the start grace is over."""
     g, _ = tiered
-    late, never = free_port(), free_port()
-    for d in ("late", "never"):
-        (tmp_path / d).mkdir()
-    args = ("--full-pool", "primary", "--degraded-pool", "fallback")
-    c_late = controller(
-        tmp_path / "late", g, "--agent", f"http://127.0.0.1:{late}", *args, settings=LOOP_SETTINGS
-    )
-    c_never = controller(
-        tmp_path / "never", g, "--agent", f"http://127.0.0.1:{never}", *args, settings=LOOP_SETTINGS
-    )
-    c_late.start()
-    c_never.start()
+    ports = {"late": free_port(), "never": free_port()}
+    cs = {}
+    for name, port in ports.items():
+        (tmp_path / name).mkdir()
+        args = ("--agent", f"http://127.0.0.1:{port}", "--full-pool", "primary")
+        cs[name] = controller(
+            tmp_path / name, g, *args, "--degraded-pool", "fallback", settings=LOOP_SETTINGS
+        ).start()
+    c_late, c_never = cs["late"], cs["never"]
+    late = ports["late"]
     a = None
     try:
         time.sleep(1.5)  # several polls with nothing listening

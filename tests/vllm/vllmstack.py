@@ -89,7 +89,8 @@ class Vllm:
     starved the gateway and the test's readers."""
 
     def __init__(self, venv: Path, model: Path, core: int, log: Path) -> None:
-        self.venv, self.model, self.core, self.log = venv, model, core, log
+        self.venv, self.model, self.log = venv, model, log
+        self.core = core % (os.cpu_count() or 1)
         self.port = free_port()
         self.popen: subprocess.Popen[bytes] | None = None
         self.args: tuple[str, ...] = ()
@@ -104,7 +105,7 @@ class Vllm:
             **os.environ,
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.core % (os.cpu_count() or 1)),
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
             "OMP_NUM_THREADS": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -142,7 +143,7 @@ class Vllm:
 
     def _pin(self) -> None:
         """In the child before exec: every process of the server inherits the one core."""
-        os.sched_setaffinity(0, {self.core % (os.cpu_count() or 1)})
+        os.sched_setaffinity(0, {self.core})
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Vllm:
         deadline = time.monotonic() + timeout

@@ -43,7 +43,7 @@ from unbroken.bench.passes import (
 )
 from unbroken.bench.report import Marker, Span, fmt_ms, run_metadata, write_report
 from unbroken.bench.runner import make_window, markdown_table
-from unbroken.bench.stats import percentile
+from unbroken.bench.stats import nearest_rank, percentile
 from unbroken.bench.throttle import SEED_BPS, IoThrottle, ThrottleUnavailable
 from unbroken.config.spec import PipelineSpec, default_spec
 from unbroken.pipeline.supervisor import Supervisor
@@ -181,7 +181,7 @@ def rank_note(n: int, p: float = 99.9) -> str:
     is the slowest one, so one slow moment decides a row; said beside the number."""
     if n <= 0:
         return "no requests"
-    k = n - max(1, math.ceil(p * n / 100 - 1e-9)) + 1
+    k = n - nearest_rank(n, p)
     nth = "the slowest" if k == 1 else f"the {_ordinal(k)} slowest"
     return f"{nth} of {n}"
 

@@ -9,18 +9,21 @@ from typing import Any
 
 from unbroken.bench.load import Record
 
-__all__ = ["percentile", "summarize"]
+__all__ = ["nearest_rank", "percentile", "summarize"]
 
 PCTS = (50, 90, 99, 99.9)
+
+
+def nearest_rank(n: int, p: float) -> int:
+    """The index, in `n` sorted samples, of their nearest-rank `p` percentile."""
+    return max(0, min(n - 1, math.ceil(p * n / 100 - 1e-9) - 1))
 
 
 def percentile(xs: list[float], p: float) -> float | None:
     """Nearest-rank percentile (no interpolation: p99.9 of 1,000 samples is a real sample)."""
     if not xs:
         return None
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, math.ceil(p * len(s) / 100 - 1e-9) - 1))
-    return s[k]
+    return sorted(xs)[nearest_rank(len(xs), p)]
 
 
 def summarize(
