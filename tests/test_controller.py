@@ -132,14 +132,14 @@ def _healthy(det: Detector, windows: int, every: float) -> float:
 def test_hysteresis_enter_exit_and_dwell() -> None:
     det = Detector("p-1", FAST_SETTINGS)
     t = _healthy(det, windows=8, every=0.25)
-    # One slow window is not enough (dwell 0.5 s).
-    assert _feed(det, t, 3e-3) is None
+    # One slow window (x5: above enter, below strong) is not enough (dwell 0.5 s).
+    assert _feed(det, t, 1e-3) is None
     t += 0.25
     assert _feed(det, t, 200e-6) is None
     trs = []
     for _ in range(4):
         t += 0.25
-        if tr := _feed(det, t, 3e-3):
+        if tr := _feed(det, t, 1e-3):
             trs.append(tr)
     assert [tr.new for tr in trs] == ["contended"]
     assert trs[0].detection_s is not None and 0.5 <= trs[0].detection_s <= 0.75
@@ -167,11 +167,34 @@ def test_a_dwell_of_one_interval_is_the_next_reading_however_it_jitters() -> Non
     settings = ControllerSettings(enter_dwell_s=0.2, interval_s=0.2, baseline_windows=4)
     det = Detector("p-1", settings)
     t = _healthy(det, windows=6, every=0.2)
-    assert _feed(det, t, 3e-3) is None
-    assert _feed(det, t + 0.1, 3e-3) is None  # half an interval: not yet
-    tr = _feed(det, t + 0.199, 3e-3)
+    assert _feed(det, t, 1e-3) is None
+    assert _feed(det, t + 0.1, 1e-3) is None  # half an interval: not yet
+    tr = _feed(det, t + 0.199, 1e-3)
     assert tr is not None and tr.new == "contended"
     assert tr.detection_s == pytest.approx(0.199)
+
+
+def test_a_window_far_above_baseline_enters_without_the_dwell() -> None:
+    """x15 (>= cuda_strong_ratio, 10) with low backpressure: contended at the first window;
+    x5 still waits out the dwell; x15 with high backpressure is the network's; and with
+    cuda_strong_ratio null even x1000 dwells."""
+    det = Detector("p-1", FAST_SETTINGS)
+    t = _healthy(det, windows=8, every=0.25)
+    tr = _feed(det, t, 3e-3)
+    assert tr is not None and tr.new == "contended" and tr.detection_s == 0
+    assert "above x10 (no dwell)" in tr.reason and "x15.00" in tr.reason
+    net = Detector("p-2", FAST_SETTINGS)
+    t = _healthy(net, windows=8, every=0.25)
+    for _ in range(8):
+        assert _feed(net, t, 3e-3, bp=2.0) is None
+        t += 0.25
+    always = Detector("p-3", FAST_SETTINGS.model_copy(update={"cuda_strong_ratio": None}))
+    t = _healthy(always, windows=8, every=0.25)
+    assert _feed(always, t, 200e-3) is None
+    tr = _feed(always, t + 0.5, 200e-3)
+    assert tr is not None and tr.detection_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="cuda_strong_ratio"):
+        ControllerSettings(cuda_strong_ratio=2.0)
 
 
 def test_slow_clients_alone_never_mark_contended() -> None:

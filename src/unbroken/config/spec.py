@@ -97,6 +97,11 @@ class ControllerSettings(_Spec):
     cuda_exit_ratio: Annotated[float, Field(gt=1)] = 1.5
     cuda_quantile: Annotated[float, Field(gt=0, lt=1)] = 0.5
     min_excess_ms: Annotated[float, Field(ge=0)] = 0.1
+    # A window this far above the CUDA baseline enters `contended` at once, without the
+    # dwell (null: always dwell). The dwell guards against noise; a launch median ten times
+    # its own normal is not noise, and the dwell's 0.2 s is when new requests still land on
+    # the slowing device (the demo's contention tail).
+    cuda_strong_ratio: Annotated[float, Field(gt=1)] | None = 10.0
     # Engine inter-token latency against the baseline predicted for its batch size.
     itl_enter_ratio: Annotated[float, Field(gt=1)] = 1.6
     itl_exit_ratio: Annotated[float, Field(gt=1)] = 1.2
@@ -133,6 +138,8 @@ class ControllerSettings(_Spec):
     def _check(self) -> ControllerSettings:
         if self.cuda_exit_ratio >= self.cuda_enter_ratio:
             raise ValueError("cuda_exit_ratio must be below cuda_enter_ratio")
+        if self.cuda_strong_ratio is not None and self.cuda_strong_ratio < self.cuda_enter_ratio:
+            raise ValueError("cuda_strong_ratio must be at least cuda_enter_ratio")
         if self.itl_exit_ratio >= self.itl_enter_ratio:
             raise ValueError("itl_exit_ratio must be below itl_enter_ratio")
         return self

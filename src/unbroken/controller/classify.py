@@ -5,7 +5,7 @@ baseline while socket backpressure stays low (the seed's rule: slow clients rais
 backpressure, not launch latency). Enter and exit thresholds differ, a crossing must hold for
 a dwell time, and every condition is held for a minimum time: nothing flaps.
 
-    normal ──(ratio ≥ enter for enter_dwell, backpressure low)──▶ contended
+    normal ──(ratio ≥ enter for enter_dwell, or ≥ strong once; backpressure low)──▶ contended
     contended ──(ratio ≤ exit for exit_dwell, after min_dwell)──▶ recovering
     recovering ──(ratio ≥ enter for enter_dwell)──▶ contended
     recovering ──(the actuator has restored every setting)──▶ normal
@@ -224,19 +224,18 @@ class Detector:
             f"{r.source} {_fmt(r.value)} vs baseline {_fmt(r.baseline)} "
             f"(x{r.ratio:.2f}), backpressure {r.backpressure:.2f} s/s, running {r.running:.0f}"
         )
+        strong = self._strong(r) and not blamed_on_network
         if (
             self.condition in ("normal", "recovering")
             and self._above_since is not None
-            and self._held_for(t - self._above_since, s.enter_dwell_s)
+            and (strong or self._held_for(t - self._above_since, s.enter_dwell_s))
             and held
         ):
             detection = t - self._above_since
-            return self._go(
-                "contended",
-                t,
-                f"{numbers}: above x{enter:g} for {detection:.2f} s",
-                detection,
-            )
+            why = f"above x{enter:g} for {detection:.2f} s"
+            if strong and detection == 0:
+                why = f"above x{s.cuda_strong_ratio:g} (no dwell)"
+            return self._go("contended", t, f"{numbers}: {why}", detection)
         if (
             self.condition == "contended"
             and self._below_since is not None
@@ -247,6 +246,11 @@ class Detector:
                 "recovering", t, f"{numbers}: below x{exit_:g} for {t - self._below_since:.2f} s"
             )
         return None
+
+    def _strong(self, r: Reading) -> bool:
+        """A CUDA window so far above its baseline that no dwell is needed to trust it."""
+        x = self.settings.cuda_strong_ratio
+        return x is not None and r.source == "cuda" and r.ratio is not None and r.ratio >= x
 
     def _held_for(self, elapsed: float, dwell: float) -> bool:
         """Has a crossing seen `elapsed` seconds apart held for `dwell`? Readings come every
