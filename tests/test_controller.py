@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -1007,3 +1008,35 @@ def test_every_gateway_replica_discovered_from_kubernetes_is_told(
         g2.stop()
         g3.stop()
         api.close()
+
+
+def test_an_unreadable_gateway_is_said_once_and_a_taken_port_is_one_line(tmp_path: Path) -> None:
+    """A controller given the wrong admin token reads nothing: it says so once, as a
+    WARNING with the gateway's answer, not at DEBUG; a second controller on the first's port
+    exits 2 with one line, no traceback."""
+    g = gateway(tmp_path, wait_ready=0)
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "unbroken", "controller",
+        "--gateway-admin", g.admin_url, "--listen", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+    c = Proc(argv, port, tmp_path / "ctl.log", env={"UNBROKEN_ADMIN_TOKEN": "not-the-token"})
+    try:
+        c.start()
+        wait_for(
+            lambda: "unreadable" in c.log.read_text(),
+            timeout=10,
+            what=lambda: f"the warning; controller log:\n{c.tail(20)}",
+        )
+        time.sleep(1.0)  # five more failing windows
+        said = [ln for ln in c.log.read_text().splitlines() if "unreadable" in ln]
+        assert len(said) == 1, said
+        assert "WARNING" in said[0] and "401" in said[0] and "admin token" in said[0], said
+        env = {**os.environ, "UNBROKEN_ADMIN_TOKEN": TOKEN}
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2, r.stderr
+        assert "cannot listen on" in r.stderr and "already in use" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+    finally:
+        c.stop()
+        g.stop()

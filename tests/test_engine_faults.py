@@ -196,8 +196,41 @@ def test_engine_admin_client(shared_engine: Proc) -> None:
         async with EngineAdmin(f"http://127.0.0.1:{free_port()}", TOKEN) as eng:
             with pytest.raises(AdminUnreachable):
                 await eng.faults()
+        async with EngineAdmin("localhost:1", TOKEN) as eng:  # no scheme: not a URL
+            with pytest.raises(AdminUnreachable, match="expected http"):
+                await eng.faults()
 
     asyncio.run(go())
+
+
+def test_an_answer_that_is_not_json_is_an_admin_error(tmp_path: Path) -> None:
+    """An admin URL that points at another service (a 200 with HTML) is an AdminError
+    naming the URL, not a JSON decode traceback."""
+    import http.server
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html>not the admin API</html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    async def go() -> None:
+        async with EngineAdmin(f"http://127.0.0.1:{srv.server_address[1]}", TOKEN) as eng:
+            with pytest.raises(AdminRejected, match=r"not a JSON answer .*/admin/faults"):
+                await eng.faults()
+
+    try:
+        asyncio.run(go())
+    finally:
+        srv.shutdown()
 
 
 def test_huge_seed_is_400_like_vllm(shared_engine: Proc) -> None:
@@ -355,6 +388,8 @@ def test_unbroken_fault_command_against_a_running_pipeline(tmp_path: Path) -> No
         for args, expect in (
             (("nope-9", "hang", "--seconds", "1"), "no endpoint named 'nope-9'"),
             (("main-1", "quake"), "unknown fault kind"),
+            (("main-1",), "give a fault KIND"),
+            (("main-1", "hang", "--seconds", "1", "--admin-url", "localhost:1"), "--admin-url"),
             (("main-1", "hang", "--extra-ms", "5", "--seconds", "1"), "--extra-ms"),
             (("main-1", "slow_cuda"), "severity"),
             (("main-1", "slow_cuda", "--extra-ms", "-3"), "extra_ms"),

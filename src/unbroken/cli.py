@@ -513,8 +513,12 @@ def fault(
         if kind is not None:
             _fail("with --all give only KIND (no endpoint name)")
         kind, target = target, ""
+    if kind is None:
+        _fail(f"give a fault KIND after the endpoint: {', '.join(_FAULT_PARAMS)}")
     if kind not in _FAULT_PARAMS:
         _fail(f"unknown fault kind {kind!r}: expected {', '.join(_FAULT_PARAMS)}")
+    if admin_url is not None and not admin_url.startswith(("http://", "https://")):
+        _fail(f"--admin-url {admin_url!r}: expected http(s)://HOST:PORT")
     given = {
         "duration_s": seconds,
         "extra_ms": extra_ms,
@@ -541,10 +545,13 @@ def fault(
             token = Path(info.token_file if info else state / "admin-token").read_text().strip()
         except OSError:
             _fail("no admin token: set UNBROKEN_ADMIN_TOKEN")
-    # Engines take the pipeline's admin token today; a separate engine token wins when present.
+    # The engines' own token (`unbroken up` writes one); the admin token where there is none.
     engine_token = os.environ.get("UNBROKEN_ENGINE_TOKEN")
     if not engine_token and (state / "engine-token").exists():
-        engine_token = (state / "engine-token").read_text().strip()
+        try:
+            engine_token = (state / "engine-token").read_text().strip()
+        except OSError as e:
+            _fail(f"{state / 'engine-token'}: {e.strerror}")
 
     async def one(name: str, engine_url: str) -> tuple[str, object]:
         async with EngineAdmin(engine_url, engine_token or token) as eng:
@@ -1018,18 +1025,23 @@ def controller(
             if not sep or not ns or not svc:
                 _fail(f"{opt} {ref!r}: expected NAMESPACE/SERVICE[:PORTNAME]")
     tiers = Tiers(tuple(settings.full_pools), tuple(settings.degraded_pools))
-    run_controller(
-        ControllerConfig(
-            settings=settings,
-            admin_urls=[u.rstrip("/") for u in gateways],
-            admin_token=token,
-            tiers=tiers,
-            agent_urls=[u.rstrip("/") for u in agent_url or []],
-            supervisor_socket=supervisor_socket,
-            gateway_service=gateway_service,
-            agent_service=agent_service,
+    try:
+        run_controller(
+            ControllerConfig(
+                settings=settings,
+                admin_urls=[u.rstrip("/") for u in gateways],
+                admin_token=token,
+                tiers=tiers,
+                agent_urls=[u.rstrip("/") for u in agent_url or []],
+                supervisor_socket=supervisor_socket,
+                gateway_service=gateway_service,
+                agent_service=agent_service,
+            )
         )
-    )
+    except OSError as e:
+        if (msg := _bind_error(e)) is None:
+            raise
+        _fail(f"controller: {msg}")
 
 
 @weights_app.command("make")

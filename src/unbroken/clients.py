@@ -66,7 +66,17 @@ class _AdminClient:
                     except (orjson.JSONDecodeError, KeyError, TypeError):
                         msg = raw.decode(errors="replace")[:200]
                     raise AdminRejected(r.status, msg)
-                return orjson.loads(raw) if raw else None
+                try:
+                    return orjson.loads(raw) if raw else None
+                except orjson.JSONDecodeError:
+                    # Something answered, but not this API (a wrong port, another service).
+                    snippet = raw.decode(errors="replace")[:80]
+                    raise AdminRejected(
+                        r.status, f"not a JSON answer from {self.base + path}: {snippet!r}"
+                    ) from None
+        except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as e:
+            why = f"not an http(s) URL ({type(e).__name__}: {e}): expected http(s)://HOST:PORT"
+            raise AdminUnreachable(f"{self.base}: {why}") from None
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             raise AdminUnreachable(f"{self.base}: {type(e).__name__}: {e}") from None
 

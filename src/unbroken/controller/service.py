@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from unbroken.clients import AdminError, GatewayAdmin
+from unbroken.clients import AdminError, AdminRejected, GatewayAdmin
 from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
@@ -172,6 +172,9 @@ class Controller:
         self.agent_state = "off" if not self.sources.has_agents else "unknown"
         self._started = time.monotonic()
         self._waiting_said = False
+        # Gateways whose admin API failed, with the last error said (said once per outage).
+        self._gateway_down: dict[str, str] = {}
+        self._gateway_answered: set[str] = set()
         self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
         self._routes_wanted: dict[str, list[str]] | None = None
         self._moved: set[str] = set()  # endpoints whose streams were moved this episode
@@ -252,8 +255,11 @@ class Controller:
         for url, listing in zip(urls, listings, strict=True):
             if isinstance(listing, BaseException):
                 self.metrics.errors.labels("gateway").inc()
-                log.debug("gateway admin %s unreachable: %s", url, listing)
+                self._gateway_failed(url, listing)
                 continue
+            if self._gateway_down.pop(url, None) is not None:
+                log.info("gateway admin %s answers again", url)
+            self._gateway_answered.add(url)
             mine = {
                 v.name: v
                 for v in map(EndpointView.from_admin, listing)
@@ -271,6 +277,29 @@ class Controller:
             await self._admins.pop(gone).close()
             self._routes_applied.pop(gone, None)
         return merged if self._gateway_views else None
+
+    def _gateway_failed(self, url: str, e: BaseException) -> None:
+        """Say once per outage that a gateway cannot be read: without its listing nothing is
+        classified or applied there. A gateway started beside the controller (`unbroken up`)
+        gets the agent's grace before its first answer."""
+        why = str(e) or type(e).__name__
+        if isinstance(e, AdminRejected) and e.status in (401, 403):
+            why = f"{why} (is the admin token the gateway's?)"
+        if (
+            url not in self._gateway_answered
+            and time.monotonic() - self._started < AGENT_START_GRACE_S
+            and not isinstance(e, AdminRejected)
+        ):
+            log.debug("gateway admin %s not answering yet: %s", url, why)
+            return
+        if url not in self._gateway_down:
+            log.warning(
+                "gateway admin %s unreadable: %s; nothing is classified or changed there until "
+                "it answers",
+                url,
+                why,
+            )
+        self._gateway_down[url] = why
 
     def _agent_now(self, state: str, message: str) -> None:
         if (

@@ -101,8 +101,8 @@ class FaultRequest(BaseModel):
 
 
 class Config(_Strict):
-    """Runtime settings an admin may change (vLLM has no such endpoint; the controller uses
-    it where the engine offers it)."""
+    """Runtime settings an admin may change (vLLM has no such endpoint; tests and operators
+    use it, the controller does not: docs/controller.md, Limits)."""
 
     max_num_seqs: Annotated[int, Field(ge=1, le=65_536)] | None = None
 
