@@ -136,6 +136,42 @@ def test_exact_counts_and_latency_buckets(agent: Agent, tmp_path: Path) -> None:
         p.wait()
 
 
+def test_a_thread_busy_in_traced_calls_while_the_agent_attaches_is_counted(
+    agent: Agent,
+) -> None:
+    """Attaching races the calls in flight: with each entry probe attached before its return
+    probe, a runtime call entered in between opened a per-thread record that no return
+    closed, and every later call of the thread counted as nested in it (never counted): an
+    engine with no CUDA signal for its whole life. A thread in a tight loop of runtime calls
+    (each with a driver call inside) while the agent attaches must be counted afterwards."""
+    p = subprocess.Popen([sys.executable, str(WORKLOADS / "cuda_busy.py")])
+    try:
+        lib = load().directory.name
+        wait_for(
+            lambda: lib.encode() in Path(f"/proc/{p.pid}/maps").read_bytes(),
+            timeout=20,
+            what="workload mapped the libraries",
+        )
+        time.sleep(0.3)  # in its loop
+        _discover(agent)
+        assert p.pid in agent.cuda_pids
+
+        def launches() -> int:
+            return sum(
+                s.count
+                for (pid, fn), s in agent.cuda.read().items()
+                if pid == p.pid and fn == "cudaLaunchKernel"
+            )
+
+        time.sleep(0.5)
+        first = launches()
+        time.sleep(0.5)
+        assert launches() > first + 100, (first, launches())
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_bpftrace_counts_the_same(agent: Agent, tmp_path: Path) -> None:
     if shutil.which("bpftrace") is None:
         pytest.skip("bpftrace is not installed (apt-get install bpftrace)")

@@ -10,6 +10,8 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
+#define STALE_NS (5ULL * 1000000000ULL)
+
 /* Per-thread open call: task-local storage, no hashing on the hot path. */
 struct {
     __uint(type, BPF_MAP_TYPE_TASK_STORAGE);
@@ -49,13 +51,17 @@ int cuda_enter(struct pt_regs *ctx)
                                                BPF_LOCAL_STORAGE_GET_F_CREATE);
     if (!s)
         return 0;
-    if (s->ts) {
+    __u64 now = bpf_ktime_get_ns();
+    /* An open call older than STALE_NS is one whose return was never seen (its uretprobe
+     * was attached after it entered, or it unwound another way): start over instead of
+     * treating every later call as nested in it, which left a thread uncounted for good. */
+    if (s->ts && now - s->ts < STALE_NS) {
         s->depth++;
         return 0;
     }
     s->fn = (__u32)bpf_get_attach_cookie(ctx);
     s->depth = 0;
-    s->ts = bpf_ktime_get_ns();
+    s->ts = now;
     return 0;
 }
 
