@@ -96,6 +96,20 @@ def test_agent_windows_difference_per_series_and_quantile() -> None:
     assert "p-1" not in w or w["p-1"].count == 0
 
 
+def test_engine_window_reads_ttft_waiting_and_kv() -> None:
+    d = HistogramDelta()
+    ttft = 'vllm:time_to_first_token_seconds_{}{{m="a"}} {}\n'
+    engine_window(ttft.format("sum", 1) + ttft.format("count", 10), d)
+    text = (
+        ttft.format("sum", 1.5)
+        + ttft.format("count", 15)
+        + 'vllm:num_requests_waiting{m="a"} 3\nvllm:kv_cache_usage_perc{m="a"} 0.25\n'
+    )
+    w = engine_window(text, d)
+    assert w.ttft_count == 5 and w.ttft_mean == pytest.approx(0.1)
+    assert w.waiting == 3 and w.kv_usage == 0.25 and w.itl_mean is None
+
+
 def test_counter_reset_is_not_a_negative_window() -> None:
     d = HistogramDelta()
     text = 'vllm:inter_token_latency_seconds_sum{m="a"} 10\nvllm:inter_token_latency_seconds_count{m="a"} 1000\n'  # noqa: E501
@@ -281,7 +295,9 @@ def controller(tmp: Path, g: Proc, *args: str, settings: dict[str, Any]) -> Proc
         "--config", str(cfg),
         *args,
     ]  # fmt: skip
-    return Proc(argv, port, tmp / f"controller-{port}.log", env={"UNBROKEN_ADMIN_TOKEN": TOKEN})
+    # The test engines take the same token for their admin API.
+    env = {"UNBROKEN_ADMIN_TOKEN": TOKEN, "UNBROKEN_ENGINE_TOKEN": TOKEN}
+    return Proc(argv, port, tmp / f"controller-{port}.log", env=env)
 
 
 def tiered_controller(tmp: Path, g: Proc) -> Proc:
@@ -432,6 +448,12 @@ def test_contention_detected_acted_on_and_undone(
                 timeout=20,
                 what="baselines learned",
             )
+
+            def engine_cap(key: str) -> int:
+                r = httpx.get(engines[key].url + "/admin/config", headers=AUTH, timeout=5)
+                return int(r.json()["max_num_seqs"])
+
+            configured = engine_cap("p-1")
             t_fault = time.time()
             r = httpx.post(
                 engines["p-1"].url + "/admin/faults",
@@ -452,6 +474,10 @@ def test_contention_detected_acted_on_and_undone(
             routes = admin(g, "GET", "/admin/routes").json()
             assert routes["routes"]["standard"][0] == "fallback"
             assert routes["routes"]["critical"] == ["primary"]
+            # The engine's own max_num_seqs follows the gateway cap (its admin API).
+            cap = eps[victim]["cap_override"]
+            wait_for(lambda: engine_cap("p-1") == cap, timeout=3, what="engine max_num_seqs")
+            assert engine_cap("p-2") == configured
             # Requests take ~2.5 s: a short window may see no critical user start one (a
             # full run here saw none in 1 s), so the window runs to near the episode's end.
             time.sleep(max(1.5, t_fault + 4.5 - time.time()))
@@ -465,6 +491,9 @@ def test_contention_detected_acted_on_and_undone(
             eps = _by_name(g)
             assert eps[victim]["cap_override"] is None
             assert admin(g, "GET", "/admin/routes").json()["override"] == {}
+            wait_for(lambda: engine_cap("p-1") == configured, timeout=3, what="engine restored")
+            st = httpx.get(c.url + "/state").json()["endpoints"][victim]
+            assert st["engine_max_num_seqs"] is None and st["engine"]["running"] >= 0
             time.sleep(0.5)
         decisions = httpx.get(c.url + "/decisions").json()["decisions"]
         text = httpx.get(c.url + "/metrics").text
@@ -490,7 +519,7 @@ def test_contention_detected_acted_on_and_undone(
     assert metric(g.url, "unbroken_gateway_streams_migrated_total", reason="rebalance") >= 1
     for a in ("condition normal -> contended", "lower cap", "route to degraded",
               "condition contended -> recovering", "restore routes", "restore cap",
-              "condition recovering -> normal"):  # fmt: skip
+              "condition recovering -> normal", "engine max_num_seqs"):  # fmt: skip
         assert a in actions, actions
     assert all(d["reason"] for d in decisions)
     lowered = next(d for d in decisions if d["action"] == "lower cap")

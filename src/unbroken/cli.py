@@ -970,6 +970,16 @@ def controller(
         str | None,
         typer.Option(help="`unbroken up`'s control socket: enables dynamic precision."),
     ] = None,
+    engine_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="UNBROKEN_ENGINE_TOKEN",
+            help="Engines' admin token: their max_num_seqs then follows the cap (simulator).",
+        ),
+    ] = None,
+    engine_token_file: Annotated[
+        Path | None, typer.Option(help="Read the engines' admin token from this file.")
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """The adaptive controller: eBPF and engine signals to caps, tier routing and shedding."""
@@ -1015,6 +1025,11 @@ def controller(
             _fail(f"--token-file {token_file}: {e.strerror}")
     if not token:
         _fail("an admin token is needed: --admin-token, UNBROKEN_ADMIN_TOKEN or --token-file")
+    if engine_token is None and engine_token_file is not None:
+        try:
+            engine_token = engine_token_file.read_text().strip()
+        except OSError as e:
+            _fail(f"--engine-token-file {engine_token_file}: {e.strerror}")
     gateways = list(gateway_admin or ([] if gateway_service else ["http://127.0.0.1:8081"]))
     for url in [*gateways, *(agent_url or [])]:
         if not url.startswith(("http://", "https://")):
@@ -1036,6 +1051,7 @@ def controller(
                 supervisor_socket=supervisor_socket,
                 gateway_service=gateway_service,
                 agent_service=agent_service,
+                engine_token=engine_token or None,
             )
         )
     except OSError as e:

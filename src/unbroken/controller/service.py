@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from unbroken.clients import AdminError, AdminRejected, GatewayAdmin
+from unbroken.clients import AdminError, AdminRejected, EngineAdmin, GatewayAdmin
 from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
@@ -59,6 +59,9 @@ class ControllerConfig:
     # On Kubernetes: discover every gateway replica's admin API and every node's agent.
     gateway_service: str | None = None
     agent_service: str | None = None
+    # The engines' admin token: where an engine has an admin API (the simulator's), its
+    # max_num_seqs follows the gateway cap. None: the gateway's cap alone.
+    engine_token: str | None = None
 
 
 class _Metrics:
@@ -175,6 +178,12 @@ class Controller:
         # Gateways whose admin API failed, with the last error said (said once per outage).
         self._gateway_down: dict[str, str] = {}
         self._gateway_answered: set[str] = set()
+        # The engine-side twin of the cap: what max_num_seqs was before it was lowered, the
+        # cap last applied (None: restored), and engines without an admin API to do it.
+        self._engine_orig: dict[str, int] = {}
+        self._engine_caps: dict[str, int | None] = {}
+        self._engine_no_admin: set[str] = set()
+        self._engine_last: dict[str, Any] = {}  # the last window of each engine's metrics
         self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
         self._routes_wanted: dict[str, list[str]] | None = None
         self._moved: set[str] = set()  # endpoints whose streams were moved this episode
@@ -345,6 +354,7 @@ class Controller:
             self._forget(gone)
         mono, now = time.monotonic(), time.time()
         for v, ew in zip(views.values(), engines, strict=True):
+            self._engine_last[v.name] = ew
             det = self.detectors.get(v.name)
             if det is None:
                 det = self.detectors[v.name] = Detector(v.name, self.s, since=mono)
@@ -523,6 +533,9 @@ class Controller:
         self.detectors.pop(name, None)
         self._engine_deltas.pop(name, None)
         self.actuator.caps.pop(name, None)
+        for d in (self._engine_orig, self._engine_caps, self._engine_last):
+            d.pop(name, None)
+        self._engine_no_admin.discard(name)
         for c in CONDITIONS:
             try:
                 self.metrics.condition.remove(name, c)
@@ -559,6 +572,57 @@ class Controller:
         want = self.actuator.routes(conditions, pools)
         await self._apply_routes(want, now)
         await self._move_streams(now)
+        await self._apply_engine_caps(now)
+
+    async def _apply_engine_caps(self, now: float) -> None:
+        """Where an engine has an admin API (the simulator's `POST /admin/config`), its
+        max_num_seqs follows the gateway's lowered cap and comes back with it, so that work
+        reaching it by other ways (another gateway, direct clients) is bounded too. vLLM has
+        no such call (404): said once per endpoint; the gateway's cap then stands alone."""
+        token = self.cfg.engine_token
+        if not token:
+            return
+        for name, v in self.views.items():
+            want = self.actuator.caps.get(name)
+            if name in self._engine_no_admin or self._engine_caps.get(name, None) == want:
+                continue
+            if want is None and name not in self._engine_orig:
+                continue  # never lowered: nothing to restore
+            try:
+                async with EngineAdmin(v.url, token, timeout=2.0) as eng:
+                    if name not in self._engine_orig:
+                        self._engine_orig[name] = int((await eng.config())["max_num_seqs"])
+                    orig = self._engine_orig[name]
+                    target = orig if want is None else min(want, orig)
+                    await eng.set_max_num_seqs(max_num_seqs=target)
+            except AdminRejected as e:
+                if e.status in (401, 403, 404, 405):
+                    self._engine_no_admin.add(name)
+                    (log.warning if e.status in (401, 403) else log.info)(
+                        "%s: max_num_seqs not changed on the engine (%s%s); the gateway's cap "
+                        "bounds it alone",
+                        name,
+                        e,
+                        ": is the engine token its own?" if e.status in (401, 403) else "",
+                    )
+                    continue
+                self.metrics.errors.labels("apply").inc()
+                log.warning("could not set max_num_seqs on %s: %s", name, e)
+                continue
+            except (AdminError, KeyError, TypeError, ValueError) as e:
+                self.metrics.errors.labels("apply").inc()
+                log.warning("could not set max_num_seqs on %s: %s", name, e)
+                continue  # retried next window
+            self._engine_caps[name] = want
+            if want is None:
+                del self._engine_orig[name]
+            why = (
+                f"restored to {target}"
+                if want is None
+                else f"follows the gateway cap: {target} (was {orig})"
+            )
+            data = {"max_num_seqs": target}
+            self._record([Decision(now, name, "engine max_num_seqs", why, data)])
 
     async def _move_streams(self, now: float) -> None:
         """Once per episode, after the routes moved: the contended endpoint's running
@@ -697,7 +761,9 @@ class Controller:
                 "baseline_s": None if r is None else r.baseline,
                 "backpressure": None if r is None else round(r.backpressure, 3),
                 "cap_override": self.actuator.caps.get(name),
+                "engine_max_num_seqs": self._engine_caps.get(name),
                 "slow_clients": self.views[name].slow_clients if name in self.views else 0,
+                "engine": _engine_state(self._engine_last.get(name)),
             }
         return {
             "agent": self.agent_state,
@@ -708,6 +774,24 @@ class Controller:
             "agents": self.sources.agents,
             "endpoints": eps,
         }
+
+
+def _engine_state(ew: Any) -> dict[str, Any] | None:
+    """The last window of an engine's own metrics, as /state shows it (informational: only
+    the ITL enters decisions)."""
+    if ew is None:
+        return None
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1e3, 2)
+
+    return {
+        "running": ew.running,
+        "waiting": ew.waiting,
+        "kv_usage": round(ew.kv_usage, 4),
+        "itl_ms": ms(ew.itl_mean),
+        "ttft_ms": ms(ew.ttft_mean),
+    }
 
 
 def _json(obj: Any) -> web.Response:

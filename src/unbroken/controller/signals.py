@@ -182,6 +182,8 @@ class EngineWindow:
 
     itl_sum: float = 0.0
     itl_count: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
@@ -190,10 +192,15 @@ class EngineWindow:
     def itl_mean(self) -> float | None:
         return self.itl_sum / self.itl_count if self.itl_count > 0 else None
 
+    @property
+    def ttft_mean(self) -> float | None:
+        return self.ttft_sum / self.ttft_count if self.ttft_count > 0 else None
+
 
 # vLLM renamed its per-token latency histogram; accept both (older servers expose only the
 # second one).
 _ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+_TTFT = "vllm:time_to_first_token_seconds"
 
 
 def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:
@@ -209,7 +216,7 @@ def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:
             w.kv_usage = max(w.kv_usage, s.value)
         elif name.endswith(("_sum", "_count")):
             base, _, kind = name.rpartition("_")
-            if base in _ITL:
+            if base in _ITL or base == _TTFT:
                 d = deltas.delta(s)
                 if not math.isnan(d):
                     pair = itl.setdefault(base, [0.0, 0.0])
@@ -218,4 +225,6 @@ def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:
         if base in itl and itl[base][1] > 0:
             w.itl_sum, w.itl_count = itl[base]
             break
+    if _TTFT in itl:
+        w.ttft_sum, w.ttft_count = itl[_TTFT]
     return w

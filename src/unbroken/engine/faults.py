@@ -101,8 +101,8 @@ class FaultRequest(BaseModel):
 
 
 class Config(_Strict):
-    """Runtime settings an admin may change (vLLM has no such endpoint; tests and operators
-    use it, the controller does not: docs/controller.md, Limits)."""
+    """Runtime settings an admin may change (vLLM has no such endpoint; the controller lowers
+    max_num_seqs with the gateway's cap where it has the engines' token)."""
 
     max_num_seqs: Annotated[int, Field(ge=1, le=65_536)] | None = None
 

@@ -102,6 +102,8 @@ class Companions:
                     "--supervisor-socket", str(self.state / "supervisor.sock")]  # fmt: skip
             if agent_url:
                 argv += ["--agent", agent_url]
+            if (tok := self.state / "engine-token").exists():  # the engines' own admin token
+                argv += ["--engine-token-file", str(tok)]
             out.append(Companion("controller", argv, env, f"http://{c.host}:{c.port}"))
         return out
 
