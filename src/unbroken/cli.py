@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -70,11 +70,19 @@ def _logging(verbose: bool) -> None:
     )
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     from rich.markup import escape
 
     _console().print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
+
+
+def _read_secret(path: Path, label: str) -> str:
+    """A token file's contents, or a one-line error naming `label`."""
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        _fail(f"{label}: {e.strerror}")
 
 
 def _bind_error(e: OSError) -> str | None:
@@ -507,7 +515,7 @@ def fault(
     from rich.markup import escape
 
     from unbroken.clients import AdminError, AdminRejected, EngineAdmin, GatewayAdmin
-    from unbroken.config.paths import RunInfo, state_dir
+    from unbroken.config.paths import RunInfo, engine_token_path, state_dir
 
     if all_:
         if kind is not None:
@@ -547,11 +555,8 @@ def fault(
             _fail("no admin token: set UNBROKEN_ADMIN_TOKEN")
     # The engines' own token (`unbroken up` writes one); the admin token where there is none.
     engine_token = os.environ.get("UNBROKEN_ENGINE_TOKEN")
-    if not engine_token and (state / "engine-token").exists():
-        try:
-            engine_token = (state / "engine-token").read_text().strip()
-        except OSError as e:
-            _fail(f"{state / 'engine-token'}: {e.strerror}")
+    if not engine_token and (path := engine_token_path(state)).exists():
+        engine_token = _read_secret(path, str(path))
 
     async def one(name: str, engine_url: str) -> tuple[str, object]:
         async with EngineAdmin(engine_url, engine_token or token) as eng:
@@ -1019,17 +1024,11 @@ def controller(
         )
     token = admin_token
     if token is None and token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            _fail(f"--token-file {token_file}: {e.strerror}")
+        token = _read_secret(token_file, f"--token-file {token_file}")
     if not token:
         _fail("an admin token is needed: --admin-token, UNBROKEN_ADMIN_TOKEN or --token-file")
     if engine_token is None and engine_token_file is not None:
-        try:
-            engine_token = engine_token_file.read_text().strip()
-        except OSError as e:
-            _fail(f"--engine-token-file {engine_token_file}: {e.strerror}")
+        engine_token = _read_secret(engine_token_file, f"--engine-token-file {engine_token_file}")
     gateways = list(gateway_admin or ([] if gateway_service else ["http://127.0.0.1:8081"]))
     for url in [*gateways, *(agent_url or [])]:
         if not url.startswith(("http://", "https://")):

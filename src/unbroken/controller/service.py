@@ -175,13 +175,12 @@ class Controller:
         self.agent_state = "off" if not self.sources.has_agents else "unknown"
         self._started = time.monotonic()
         self._waiting_said = False
-        # Gateways whose admin API failed, with the last error said (said once per outage).
-        self._gateway_down: dict[str, str] = {}
+        # Gateways whose admin API failed (said once per outage).
+        self._gateway_down: set[str] = set()
         self._gateway_answered: set[str] = set()
-        # The engine-side twin of the cap: what max_num_seqs was before it was lowered, the
-        # cap last applied (None: restored), and engines without an admin API to do it.
-        self._engine_orig: dict[str, int] = {}
-        self._engine_caps: dict[str, int | None] = {}
+        # The engine-side twin of the cap, per engine it lowered: (max_num_seqs before, the
+        # cap last applied); and engines without an admin API to do it.
+        self._engine_capped: dict[str, tuple[int, int]] = {}
         self._engine_no_admin: set[str] = set()
         self._engine_last: dict[str, Any] = {}  # the last window of each engine's metrics
         self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
@@ -266,7 +265,8 @@ class Controller:
                 self.metrics.errors.labels("gateway").inc()
                 self._gateway_failed(url, listing)
                 continue
-            if self._gateway_down.pop(url, None) is not None:
+            if url in self._gateway_down:
+                self._gateway_down.discard(url)
                 log.info("gateway admin %s answers again", url)
             self._gateway_answered.add(url)
             mine = {
@@ -308,7 +308,7 @@ class Controller:
                 url,
                 why,
             )
-        self._gateway_down[url] = why
+        self._gateway_down.add(url)
 
     def _agent_now(self, state: str, message: str) -> None:
         if (
@@ -533,8 +533,8 @@ class Controller:
         self.detectors.pop(name, None)
         self._engine_deltas.pop(name, None)
         self.actuator.caps.pop(name, None)
-        for d in (self._engine_orig, self._engine_caps, self._engine_last):
-            d.pop(name, None)
+        self._engine_capped.pop(name, None)
+        self._engine_last.pop(name, None)
         self._engine_no_admin.discard(name)
         for c in CONDITIONS:
             try:
@@ -584,38 +584,34 @@ class Controller:
             return
         for name, v in self.views.items():
             want = self.actuator.caps.get(name)
-            if name in self._engine_no_admin or self._engine_caps.get(name, None) == want:
-                continue
-            if want is None and name not in self._engine_orig:
-                continue  # never lowered: nothing to restore
+            capped = self._engine_capped.get(name)
+            if name in self._engine_no_admin or (capped[1] if capped else None) == want:
+                continue  # as wanted already (never lowered and nothing to lower included)
             try:
                 async with EngineAdmin(v.url, token, timeout=2.0) as eng:
-                    if name not in self._engine_orig:
-                        self._engine_orig[name] = int((await eng.config())["max_num_seqs"])
-                    orig = self._engine_orig[name]
+                    orig = capped[0] if capped else int((await eng.config())["max_num_seqs"])
                     target = orig if want is None else min(want, orig)
                     await eng.set_max_num_seqs(max_num_seqs=target)
-            except AdminRejected as e:
-                if e.status in (401, 403, 404, 405):
-                    self._engine_no_admin.add(name)
-                    (log.warning if e.status in (401, 403) else log.info)(
-                        "%s: max_num_seqs not changed on the engine (%s%s); the gateway's cap "
-                        "bounds it alone",
-                        name,
-                        e,
-                        ": is the engine token its own?" if e.status in (401, 403) else "",
-                    )
-                    continue
-                self.metrics.errors.labels("apply").inc()
-                log.warning("could not set max_num_seqs on %s: %s", name, e)
-                continue
             except (AdminError, KeyError, TypeError, ValueError) as e:
-                self.metrics.errors.labels("apply").inc()
-                log.warning("could not set max_num_seqs on %s: %s", name, e)
-                continue  # retried next window
-            self._engine_caps[name] = want
+                no_api = isinstance(e, AdminRejected) and e.status in (401, 403, 404, 405)
+                if not no_api:
+                    self.metrics.errors.labels("apply").inc()
+                    log.warning("could not set max_num_seqs on %s: %s", name, e)
+                    continue  # retried next window
+                self._engine_no_admin.add(name)
+                denied = isinstance(e, AdminRejected) and e.status in (401, 403)
+                (log.warning if denied else log.info)(
+                    "%s: max_num_seqs not changed on the engine (%s%s); the gateway's cap "
+                    "bounds it alone",
+                    name,
+                    e,
+                    ": is the engine token its own?" if denied else "",
+                )
+                continue
             if want is None:
-                del self._engine_orig[name]
+                del self._engine_capped[name]
+            else:
+                self._engine_capped[name] = (orig, want)
             why = (
                 f"restored to {target}"
                 if want is None
@@ -761,7 +757,7 @@ class Controller:
                 "baseline_s": None if r is None else r.baseline,
                 "backpressure": None if r is None else round(r.backpressure, 3),
                 "cap_override": self.actuator.caps.get(name),
-                "engine_max_num_seqs": self._engine_caps.get(name),
+                "engine_max_num_seqs": c[1] if (c := self._engine_capped.get(name)) else None,
                 "slow_clients": self.views[name].slow_clients if name in self.views else 0,
                 "engine": _engine_state(self._engine_last.get(name)),
             }

@@ -205,7 +205,7 @@ _TTFT = "vllm:time_to_first_token_seconds"
 
 def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:
     w = EngineWindow()
-    itl: dict[str, list[float]] = {}
+    sums: dict[str, list[float]] = {}  # histogram base name -> [sum, count] this window
     for s in parse_text(text, ("vllm:",)):
         name = s.name
         if name == "vllm:num_requests_running":
@@ -219,12 +219,12 @@ def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:
             if base in _ITL or base == _TTFT:
                 d = deltas.delta(s)
                 if not math.isnan(d):
-                    pair = itl.setdefault(base, [0.0, 0.0])
+                    pair = sums.setdefault(base, [0.0, 0.0])
                     pair[0 if kind == "sum" else 1] += d
     for base in _ITL:
-        if base in itl and itl[base][1] > 0:
-            w.itl_sum, w.itl_count = itl[base]
+        if base in sums and sums[base][1] > 0:
+            w.itl_sum, w.itl_count = sums[base]
             break
-    if _TTFT in itl:
-        w.ttft_sum, w.ttft_count = itl[_TTFT]
+    if _TTFT in sums:
+        w.ttft_sum, w.ttft_count = sums[_TTFT]
     return w

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from unbroken.config.paths import engine_token_path
 from unbroken.config.spec import PipelineSpec
 
 __all__ = ["FULL_PRECISIONS", "Companion", "Companions", "controller_settings"]
@@ -102,7 +103,7 @@ class Companions:
                     "--supervisor-socket", str(self.state / "supervisor.sock")]  # fmt: skip
             if agent_url:
                 argv += ["--agent", agent_url]
-            if (tok := self.state / "engine-token").exists():  # the engines' own admin token
+            if (tok := engine_token_path(self.state)).exists():  # the engines' own admin token
                 argv += ["--engine-token-file", str(tok)]
             out.append(Companion("controller", argv, env, f"http://{c.host}:{c.port}"))
         return out
