@@ -19,6 +19,10 @@ their metrics into one /metrics, and:
   second SIGTERM) ends with an SSE error event; exit 0.
 - A worker that dies is replaced at once; its shared row is zeroed, so the slots its streams
   held come back, and only its own streams are lost.
+- This process dying (kill -9): its workers serve on and offer the listening socket at a
+  known path (`_handover.takeover_dir`); the next main process on that port (the supervisor's
+  restart) takes it there instead of binding, so no connection is refused, and the orphans
+  then finish their streams and exit (`_worker.WorkerGateway.lost_main`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from prometheus_client.registry import Collector
 
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
+from unbroken.gateway._handover import take_listener
 from unbroken.gateway._metrics import merge_expositions, retire
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._server import (
@@ -577,6 +582,25 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _take_or_listen(host: str, port: int) -> tuple[socket.socket, list[socket.socket]]:
+    """The listening socket that orphaned workers of a killed main process still serve on
+    (the very same accept queue, so a restart refuses nothing), or a new one; and the
+    connections to those workers, to close once this process's workers serve."""
+    sock, orphans = take_listener(port) if port else (None, [])
+    if sock is None:
+        for c in orphans:
+            c.close()
+        return _listen(host, port), []
+    log.warning(
+        "took the listening socket on port %d from %d worker(s) of a main process that died; "
+        "they drain once this gateway's workers serve",
+        port,
+        len(orphans),
+    )
+    sock.set_inheritable(True)
+    return sock, orphans
+
+
 async def serve_main(
     cfg: GatewaySettings,
     admin_token: str | None,
@@ -591,7 +615,7 @@ async def serve_main(
     token = resolve_token(admin_token)
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-gateway-"))
     shared = SharedCounters(tmp / "admission", create=True)
-    listen = _listen(cfg.host, cfg.port)
+    listen, orphans = _take_or_listen(cfg.host, cfg.port)
     gw = MainGateway(cfg, token, shared, listen, tmp, workers)
     gw.shutdown_timeout = shutdown_timeout
     loop = asyncio.get_running_loop()
@@ -606,6 +630,9 @@ async def serve_main(
             await gw.shutdown(0.0, asyncio.Event())
             await gw.stop()
             raise
+        finally:
+            for c in orphans:  # the old workers drain now (or, if this start failed, too)
+                c.close()
         loop.call_later(UNREADY_WARNING_S, _warn_unready, gw)
         tick = asyncio.create_task(gw._tick())
         stop, force = asyncio.Event(), asyncio.Event()

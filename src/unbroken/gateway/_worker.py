@@ -14,8 +14,14 @@ socket (newline-delimited JSON) and runs no prober, discovery or admin API of it
 A drain (reload or shutdown) closes this worker's copy of the listener, lets each connection
 finish its current request, and exits 0; `force` ends the streams still open with an SSE
 error event. At a reload the streams go to the new workers instead, with their connections
-(`_handover`), so the drain takes seconds. A lost control socket means the main process
-died: the worker drains and exits.
+(`_handover`), so the drain takes seconds.
+
+A lost control socket (or the kernel's parent-death signal) means the main process died
+(kill -9, a crash): the worker keeps serving on the listening socket, with the endpoints and
+caps it last heard of, and offers that socket to the next main process (`offer_listener`).
+Once one takes it (the supervisor's restart, on the same port), the worker drains: its
+streams finish (up to `--shutdown-timeout`) and it exits. No new main within ORPHAN_WAIT_S:
+it drains all the same.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.config.spec import GatewaySettings
-from unbroken.gateway._handover import Inbound, Outbound
+from unbroken.gateway._handover import Inbound, Outbound, offer_listener
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
@@ -48,6 +54,8 @@ from unbroken.wire.http import ServerLimits, client_session, start_site
 __all__ = ["WorkerGateway", "main"]
 
 MERGE_WAIT_S = 5.0  # a /metrics scrape waits this long for the main process's merge
+TERM_SETTLE_S = 0.2  # a SIGTERM is told from the parent-death signal after this
+ORPHAN_WAIT_S = 30.0  # a worker whose main process died serves at most this long without one
 
 log = logging.getLogger("unbroken.gateway.worker")
 
@@ -66,6 +74,9 @@ class WorkerGateway(Gateway):
         self.inbound: Inbound | None = None  # streams handed over by old workers
         self.outbound: Outbound | None = None  # this worker's streams, at a reload
         self.accepting = True  # takes handed-over streams (until its drain is over)
+        self.listen: socket.socket | None = None
+        self.orphaned = False  # the main process died; serving until a new one takes over
+        self._offer: asyncio.Task[None] | None = None
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -210,10 +221,40 @@ class WorkerGateway(Gateway):
 
     def lost_main(self) -> None:
         """The main process is gone (its end of the control socket closed, or the kernel's
-        parent-death signal): no more state, so finish what is open and exit."""
-        log.warning("worker %d lost the main process: draining", os.getpid())
+        parent-death signal; either may come first, and both come). Closing the listener
+        now would refuse every connection until a new main binds the port, and forcing
+        the drain would cut every stream: keep serving and offer the listening socket to
+        the next main process instead; drain once it has it (or after ORPHAN_WAIT_S)."""
+        if self.orphaned or self.drain_task is not None:
+            return  # told already, or draining anyway (a reload's or shutdown's drain goes on)
+        self.orphaned = True
+        if self.listen is None:
+            self._drain_orphan("main process gone")
+            return
+        log.warning(
+            "worker %d lost the main process: serving on until a new one takes the listening "
+            "socket (at most %.0f s)",
+            os.getpid(),
+            ORPHAN_WAIT_S,
+        )
+        port = int(self.listen.getsockname()[1])
+        self._offer = asyncio.create_task(
+            offer_listener(
+                self.listen, port, lambda: self._drain_orphan("a new main process took over")
+            )
+        )
+        asyncio.get_running_loop().call_later(
+            ORPHAN_WAIT_S, self._drain_orphan, "main process gone, and no new one came"
+        )
+
+    def _drain_orphan(self, why: str) -> None:
+        if self.drain_task is not None:
+            return
+        if self._offer is not None and not self._offer.done():
+            self._offer.cancel()
+        log.warning("worker %d: %s; draining", os.getpid(), why)
         self.closing = "the gateway's main process is gone"
-        self.drain(self.shutdown_timeout, "main process gone")
+        self.drain(self.shutdown_timeout, why)
 
 
 async def _run(spec: dict[str, Any]) -> None:
@@ -224,6 +265,7 @@ async def _run(spec: dict[str, Any]) -> None:
     gw = WorkerGateway(cfg, shared, writer)
     gw.shutdown_timeout = spec["shutdown_timeout"]
     listen = socket.socket(fileno=spec["listen_fd"])
+    gw.listen = listen
     # The first state arrives before we serve, so the first request finds the endpoints.
     first = orjson.loads(await reader.readline())
     gw.apply(first)
@@ -233,10 +275,22 @@ async def _run(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C: the main process decides
 
-    def on_term() -> None:  # from the kernel when the main process dies (PR_SET_PDEATHSIG)
-        if gw.drain_task is not None:
+    def decide() -> None:
+        if gw.orphaned or os.getppid() != spec["main_pid"]:
+            # The kernel's parent-death signal (PR_SET_PDEATHSIG): the main process died. It
+            # is not a second SIGTERM, so it must never force a drain already under way.
+            gw.lost_main()
+        elif gw.drain_task is not None:  # a second SIGTERM from someone: end what is left
             gw.force.set()
-        gw.lost_main()
+        else:
+            gw.closing = "shutting down"
+            gw.drain(gw.shutdown_timeout, "SIGTERM")
+
+    def on_term() -> None:
+        # The parent-death signal comes when the thread that started this worker exits,
+        # while the main process's other threads may still live: getppid() still names it
+        # then. Decide once its death is complete (the control socket's EOF, reparenting).
+        loop.call_later(TERM_SETTLE_S, decide)
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
     control = asyncio.create_task(gw.control(reader))
