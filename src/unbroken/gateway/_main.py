@@ -79,6 +79,7 @@ STATE_S = 0.25  # scraped engine load reaches the workers at least this often
 START_TIMEOUT_S = 30.0  # a new worker must serve within this, or the reload is abandoned
 SYNC_S = 2.0  # an admin change waits at most this long for the workers to apply it
 METRICS_WAIT_S = 2.0  # a /metrics scrape waits this long for the workers' expositions
+TAKEOVER_HOLD_S = 20.0  # orphaned workers serve at most this long while endpoints get ready
 
 
 @dataclass(eq=False)
@@ -158,6 +159,7 @@ class MainGateway(Gateway):
         self._broadcast_soon = False
         self._seq = 0
         self._reloading: asyncio.Task[None] | None = None
+        self.took_over = False  # the listener came from orphaned workers of a dead main
         self.metrics.registry.register(_WorkerGauge(self))
 
     # -- endpoints: columns of the shared table -------------------------------------------------
@@ -504,6 +506,20 @@ class MainGateway(Gateway):
                     p.kill()
         fwd.cancel()
 
+    async def _wait_ready_endpoint(self) -> None:
+        """After taking the listener from orphaned workers: they serve on while this process
+        learns its endpoints (the supervisor registers them through the admin API, which
+        answers now) and warms them; its own workers start once one is ready, at most
+        TAKEOVER_HOLD_S later, so that a request never lands on a worker with none."""
+        deadline = time.monotonic() + TAKEOVER_HOLD_S
+        while time.monotonic() < deadline:
+            if any(e.state == State.READY for e in self.pool.endpoints.values()):
+                return
+            await asyncio.sleep(0.05)
+        log.warning(
+            "no endpoint ready within %.0f s of the takeover: serving anyway", TAKEOVER_HOLD_S
+        )
+
     # -- metrics: one gateway -----------------------------------------------------------------
     async def merged_metrics(self) -> str:
         """Every worker's exposition merged with the main process's. All workers are asked at
@@ -564,6 +580,8 @@ class MainGateway(Gateway):
         self._runners = [runner]
         self.admin_port = _bound_port(runner) or cfg.admin_port
         self.port = int(self.listen.getsockname()[1])
+        if self.took_over:
+            await self._wait_ready_endpoint()
         await self.start_workers()  # after the admin API: once /health answers, so does it
         log.info(
             "gateway on http://%s:%d (%d workers), admin on http://%s:%d",
@@ -617,6 +635,7 @@ async def serve_main(
     shared = SharedCounters(tmp / "admission", create=True)
     listen, orphans = _take_or_listen(cfg.host, cfg.port)
     gw = MainGateway(cfg, token, shared, listen, tmp, workers)
+    gw.took_over = bool(orphans)
     gw.shutdown_timeout = shutdown_timeout
     loop = asyncio.get_running_loop()
     # A SIGHUP during start-up (workers may already answer /health) is kept for after it,
