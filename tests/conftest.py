@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import Proc, engine, gateway
+from helpers import UPS, Proc, engine, gateway
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -19,6 +19,8 @@ def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     os.environ["UNBROKEN_STATE_DIR"] = str(base / "state")
     os.environ.setdefault("UNBROKEN_CACHE_DIR", str(base / "cache"))
     yield
+    for up in UPS:  # a pipeline's data plane outlives a killed supervisor: leave none behind
+        up.kill_orphans()
 
 
 @pytest.fixture(scope="module")

@@ -245,6 +245,36 @@ def stream_text(events: list[Any], chat: bool) -> str:
     return "".join(out)
 
 
+UPS: list[Up] = []  # every `unbroken up` a test started: conftest kills what is left
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks after boot): with the pid, who a process is."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def kill_plane(state: Path) -> list[int]:
+    """SIGKILL the process group of each process recorded in STATE/plane.json that is still
+    the process recorded (same start time: a reused pid is left alone)."""
+    try:
+        plane = json.loads((state / "plane.json").read_text())
+    except (OSError, ValueError):
+        return []
+    procs = [plane.get("gateway") or {}, *plane.get("replicas", []), *plane.get("companions", [])]
+    killed = []
+    for p in procs:
+        pid = p.get("pid")
+        if pid and proc_start_time(pid) == p.get("start"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # each runs in its own session: pgid == pid
+                killed.append(pid)
+    return killed
+
+
 class Up:
     def __init__(
         self,
@@ -277,16 +307,32 @@ class Up:
         ]
         if spec is not None:
             argv.append(str(spec))
+        self.argv = argv
         self.log = tmp / "up.log"
-        with open(self.log, "wb") as out:
+        UPS.append(self)
+        self.launch()
+
+    def launch(self) -> None:
+        """Start `unbroken up` (again: same ports, same state directory) and wait until its
+        supervisor has written run.json (one left by a supervisor that died does not count)."""
+        with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
-        wait_for(
-            lambda: (self.state / "run.json").exists() or self.proc.poll() is not None,
-            timeout=90,
-            what="pipeline up",
-        )
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                return True
+            with contextlib.suppress(OSError, ValueError):
+                run = json.loads((self.state / "run.json").read_text())
+                return bool(run.get("pid") == self.proc.pid)
+            return False
+
+        wait_for(up, timeout=90, what="pipeline up")
         assert self.proc.poll() is None, self.log.read_text()
 
     @property
@@ -307,7 +353,20 @@ class Up:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
+        try:
+            return self.proc.wait(60)
+        finally:
+            self.kill_orphans()
+
+    def kill_orphans(self) -> list[int]:
+        """SIGKILL the supervisor if it still runs, and every process group of the data plane
+        it recorded (STATE/plane.json; a clean stop removes it). A supervisor that dies no
+        longer takes its engines and gateway with it, so a test that SIGKILLs one, or fails
+        before its clean stop, would leak processes that hold ports and CPU. The pids killed."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        return kill_plane(self.state)
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

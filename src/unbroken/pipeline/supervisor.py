@@ -1,7 +1,7 @@
 """The local supervisor behind `unbroken up`.
 
-It runs the gateway and every engine replica as child processes (own session, killed with
-the supervisor through PR_SET_PDEATHSIG, so nothing is orphaned), registers each engine with
+It runs the gateway and every engine replica as child processes (each in its own session),
+registers each engine with
 the gateway's admin API once `/health` answers (the gateway then warms it up: stage 2), and
 replaces a replica that dies. A small control API on a Unix socket serves `unbroken status`.
 
@@ -13,6 +13,13 @@ that crashes; a gateway that exits 0 was stopped on purpose, and the pipeline st
 `unbroken reload` (POST /reload on the control socket) re-reads the spec, renders the
 gateway's settings again (`render_gateway_settings`, the same as at start), SIGHUPs the
 gateway and waits for its new workers; what only a restart can change is listed, not applied.
+
+The data plane outlives its supervisor (`survive=True`, what `unbroken up` runs): the
+processes carry no parent-death signal, and STATE/plane.json records each one (pid, start
+time, argv, port). A supervisor killed with SIGKILL leaves the gateway and engines serving; the
+next `unbroken up` on the directory adopts every recorded process that is still the process
+recorded (`Adopted`: same start time and argv, held by a pidfd so a reused pid can never be
+signalled) and replaces what is gone. A clean stop removes plane.json.
 """
 
 from __future__ import annotations
@@ -101,6 +108,154 @@ def _backoff(attempt: int) -> float:
     return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempt - 1)))
 
 
+PLANE_FILE = "plane.json"
+UNKNOWN_EXIT = -1  # an adopted process is not our child: its exit status cannot be read
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks after boot): with the pid, who a process is."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
+
+
+class Adopted:
+    """A process an earlier supervisor started (not our child), with the part of
+    asyncio.subprocess.Process the supervisor uses. A pidfd pins it: signals go to this
+    process or nowhere, and `wait` wakes when it exits (its exit status is UNKNOWN_EXIT)."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self._fd = pidfd
+        self._code: int | None = None
+
+    @classmethod
+    def verify(cls, rec: dict[str, Any]) -> Adopted | None:
+        """The recorded process if it still runs as recorded (start time and argv), else None."""
+        pid = rec.get("pid")
+        if not isinstance(pid, int) or pid <= 0:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        # Checked after the pidfd is open: if the pid was reused before, this sees it.
+        if proc_start_time(pid) != rec.get("start") or _cmdline(pid) != rec.get("argv"):
+            os.close(fd)
+            return None
+        return cls(pid, fd)
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None:
+            import select
+
+            if select.select([self._fd], [], [], 0)[0]:
+                self._exited()
+        return self._code
+
+    def _exited(self) -> None:
+        if self._code is None:
+            self._code = UNKNOWN_EXIT
+            os.close(self._fd)
+
+    async def wait(self) -> int:
+        while self.returncode is None:
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+            loop.add_reader(self._fd, ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(self._fd)
+        assert self._code is not None
+        return self._code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is not None:
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self._fd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def read_plane(state: Path) -> dict[str, Any] | None:
+    """STATE/plane.json as recorded, or None."""
+    try:
+        plane = json.loads((state / PLANE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return plane if isinstance(plane, dict) else None
+
+
+def live_plane(state: Path) -> dict[str, Any] | None:
+    """The recorded data plane, each entry with `alive` (still the process recorded); None
+    when nothing was recorded."""
+    plane = read_plane(state)
+    if plane is None:
+        return None
+    for rec in _plane_records(plane):
+        proc = Adopted.verify(rec)
+        rec["alive"] = proc is not None
+        if proc is not None:
+            os.close(proc._fd)
+    return plane
+
+
+def _plane_records(plane: dict[str, Any]) -> list[dict[str, Any]]:
+    gw = plane.get("gateway")
+    return [*([gw] if gw else []), *plane.get("replicas", []), *plane.get("companions", [])]
+
+
+async def stop_plane(state: Path, timeout: float = 15.0) -> list[int]:
+    """Stop an orphaned data plane (no supervisor): SIGTERM every recorded process that is
+    still the one recorded (engines and companions first, then the gateway), SIGKILL what is
+    left after `timeout`; remove plane.json. The pids stopped."""
+    plane = read_plane(state)
+    if plane is None:
+        return []
+    gw = plane.get("gateway")
+    waves = [[*plane.get("companions", []), *plane.get("replicas", [])], [gw] if gw else []]
+    stopped: list[int] = []
+    for wave in waves:
+        procs = [p for p in (Adopted.verify(r) for r in wave) if p is not None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+
+        async def one(p: Adopted) -> None:
+            try:
+                await asyncio.wait_for(p.wait(), timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+
+        await asyncio.gather(*(one(p) for p in procs))
+        stopped += [p.pid for p in procs]
+    with contextlib.suppress(FileNotFoundError):
+        (state / PLANE_FILE).unlink()
+    return stopped
+
+
+def _record(proc: Any, argv: list[str]) -> dict[str, Any]:
+    return {"pid": proc.pid, "start": proc_start_time(proc.pid), "argv": argv}
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM if the supervisor dies, even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
@@ -113,8 +268,9 @@ class Replica:
     pool: PoolSpec
     port: int
     host: str = "127.0.0.1"
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | Adopted | None = None
     log_path: Path | None = None
+    argv: list[str] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     healthy_at: float | None = None
     niced: bool = False  # started at the pool's startup_nice, not yet back to 0
@@ -166,11 +322,15 @@ class Supervisor:
         restart: bool = True,
         spec_path: Path | None = None,
         reload_spec: Callable[[], PipelineSpec] | None = None,
+        survive: bool = False,
     ) -> None:
         """`reload_spec` reads the spec again for `unbroken reload` (SpecError if it no
         longer parses or validates); without it a reload re-applies the running spec (new
         gateway workers with the code on disk, no setting changed). `spec_path` is where it
-        reads from (None: the default spec), for messages."""
+        reads from (None: the default spec), for messages. `survive`: the data plane
+        outlives this process (recorded in plane.json, adopted by the next supervisor);
+        otherwise each child gets a parent-death signal (the demo, the baseline)."""
+        self.survive = survive
         self.spec = spec
         self.spec_path = spec_path
         self.reload_spec = reload_spec
@@ -181,7 +341,8 @@ class Supervisor:
         self.restart = restart
         self.logs = state / "logs"
         self.replicas: dict[str, Replica] = {}
-        self.gateway_proc: asyncio.subprocess.Process | None = None
+        self.gateway_proc: asyncio.subprocess.Process | Adopted | None = None
+        self.gateway_argv: list[str] = []
         g = spec.gateway
         self.gateway_url = f"http://{g.host}:{g.port}"
         self.admin_url = f"http://{g.admin_host}:{g.admin_port}"
@@ -219,13 +380,22 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=None if self.survive else _die_with_parent,
             )
         except (FileNotFoundError, PermissionError) as e:
             raise StartupError(f"cannot start {name}: {argv[0]}: {e.strerror}") from None
         finally:
             out.close()
         return proc, path
+
+    async def _spawn_recorded(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> tuple[asyncio.subprocess.Process, Path]:
+        """_spawn for the companions: plane.json is written again once the caller has the
+        process (on the next loop turn)."""
+        out = await self._spawn(name, argv, env)
+        asyncio.get_running_loop().call_soon(self.save_plane)
+        return out
 
     def _gateway_env(self) -> dict[str, str]:
         env = {"UNBROKEN_ADMIN_TOKEN": self.token}
@@ -378,7 +548,8 @@ class Supervisor:
         env = {"UNBROKEN_ADMIN_TOKEN": self.engine_token or "", **pool.engine.env}
         if (key := _pool_key(pool)) is not None:
             env.setdefault("VLLM_API_KEY", key)
-        r.proc, r.log_path = await self._spawn(name, self.engine_argv(pool, r.host, port), env)
+        r.argv = self.engine_argv(pool, r.host, port)
+        r.proc, r.log_path = await self._spawn(name, r.argv, env)
         r.started_at = time.time()
         self._reads_weights(r.proc.pid)
         if pool.engine.startup_nice and may_renice():
@@ -389,6 +560,7 @@ class Supervisor:
                 set_session_nice(r.proc.pid, pool.engine.startup_nice)
                 r.niced = True
         self.replicas[name] = r
+        self.save_plane()
         log.info("started %s (pid %d, port %d)", name, r.pid, port)
         self.record("replica_started", replica=name, pid=r.pid)
         return r
@@ -410,6 +582,7 @@ class Supervisor:
                     f"{self.health_timeout:.0f} s; log: {r.log_path}"
                 ) from None
         r.healthy_at = time.time()
+        self.save_plane()
         if r.niced and r.proc is not None:  # serving from here on: its fair share again
             with contextlib.suppress(OSError):
                 set_session_nice(r.proc.pid, 0)
@@ -462,6 +635,7 @@ class Supervisor:
         log.warning("%s (pid %s) exited unexpectedly with %s", r.name, r.pid, code)
         self.record("replica_died", replica=r.name, pid=r.pid, code=code)
         self.replicas.pop(r.name, None)
+        self.save_plane()
         with contextlib.suppress(AdminError):
             await self.admin.remove(name=r.name)
         if not self.restart:
@@ -517,6 +691,7 @@ class Supervisor:
             return await r.proc.wait()
         finally:
             self.replicas.pop(r.name, None)
+            self.save_plane()
 
     def record(self, kind: str, **data: Any) -> None:
         self.events.append({"t": time.time(), "event": kind, **data})
@@ -541,20 +716,19 @@ class Supervisor:
         self.lock()
         self.engine_token = engine_token(self.state)
         await asyncio.get_running_loop().run_in_executor(None, self.prepare_weights, say)
-        say("starting the gateway")
-        self.gateway_proc, gw_log = await self._spawn(
-            "gateway", self._gateway_argv(), self._gateway_env()
-        )
-        await self._wait_gateway(gw_log)
-        say(f"starting {sum(p.replicas for p in self.spec.pools)} engine replica(s)")
-        await asyncio.gather(
-            *(self.bring_up(p) for p in self.spec.pools for _ in range(p.replicas))
-        )
+        if not await self._adopt_plane(say):
+            say("starting the gateway")
+            await self._start_gateway()
+        missing = [
+            p for p in self.spec.pools for _ in range(p.replicas - len(self.replicas_of(p.name)))
+        ]
+        say(f"starting {len(missing)} engine replica(s)")
+        await asyncio.gather(*(self.bring_up(p) for p in missing))
         say("waiting for every endpoint to pass its warm-up")
         await self.wait_ready()
         self._track(asyncio.create_task(self._watch_gateway(), name="watch-gateway"))
         await self._start_control()
-        await self.companions.start(self._spawn, say)
+        await self.companions.start(self._spawn_recorded, say)
         RunInfo(
             pid=os.getpid(),
             gateway_url=self.gateway_url,
@@ -563,6 +737,131 @@ class Supervisor:
             token_file=str(self.token_file),
             started=time.time(),
         ).write(self.state)
+
+    async def _start_gateway(self) -> None:
+        self.gateway_argv = self._gateway_argv()
+        self.gateway_proc, gw_log = await self._spawn(
+            "gateway", self.gateway_argv, self._gateway_env()
+        )
+        self.save_plane()
+        await self._wait_gateway(gw_log)
+
+    def save_plane(self) -> None:
+        """Record the data plane in STATE/plane.json (atomically) for the next supervisor."""
+        if not self.survive or self._lock_fd is None:
+            return
+        gw = self.gateway_proc
+        plane = {
+            "gateway": None
+            if gw is None or gw.returncode is not None
+            else {
+                **_record(gw, self.gateway_argv),
+                "url": self.gateway_url,
+                "admin_url": self.admin_url,
+            },
+            "replicas": [
+                {
+                    **_record(r.proc, r.argv),
+                    "name": r.name,
+                    "pool": r.pool.name,
+                    "host": r.host,
+                    "port": r.port,
+                    "started_at": r.started_at,
+                    "healthy_at": r.healthy_at,
+                }
+                for r in self.replicas.values()
+                if r.proc is not None and r.proc.returncode is None
+            ],
+            "companions": [
+                {**_record(c.proc, c.argv), "name": c.name}
+                for c in self.companions.items.values()
+                if c.proc is not None and c.proc.returncode is None
+            ],
+        }
+        tmp = self.state / f".{PLANE_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(plane, f, indent=1)
+        os.replace(tmp, self.state / PLANE_FILE)
+
+    async def _adopt_plane(self, say: Callable[[str], None]) -> bool:
+        """Take back the data plane a supervisor that died left serving: the gateway (if it
+        still listens where the spec says and takes our admin token) and every engine that is
+        still the process recorded; orphaned companions are stopped (they are started again).
+        True when the gateway was adopted; otherwise whatever is left is stopped."""
+        plane = read_plane(self.state)
+        if plane is None:
+            return False
+        gw_rec = plane.get("gateway") or {}
+        gw = Adopted.verify(gw_rec) if gw_rec else None
+        why = "no gateway left"
+        if gw is not None:
+            why = ""
+            if (gw_rec.get("url"), gw_rec.get("admin_url")) != (self.gateway_url, self.admin_url):
+                why = (
+                    f"the gateway listens at {gw_rec.get('url')}, the spec says {self.gateway_url}"
+                )
+            else:
+                try:
+                    await self.admin.status()
+                except AdminError as e:
+                    why = f"its gateway's admin API: {e}"
+        for rec in plane.get("companions", []):  # not needed to serve: started afresh
+            if (c := Adopted.verify(rec)) is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.terminate()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(c.wait(), 5)
+        if why:
+            log.warning("not adopting the data plane left in %s: %s; replacing it", self.state, why)
+            say(f"stopping the data plane a previous supervisor left ({why})")
+            await stop_plane(self.state)
+            return False
+        assert gw is not None
+        self.gateway_proc, self.gateway_argv = gw, list(gw_rec["argv"])
+        adopted: list[str] = []
+        for rec in plane.get("replicas", []):
+            proc = Adopted.verify(rec)
+            pool = self.pool_spec(str(rec.get("pool")))
+            if proc is None:
+                continue
+            r = Replica(
+                name=rec["name"],
+                pool=pool or self.spec.pools[0],
+                port=rec["port"],
+                host=rec["host"],
+                proc=proc,
+                log_path=self.logs / f"{rec['name']}.log",
+                argv=list(rec["argv"]),
+                started_at=rec["started_at"],
+                healthy_at=rec["healthy_at"],
+            )
+            self.replicas[r.name] = r
+            if pool is None:  # a pool the spec no longer has: drained out like a scale-in
+                log.warning(
+                    "%s belongs to pool %s, not in the spec: stopping it", r.name, rec["pool"]
+                )
+                with contextlib.suppress(AdminError):
+                    await self.admin.drain(name=r.name, deadline_s=10)
+                await self.stop_replica(r, timeout=15)
+                continue
+            if (n := _serial_of(r.name, pool.name)) is not None:
+                self._serial[pool.name] = itertools.count(max(n + 1, next(self._serial[pool.name])))
+            adopted.append(r.name)
+        known = {e["name"] for e in await self.admin.endpoints()}
+        for name in known - set(self.replicas):  # an engine that died with no supervisor
+            with contextlib.suppress(AdminError):
+                await self.admin.remove(name=name)
+        for r in list(self.replicas.values()):
+            if r.name not in known:
+                await self.wait_health(r)
+                await self.register(r)
+            self.watch(r)
+        self.save_plane()
+        self.record("adopted", gateway_pid=gw.pid, replicas=adopted)
+        log.info("adopted the running data plane: gateway pid %d, %s", gw.pid, adopted)
+        say(f"adopted the running gateway (pid {gw.pid}) and {len(adopted)} engine(s)")
+        return True
 
     def _track(self, t: asyncio.Task[Any]) -> None:
         self._tasks.add(t)
@@ -581,7 +880,7 @@ class Supervisor:
             if self._stopping:
                 return
             pid = self.gateway_proc.pid
-            if code == 0:
+            if code == 0 and not isinstance(self.gateway_proc, Adopted):
                 log.warning("the gateway (pid %s) stopped (exit 0); stopping the pipeline", pid)
                 self.record("gateway_stopped", pid=pid, code=code)
                 self.stopped.set()
@@ -597,10 +896,7 @@ class Supervisor:
                     await asyncio.sleep(delay)
                 self.restarts += 1
                 try:
-                    self.gateway_proc, gw_log = await self._spawn(
-                        "gateway", self._gateway_argv(), self._gateway_env()
-                    )
-                    await self._wait_gateway(gw_log)
+                    await self._start_gateway()
                     for r in list(self.replicas.values()):
                         if r.alive and not r.stopping:
                             await self.register(r)
@@ -618,7 +914,8 @@ class Supervisor:
                             self.gateway_proc.kill()
                         await self.gateway_proc.wait()
 
-    async def _wait_gateway(self, gw_log: Path) -> None:
+    async def _wait_gateway(self, gw_log: Path | None = None) -> None:
+        gw_log = gw_log or self.logs / "gateway.log"
         deadline = time.monotonic() + 30
         while True:
             assert self.gateway_proc is not None
@@ -718,8 +1015,10 @@ class Supervisor:
         )
         old_r = render_gateway_settings(self.spec)
         new_r = render_gateway_settings(self.spec.model_copy(update={"gateway": applied}))
-        changed = _diff(_flatten(old_r.model_dump(mode="json"), "gateway."),
-                        _flatten(new_r.model_dump(mode="json"), "gateway."))  # fmt: skip
+        changed = _diff(
+            _flatten(old_r.model_dump(mode="json"), "gateway."),
+            _flatten(new_r.model_dump(mode="json"), "gateway."),
+        )
         # A pool's cap is the gateway's in-flight cap per replica: applied too.
         caps: dict[str, int | None] = {}
         for p in self.spec.pools:
@@ -934,8 +1233,9 @@ class Supervisor:
         if self._control is not None:
             await self._control.cleanup()
         if self._lock_fd is not None:  # run.json is ours only if the directory was
-            with contextlib.suppress(FileNotFoundError):
-                (self.state / "run.json").unlink()
+            for name in ("run.json", PLANE_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.state / name).unlink()
         await self.admin.close()
         self.unlock()
 
@@ -1029,6 +1329,11 @@ def _reload_failure(path: Path, offset: int) -> str | None:
         if any(m in line for m in ("reload failed", "reload: cannot read", "already under way")):
             return line.split(": ", 1)[-1]  # the message, without time, level and logger
     return None
+
+
+def _serial_of(name: str, pool: str) -> int | None:
+    head, _, n = name.rpartition("-")
+    return int(n) if head == pool and n.isdigit() else None
 
 
 def _pool_key(pool: PoolSpec) -> str | None:

@@ -19,10 +19,10 @@ from unbroken.clients import AdminError
 from unbroken.config.paths import RunInfo, admin_token, state_dir
 from unbroken.config.spec import PipelineSpec, SpecError, load_spec
 from unbroken.pipeline.control import SupervisorClient, SupervisorError, SupervisorRejected
-from unbroken.pipeline.supervisor import StartupError, Supervisor
+from unbroken.pipeline.supervisor import StartupError, Supervisor, live_plane, stop_plane
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
-__all__ = ["reload_cli", "run_up", "show_status"]
+__all__ = ["down_cli", "reload_cli", "run_up", "show_status"]
 
 
 def run_up(
@@ -86,6 +86,7 @@ def run_up(
         token_file=token_file,
         spec_path=path,
         reload_spec=reread,
+        survive=True,
     )
     return asyncio.run(_main(sup, console))
 
@@ -273,6 +274,25 @@ def _table(status: dict[str, Any]) -> str:
 
 def show_status(*, as_json: bool) -> int:
     info = RunInfo.read(state_dir())
+    if info is None and (orphan := _orphan(state_dir())) is not None:
+        gw = orphan["gateway"]
+        engines = [r for r in orphan.get("replicas", []) if r["alive"]]
+        if as_json:
+            out = {"running": False, "supervisor": "not running", "data_plane": "serving",
+                   "state_dir": str(state_dir()), "gateway_pid": gw["pid"],
+                   "gateway_url": gw.get("url"), "admin_url": gw.get("admin_url"),
+                   "replicas": [{k: r[k] for k in ("name", "pool", "pid", "port")}
+                                for r in engines]}  # fmt: skip
+            sys.stdout.write(json.dumps(out, indent=1) + "\n")
+        else:
+            sys.stderr.write(
+                f"supervisor not running, data plane serving: gateway pid {gw['pid']} "
+                f"({gw.get('url')}), {len(engines)} engine(s): "
+                + ", ".join(f"{r['name']} pid {r['pid']}" for r in engines)
+                + "\n`unbroken up` with this state directory takes it back; `unbroken down` "
+                "stops it\n"
+            )
+        return 1
     if info is None:
         msg = "no pipeline is running (start one with `unbroken up`)"
         if as_json:
@@ -449,6 +469,43 @@ def drain_cli(
             return 1
 
     return asyncio.run(go())
+
+
+def _orphan(state: Path) -> dict[str, Any] | None:
+    """The data plane a supervisor that died left serving (its gateway still runs), or None."""
+    plane = live_plane(state)
+    if plane is None or not (plane.get("gateway") or {}).get("alive"):
+        return None
+    return plane
+
+
+def down_cli(timeout: float = 60.0) -> int:
+    """Stop the pipeline of the state directory: SIGTERM its supervisor and wait (it stops
+    everything, engines first); with no supervisor, stop the data plane it left."""
+    import os
+    import time
+
+    state = state_dir()
+    info = RunInfo.read(state)
+    if info is not None:
+        os.kill(info.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while RunInfo.read(state) is not None:
+            if time.monotonic() > deadline:
+                sys.stderr.write(f"error: the supervisor (pid {info.pid}) still runs\n")
+                return 1
+            time.sleep(0.1)
+        sys.stdout.write(f"stopped the pipeline (supervisor pid {info.pid})\n")
+        return 0
+    pids = asyncio.run(stop_plane(state))
+    (state / "run.json").unlink(missing_ok=True)
+    if not pids:
+        sys.stdout.write("no pipeline is running\n")
+        return 0
+    sys.stdout.write(
+        f"stopped the data plane left without a supervisor: pid(s) {', '.join(map(str, pids))}\n"
+    )
+    return 0
 
 
 def reload_cli() -> int:
