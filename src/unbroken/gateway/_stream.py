@@ -31,7 +31,14 @@ from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
 from unbroken.gateway._upstream import Form, Leg, Retry, UpstreamResponse
 from unbroken.wire.http import SSE_HEADERS
-from unbroken.wire.sse import SSEDecoder, SSEEvent, encode_data, encode_json
+from unbroken.wire.sse import (
+    MAX_EVENT_BYTES,
+    EventTooLarge,
+    SSEDecoder,
+    SSEEvent,
+    encode_data,
+    encode_json,
+)
 
 if TYPE_CHECKING:
     from unbroken.gateway._metrics import GatewayMetrics
@@ -59,6 +66,10 @@ _DYING = ("reset", "truncated", "abort")
 # the endpoint's failure, and not a migration (no limit, not counted as one).
 HANDOVER = "handover"
 SNAPSHOT_VERSION = 1  # of `StreamRelay.snapshot`: a worker refuses a stream in another format
+# The break of a leg whose engine violated the protocol (not SSE, an event that is not a
+# completion chunk, an event past the size bound): none of its bytes reach the client.
+PROTOCOL = "protocol"
+_COMMENT = b": \n\n"  # an upstream comment (keep-alive), forwarded without its text
 
 
 def _has_text(obj: dict[str, Any]) -> bool:
@@ -66,6 +77,26 @@ def _has_text(obj: dict[str, Any]) -> bool:
         if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
             return True
     return False
+
+
+def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
+    """Is `obj` a completion (or chat) chunk the relay and a client can read? Cheap: one
+    look at each choice, which carries at most a few tokens."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for ch in choices:
+        if not isinstance(ch, dict) or not isinstance(ch.get("index", 0), int):
+            return False
+        if chat:
+            d = ch.get("delta")
+            if d is not None and not (
+                isinstance(d, dict) and isinstance(d.get("content") or "", str)
+            ):
+                return False
+        elif not isinstance(ch.get("text") or "", str):
+            return False
+    return True
 
 
 class RelayHost(Protocol):
@@ -528,7 +559,7 @@ class StreamRelay:
         self.p.watch_streams()
         loop = self._loop
         self._wake = loop.create_future()
-        self._dec = SSEDecoder()
+        self._dec = SSEDecoder(getattr(self.p.cfg, "max_sse_event_bytes", MAX_EVENT_BYTES))
         self._rw = rewrite
         self._first = True
         self._started = loop.time()
@@ -542,6 +573,11 @@ class StreamRelay:
         # the leg longer (the time limit is entered again; the leg goes on being read).
         deadline = self._started + self.p.ttfb_limit(ep)
         reading = False
+        if up.content_type != "text/event-stream":
+            # A 200 that is not a stream (an HTML error page, a JSON body): never relayed.
+            reading = True
+            self._detail = f"a streaming answer of type {up.content_type or 'none'!r}"
+            self._verdict = PROTOCOL
         try:
             while True:
                 waiting = False
@@ -638,7 +674,12 @@ class StreamRelay:
         self._wake_up()
 
     def _on_body(self, chunk: bytes) -> None:
-        events = self._dec.feed(chunk)
+        try:
+            events = self._dec.feed(chunk)
+        except EventTooLarge as e:
+            self._detail = str(e)
+            self._end_leg(PROTOCOL)
+            return
         if events:
             self._events(events)
 
@@ -698,8 +739,9 @@ class StreamRelay:
         tokens = 0
         for ev in events:
             if ev.data is None:
-                out.append(ev.raw)
-                continue
+                if ev.raw.startswith(b":"):
+                    out.append(_COMMENT)
+                continue  # `event:`, `id:`, `retry:` alone: nothing an OpenAI client reads
             if ev.is_done:
                 if tracker.finished:
                     tracker.done = True
@@ -711,11 +753,15 @@ class StreamRelay:
             try:
                 obj = orjson.loads(ev.data)
             except orjson.JSONDecodeError:
-                out.append(ev.raw)
-                continue
-            if not isinstance(obj, dict):
-                out.append(ev.raw)
-                continue
+                obj = None
+            if not isinstance(obj, dict) or not (
+                "error" in obj or _is_chunk(obj, self.chat and not self._wrap_chat)
+            ):
+                # Not JSON, or not a completion chunk (events run together for want of the
+                # blank line between them are this too): the leg is broken, its bytes dropped.
+                self._detail = f"an event that is not a completion chunk: {ev.data[:120]!r}"
+                verdict = PROTOCOL
+                break
             if "error" in obj:
                 tracker.observe_obj(obj)
                 verdict = "error_event"
@@ -741,7 +787,7 @@ class StreamRelay:
                 raw = self._rewrite(obj)
                 if raw is None:
                     continue
-            elif changed:
+            elif changed or not ev.plain:
                 raw = encode_json(obj)
             tracker.observe_obj(obj)
             out.append(raw)

@@ -2,7 +2,14 @@
 
 The decoder is fed raw bytes as they arrive (`iter_any()`), keeps its own line buffer so no
 line-length limit of the transport applies, and returns complete events. Each event keeps its
-raw bytes so a relay can forward it untouched.
+raw bytes so a relay can forward it untouched (`plain`: the raw bytes are exactly one
+`data: ...` line and its blank line, so forwarding them adds nothing the data does not say).
+
+Decoding is linear in the bytes fed: each `feed` searches only its new bytes (plus one byte
+of overlap for a separator split across reads), and an event may be at most `max_event`
+bytes: past that, `feed` raises `EventTooLarge` (an engine that never sends the blank line
+between events, or one huge line, must not grow the buffer, nor the time spent on it,
+without bound).
 """
 
 from __future__ import annotations
@@ -12,15 +19,32 @@ from typing import Any
 
 import orjson
 
-__all__ = ["DONE", "SSEDecoder", "SSEEvent", "encode_comment", "encode_data", "encode_json"]
+__all__ = [
+    "DONE",
+    "MAX_EVENT_BYTES",
+    "EventTooLarge",
+    "SSEDecoder",
+    "SSEEvent",
+    "encode_comment",
+    "encode_data",
+    "encode_json",
+]
 
 DONE = b"[DONE]"
+# Larger than any legitimate chunk: a first chunk carrying a long prompt's token ids or its
+# echo with logprobs is hundreds of KB; token chunks are a few hundred bytes.
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class EventTooLarge(ValueError):
+    """An event (or the bytes since the last event's end) passed the decoder's bound."""
 
 
 @dataclass(slots=True)
 class SSEEvent:
-    raw: bytes  # the event as received, terminator included
-    data: bytes | None  # joined `data:` lines, None for comment-only events
+    raw: bytes  # the event as received (line ends normalised to LF), terminator included
+    data: bytes | None  # joined `data:` lines, None for events without one
+    plain: bool = False  # raw == b"data: " + data + b"\n\n"
 
     @property
     def is_done(self) -> bool:
@@ -32,36 +56,65 @@ class SSEEvent:
 
 class SSEDecoder:
     """Splits a byte stream into SSE events. Handles LF, CRLF and CR line ends and any split
-    of the stream across `feed` calls."""
+    of the stream across `feed` calls, in time linear in the bytes fed."""
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_cr", "max_event")
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, max_event: int | None = MAX_EVENT_BYTES) -> None:
+        self._buf = bytearray()
+        self._cr = False  # the last chunk ended in CR: maybe the first half of a CRLF
+        self.max_event = max_event
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:
-            # Rare (our engines and vLLM send LF); normalise, keeping a trailing CR pending
-            # since it may be the first half of a CRLF split across reads.
-            keep = buf.endswith(b"\r")
-            core = buf[:-1] if keep else buf
-            buf = core.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if keep else b"")
+        if self._cr:
+            chunk = b"\r" + chunk
+            self._cr = False
+        if b"\r" in chunk:
+            # Rare (our engines and vLLM send LF); normalised chunk by chunk, a trailing CR
+            # kept pending since it may be the first half of a CRLF split across reads.
+            if chunk.endswith(b"\r"):
+                chunk = chunk[:-1]
+                self._cr = True
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf: bytes | bytearray
+        if self._buf:
+            scan = len(self._buf) - 1  # a separator may straddle the old and new bytes
+            self._buf += chunk
+            buf = self._buf
+        else:
+            scan = 0
+            buf = chunk
         events: list[SSEEvent] = []
         start = 0
+        limit = self.max_event
         while True:
-            end = buf.find(b"\n\n", start)
+            end = buf.find(b"\n\n", scan)
             if end < 0:
                 break
-            block = buf[start : end + 2]
-            events.append(_parse(block))
-            start = end + 2
-        self._buf = buf[start:]
+            if limit is not None and end + 2 - start > limit:
+                self._reset()
+                raise EventTooLarge(f"an SSE event of {end + 2 - start} bytes (limit {limit})")
+            events.append(_parse(bytes(buf[start : end + 2])))
+            start = scan = end + 2
+        rest = len(buf) - start
+        if limit is not None and rest > limit:
+            self._reset()
+            raise EventTooLarge(f"an SSE event of over {rest} bytes (limit {limit})")
+        if buf is self._buf:
+            if start:
+                del self._buf[:start]
+        elif rest:
+            self._buf = bytearray(buf[start:])
         return events
+
+    def _reset(self) -> None:
+        self._buf = bytearray()
+        self._cr = False
 
     def flush(self) -> list[SSEEvent]:
         """The stream ended: a last event without its blank line still counts."""
-        rest, self._buf = self._buf.rstrip(b"\r\n"), b""
+        rest = bytes(self._buf).rstrip(b"\r\n")
+        self._reset()
         if not rest.strip():
             return []
         return [_parse(rest + b"\n\n")]
@@ -74,7 +127,7 @@ class SSEDecoder:
 def _parse(block: bytes) -> SSEEvent:
     # Fast path: the usual event is one `data: ...` line (vLLM, our engines).
     if block.startswith(b"data: ") and block.find(b"\n", 6) == len(block) - 2:
-        return SSEEvent(raw=block, data=block[6:-2])
+        return SSEEvent(raw=block, data=block[6:-2], plain=True)
     data: list[bytes] = []
     for line in block.split(b"\n"):
         if line.startswith(b"data:"):
