@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from helpers import MODEL, Proc, engine, gateway
+from helpers import MODEL, Proc, admin, engine, gateway
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.http import free_port
 from unbroken.wire.sse import EventTooLarge, SSEDecoder, encode_json
@@ -213,7 +213,7 @@ def test_protocol_violation_is_a_broken_leg(logdir: Path, good: Proc, mode: str)
             assert took < 10.0, took
         assert bad.hits >= 1
         # The healthy engine stayed in rotation (its /health was answered in time).
-        eps = httpx.get(g.admin_url + "/admin/endpoints", headers={"Authorization": "Bearer test-admin-token"}).json()["endpoints"]  # fmt: skip
+        eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
         assert any(e["url"].rstrip("/") == good.url and e["state"] == "ready" for e in eps), eps
     finally:
         g.stop()
