@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
-from helpers import TOKEN, Proc, engine, free_port, wait_endpoints
+from helpers import TOKEN, Proc, admin, engine, free_port, wait_endpoints
 from test_gateway_workers import stream_text
 from unbroken.engine.textmodel import expected_completion
 
@@ -26,10 +27,11 @@ N_STREAMS = 16
 MAX_TOKENS = 500  # ~5 s at 10 ms a step: in flight through the whole restart
 
 
-def _gateway_proc(tmp: Path, port: int, admin_port: int, endpoint: str, name: str) -> Proc:
+def _gateway_proc(tmp: Path, port: int, admin_port: int, endpoint: str | None, name: str) -> Proc:
     argv = [
         *[sys.executable, "-m", "unbroken", "gateway", "--port", str(port)],
-        *["--admin-port", str(admin_port), "--workers", "2", "--endpoint", endpoint],
+        *["--admin-port", str(admin_port), "--workers", "2"],
+        *(["--endpoint", endpoint] if endpoint else []),
     ]
     return Proc(
         argv, port, tmp / f"{name}.log", env={"UNBROKEN_ADMIN_TOKEN": TOKEN}, admin_port=admin_port
@@ -69,9 +71,26 @@ def _try(url: str, prompt: str) -> str | None:
     return None if err is not None else text
 
 
+def _register(p: Proc, url: str) -> None:
+    """As the supervisor does after a restart: the engine, through the admin API."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            r = admin(p, "POST", "/admin/endpoints", {"url": url})
+            assert r.status_code < 300, r.text
+            return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, p.tail()
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("registered", ["static", "by-admin-api"])
 def test_kill9_of_main_process_breaks_no_stream_and_refuses_no_connection(
-    tmp_path: Path,
+    tmp_path: Path, registered: str
 ) -> None:
+    """`static`: the restarted gateway has the engine on its command line; `by-admin-api`:
+    it starts with none and gets it through the admin API afterwards, as the supervisor's
+    restart does (its public port is answered by the orphans meanwhile)."""
     eng = engine(tmp_path, "--decode-base-s", "0.01")
     port, admin_port = free_port(), free_port()
     endpoint = eng.url
@@ -88,7 +107,11 @@ def test_kill9_of_main_process_breaks_no_stream_and_refuses_no_connection(
             os.kill(old.pid, signal.SIGKILL)
             old.popen.wait()  # type: ignore[union-attr]
             time.sleep(0.3)  # the supervisor notices, then starts the gateway again
-            new = _gateway_proc(tmp_path, port, admin_port, endpoint, "gw-new").start()
+            late = registered == "by-admin-api"
+            new = _gateway_proc(tmp_path, port, admin_port, None if late else endpoint, "gw-new")
+            new.start()
+            if late:
+                _register(new, endpoint)
             results = [j.result() for j in jobs]
         time.sleep(0.5)
         knock.stop.set()
