@@ -12,8 +12,9 @@ where the text re-tokenizes to the same ids.
 
 Token budgets shrink by the tokens the client already received (counted as the engine counts
 them, see `_stream`). Requests whose output cannot be spliced safely are refused: several
-choices (`n > 1`), tools, structured or guided output, logprobs; on the text path also
-token-id prompts and `suffix`.
+choices (`n > 1`), tools, structured or guided output, logprobs, stop strings; on the
+text path also token-id prompts and `suffix`. `echo`: the echoed prompt is not generated text
+(the relay strips it from the text it continues after).
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def not_migratable(raw: dict[str, Any], chat: bool, *, tokens: bool = False) -> 
         return "n>1"
     if any(raw.get(k) is not None for k in _GUIDED):
         return "structured_output"
+    if raw.get("stop"):
+        # The engine holds text back while it could still be the start of a stop string, so
+        # the tokens counted run ahead of the text sent: a continuation would skip text.
+        return "stop"
     if chat:
         rf = raw.get("response_format")
         if isinstance(rf, dict) and rf.get("type") not in (None, "text"):

@@ -79,6 +79,10 @@ def _has_text(obj: dict[str, Any]) -> bool:
     return False
 
 
+class _NoForm(Exception):
+    """No continuation can be made exact (the argument: why)."""
+
+
 def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
     """Is `obj` a completion (or chat) chunk the relay and a client can read? Cheap: one
     look at each choice, which carries at most a few tokens."""
@@ -364,7 +368,11 @@ class StreamRelay:
                     return self._response()
                 if tokens:
                     await self._safe_split()
-                tries = self._continuations(tokens)
+                try:
+                    tries = self._continuations(tokens)
+                except _NoForm as e:
+                    await self._give_up(reason, str(e))
+                    return self._response()
                 if not moved:
                     self.migrations += 1
                     m.migrated.labels(reason).inc()
@@ -461,7 +469,18 @@ class StreamRelay:
             if b is None:
                 return []
             out.append(Form("tokens", "/v1/completions", orjson.dumps(augment(b))))
-        b = continuation_body(self.raw, self.chat, self.tracker.text(0), self.sent)
+        text = self.tracker.text(0)
+        if not self.chat and self.raw.get("echo"):
+            # The echoed prompt is not generated text: the continuation's prompt is the
+            # prompt and what was generated after it, once (the engine counts no echo).
+            p = self.raw.get("prompt")
+            p = p if isinstance(p, str) else p[0] if isinstance(p, list) and p else None
+            if not isinstance(p, str) or not text.startswith(p):
+                if not out:
+                    raise _NoForm("echo")  # an explicit error, never a guessed prompt
+                return out
+            text = text[len(p) :]
+        b = continuation_body(self.raw, self.chat, text, self.sent)
         if b is None:
             return []
         if tokens and not_migratable(self.raw, self.chat) is not None:
