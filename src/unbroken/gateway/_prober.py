@@ -6,7 +6,11 @@ ready, marked unhealthy) until it answers again; `vllm:num_requests_waiting`,
 `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` feed the load score.
 An endpoint the proxy caught hanging (`suspect`: no first byte in time, a stalled stream, a
 request past its timeout) may well keep a green /health: it stays out of rotation until a
-real completion succeeds again.
+real completion succeeds again, and not before a hold that doubles with each hang caught
+soon after it came back (`_HOLD_BASE_S`, 2x per strike, at most `_HOLD_MAX_S`): an engine that
+passes the small hang check but hangs real requests (a kernel path only real prompts take)
+would otherwise be back in rotation a probe later, catching the next real requests each time.
+The strikes are forgotten once it has stayed in rotation for `_FORGET_S`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from unbroken.gateway._pool import Endpoint, State
 __all__ = ["Prober", "parse_load"]
 
 log = logging.getLogger("unbroken.gateway.prober")
+
+_HOLD_BASE_S = 2.0
+_HOLD_MAX_S = 120.0
+_FORGET_S = 60.0
 
 
 def parse_load(text: str) -> tuple[float, float, float]:
@@ -69,12 +77,32 @@ class Prober:
         self.headers_for = headers_for or (lambda _ep: {})
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.suspects: set[str] = set()
+        # Per endpoint: hangs caught since it last stayed in rotation for `_FORGET_S`, when
+        # its hold ends, and when it last came back.
+        self.strikes: dict[str, int] = {}
+        self.hold_until: dict[str, float] = {}
+        self._back_at: dict[str, float] = {}
 
     def suspect(self, ep: Endpoint) -> None:
-        """Out of rotation until a completion succeeds (see the module docstring)."""
+        """Out of rotation until its hold has passed and a completion succeeds (see the
+        module docstring)."""
         if ep.name in self.suspects:
             return
+        now = time.monotonic()
+        back = self._back_at.get(ep.name)
+        strikes = 0 if back is None or now - back > _FORGET_S else self.strikes.get(ep.name, 0)
+        strikes += 1
+        self.strikes[ep.name] = strikes
+        hold = min(_HOLD_MAX_S, _HOLD_BASE_S * 2 ** (strikes - 1))
+        self.hold_until[ep.name] = now + hold
         self.suspects.add(ep.name)
+        if strikes > 1:
+            log.warning(
+                "%s hung again %.0f s after it came back: held out %.0f s",
+                ep.name,
+                now - (back or now),
+                hold,
+            )
         if ep.healthy:
             ep.healthy = False
             log.warning("%s out of rotation: it hangs (%s)", ep.name, ep.last_error)
@@ -85,6 +113,8 @@ class Prober:
 
     def forget(self, name: str) -> None:
         self.suspects.discard(name)
+        for d in (self.strikes, self.hold_until, self._back_at):
+            d.pop(name, None)
         if (t := self.tasks.pop(name, None)) is not None:
             t.cancel()
 
@@ -135,12 +165,15 @@ class Prober:
             await self._warm(ep)
             return
         if ep.name in self.suspects:
+            if time.monotonic() < self.hold_until.get(ep.name, 0.0):
+                return
             try:
                 took = await self._complete(ep, sorted(ep.models)[0] if ep.models else "")
             except (aiohttp.ClientError, TimeoutError, ConnectionError, RuntimeError) as e:
                 ep.last_error = f"hang check: {type(e).__name__}: {e}"
                 return
             self.suspects.discard(ep.name)
+            self._back_at[ep.name] = time.monotonic()
             log.info("%s served a completion again (%.0f ms)", ep.name, took * 1e3)
         if not ep.healthy:
             ep.healthy = True
@@ -195,7 +228,8 @@ class Prober:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"completion answered {r.status}")
-        return time.monotonic() - t0
+        took = ep.warmup_s = time.monotonic() - t0
+        return took
 
     async def _scrape(self, ep: Endpoint) -> None:
         try:

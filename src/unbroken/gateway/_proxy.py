@@ -100,6 +100,15 @@ _WATCH_S = 0.5
 _ALIVE_S = 1.0
 # How long before a first-byte limit fires its endpoint's liveness is looked at.
 _PATIENCE_LEAD_S = 0.05
+# A non-streaming answer comes whole, its time growing with its tokens: each endpoint learns
+# it from this many recent answers (seconds, completion tokens per sequence), and a new
+# request may take _ANSWER_FACTOR x the slowest of them scaled to its own max_tokens.
+_ANSWER_SAMPLES = 32
+_ANSWER_FACTOR = 4.0
+# A request without max_tokens is expected to be at most this long (or twice the longest
+# answer seen), in tokens per sequence.
+_ANSWER_TOKENS_UNKNOWN = 256
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 class Proxy:
@@ -121,6 +130,8 @@ class Proxy:
         self.buffer_budget = BufferBudget(cfg.stream_buffer_budget_bytes)
         self._skip = _HOP | {cfg.priority_header.lower()}
         self._ttfb: dict[str, deque[float]] = {}
+        self._answers: dict[str, deque[tuple[float, float]]] = {}
+        self._answered: dict[str, float] = {}  # loop time of each endpoint's last answer
         self._5xx: dict[str, int] = {}  # 5xx answers in a row, per endpoint
         # Per endpoint, the kinds of request form it refused (see `open_upstream`).
         self._refused: dict[str, set[str]] = {}
@@ -153,6 +164,12 @@ class Proxy:
         for m in self.pool.known_models():
             merged.setdefault(
                 m, {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
+            )
+        if not merged:
+            # Nothing serves yet (engines starting): a script that waits for a 200 and takes
+            # data[0] would fail on an empty list; the openai client retries a 503.
+            raise ApiError(
+                503, "no endpoint is ready yet", code="no_endpoint", headers={"Retry-After": "1"}
             )
         data = [merged[k] for k in sorted(merged)]
         return web.Response(
@@ -384,6 +401,7 @@ class Proxy:
                     )
                 model = next(iter(known))
             wants = _wants(view.raw) if streaming else None
+            tokens = None if streaming else _max_tokens(view.raw)
             del view  # a waiter keeps its body's bytes, nothing bigger
             if weight > self.cfg.max_sequences_per_request:
                 raise ApiError(
@@ -414,7 +432,18 @@ class Proxy:
                     code="model_not_found",
                 )
             resp, pool_label = await self._forward(
-                request, path, model, streaming, weight, body, priority, t0, chat, rid, wants
+                request,
+                path,
+                model,
+                streaming,
+                weight,
+                body,
+                priority,
+                t0,
+                chat,
+                rid,
+                wants,
+                tokens,
             )
             status = resp.status
             return resp
@@ -464,6 +493,67 @@ class Proxy:
             q = self._ttfb[ep.name] = deque(maxlen=_TTFB_SAMPLES)
         q.append(seconds)
 
+    def answer_limit(self, ep: Endpoint, tokens: int | None) -> float:
+        """How long `ep` may take to answer a non-streaming request for `tokens` tokens per
+        sequence: `_ANSWER_FACTOR` x the slowest recent answer of `ep` scaled by token count,
+        at least `ttfb_min_s`. Until `ep` has answered, its warm-up is
+        its one sample; with no warm-up either, its pool's answers; with none, the ceiling
+        `ttfb_timeout_s` (streams' first-byte limit before they learn)."""
+        cfg = self.cfg
+        samples: list[tuple[float, float]] = list(self._answers.get(ep.name, ()))
+        if ep.warmup_s is not None:
+            samples.append((ep.warmup_s, 1.0))
+        if not samples:
+            for e in self.pool.endpoints.values():
+                if e.pool == ep.pool:
+                    samples.extend(self._answers.get(e.name, ()))
+        if not samples:
+            return cfg.ttfb_timeout_s
+        if tokens is None:
+            tokens = max(_ANSWER_TOKENS_UNKNOWN, 2 * int(max(k for _, k in samples)))
+        est = max(s * (tokens + 1) / (k + 1) for s, k in samples)
+        return max(cfg.ttfb_min_s, _ANSWER_FACTOR * est)
+
+    def observe_answer(self, ep: Endpoint, seconds: float, body: bytes, sequences: int) -> None:
+        """A non-streaming answer came whole after `seconds`: a sample for `answer_limit`, and
+        a sign of life (`alive`)."""
+        self._answered[ep.name] = asyncio.get_running_loop().time()
+        m = _COMPLETION_TOKENS.search(body)
+        tokens = int(m[1]) / max(1, sequences) if m else 0.0
+        q = self._answers.get(ep.name)
+        if q is None:
+            q = self._answers[ep.name] = deque(maxlen=_ANSWER_SAMPLES)
+        q.append((seconds, tokens))
+
+    def answer_patience(
+        self,
+        model: str,
+        priority: str,
+        exclude: list[Endpoint],
+        deadline: float,
+        tokens: int | None,
+    ) -> Callable[[Endpoint], Callable[[float], float | None]]:
+        """The rule for a non-streaming answer that is late (see `patience`): an endpoint
+        still alive (it answers other requests, its streams get events) is busy, not hung,
+        and with no other endpoint to try there is nothing better than to wait; either way
+        wait its limit again, never past the request's `deadline` (monotonic). Otherwise the
+        limit fires and the request is tried elsewhere (nothing was sent to the client)."""
+        loop = asyncio.get_running_loop()
+        # Loop time and time.monotonic() need not share an origin (uvloop).
+        end = deadline - time.monotonic() + loop.time()
+
+        def rule(ep: Endpoint) -> Callable[[float], float | None]:
+            def decide(now: float) -> float | None:
+                if now >= end:
+                    return None
+                if self.alive(ep) or not self.pool.could_serve(model, priority, [*exclude, ep]):
+                    return min(end, now + self.answer_limit(ep, tokens))
+                return None
+
+            return decide
+
+        return rule
+
     # -- the one way upstream ---------------------------------------------------------------
     async def open_upstream(
         self,
@@ -474,6 +564,8 @@ class Proxy:
         *,
         limit: Callable[[Endpoint], float],
         streaming: bool = True,
+        answer: Callable[[Endpoint], Callable[[float], float | None]] | None = None,
+        deadline: float | None = None,
         weight: int = 1,
         size: int = 0,
         headers: dict[str, str],
@@ -484,7 +576,10 @@ class Proxy:
         the leg, slots held, with whatever HTTP answer it got (the body read unless it is a
         200 stream). A connection failure or the time limit `limit(ep)` is recorded on the
         endpoint, which is added to `exclude`, its slots released, and raises Retry. Leg 0
-        of a request and every continuation of a stream come through here."""
+        of a request and every continuation of a stream come through here. A non-streaming
+        request passes the rule for a late `answer` (`answer_patience`) and its `deadline`
+        (monotonic): its limit firing before the deadline is a hang ("answer", tried
+        elsewhere), at the deadline a timeout."""
         ep, n, waited = await self.admission.acquire(
             model, priority, exclude, weight=weight, size=size
         )
@@ -497,11 +592,14 @@ class Proxy:
         tmo = asyncio.timeout(t)
         up: UpstreamResponse | None = None
         stop_waiting: Callable[[], None] | None = None
+        sent = time.monotonic()
         try:
             async with tmo:
                 if streaming:
                     start = asyncio.get_running_loop().time()
                     stop_waiting = self.patience(tmo, self.first_byte_patience(ep, start))
+                elif answer is not None:
+                    stop_waiting = self.patience(tmo, answer(ep))
                 for i, form in enumerate(todo):
                     up = await self.upstream.request(ep.url, form.path, form.body, hdrs)
                     if up.status == 200 and streaming:
@@ -527,12 +625,21 @@ class Proxy:
                         continue
                     if up.status < 500:
                         self.upstream_ok(ep)
+                    if up.status == 200 and not streaming and data is not None:
+                        self.observe_answer(ep, time.monotonic() - sent, data, weight)
                     return Leg(up, ep, n, form.kind, data)
         except (*UPSTREAM_ERRORS, Retry) as e:
             if isinstance(e, Retry):
                 kind, detail = e.kind, str(e)
             elif tmo.expired():
-                kind, detail = ("ttfb" if streaming else "timeout"), f"no answer within {t:.1f} s"
+                took = time.monotonic() - sent
+                if streaming:
+                    kind = "ttfb"
+                elif deadline is not None and time.monotonic() < deadline - 0.01:
+                    kind = "answer"
+                else:
+                    kind = "timeout"
+                detail = f"no answer within {took:.1f} s"
             else:
                 kind, detail = "connect", f"{type(e).__name__}: {e}"
             if up is not None:
@@ -564,7 +671,11 @@ class Proxy:
         chat: bool,
         rid: str,
         wants: tuple[bool, bool, bool] | None = None,
+        tokens: int | None = None,
     ) -> tuple[web.StreamResponse, str]:
+        """Send the request to an endpoint, trying others (at most `max_attempts`) while
+        nothing was sent to the client. A non-streaming request (`tokens`: its max_tokens)
+        has the learned `answer_limit` per attempt, all attempts within `request_timeout_s`."""
         headers = self._headers(request, rid)
         # A stream asks the engine for exact token counts and ids (see `_continuation.augment`);
         # an engine that refuses them (4xx) gets the client's own body, and is remembered.
@@ -577,7 +688,13 @@ class Proxy:
         deadline = t0 + self.cfg.request_timeout_s  # non-streaming requests, all attempts
 
         def limit(ep: Endpoint) -> float:
-            return self.ttfb_limit(ep) if streaming else deadline - time.monotonic()
+            if streaming:
+                return self.ttfb_limit(ep)
+            return min(deadline - time.monotonic(), self.answer_limit(ep, tokens))
+
+        answer = (
+            None if streaming else self.answer_patience(model, priority, tried, deadline, tokens)
+        )
 
         for attempt in range(self.cfg.max_attempts):
             if attempt and not self.pool.could_serve(model, priority, tried):
@@ -590,6 +707,8 @@ class Proxy:
                     tried,
                     limit=limit,
                     streaming=streaming,
+                    answer=answer,
+                    deadline=None if streaming else deadline,
                     weight=weight,
                     size=len(body),
                     headers=headers,
@@ -725,8 +844,11 @@ class Proxy:
                         relay.alert()
 
     def alive(self, ep: Endpoint) -> bool:
-        """Did any stream of `ep` get an event in the last `_ALIVE_S`?"""
+        """Did any stream of `ep` get an event, or a request an answer, in the last
+        `_ALIVE_S`?"""
         since = asyncio.get_running_loop().time() - _ALIVE_S
+        if self._answered.get(ep.name, 0.0) > since:
+            return True
         return any(r.last_event > since for r in list(ep.relays))
 
     def first_byte_patience(self, ep: Endpoint, start: float) -> Callable[[float], float | None]:
@@ -785,7 +907,7 @@ class Proxy:
         if kind in ("connect", "reset"):
             # Out of rotation until its next health check passes.
             ep.healthy = False
-        elif kind in ("ttfb", "stall", "timeout") and self.alive(ep):
+        elif kind in ("ttfb", "stall", "timeout", "answer") and self.alive(ep):
             log.warning(
                 "upstream %s slow (%s: %s), not hung: its other streams got events within "
                 "%.0f s; it stays in rotation",
@@ -796,7 +918,7 @@ class Proxy:
             )
             return
         elif self.on_hang is not None and (
-            kind in ("ttfb", "stall", "timeout", "abort")
+            kind in ("ttfb", "stall", "timeout", "answer", "abort")
             or _SHUTTING_DOWN in detail
             or run >= _5XX_RUN
         ):
@@ -815,6 +937,16 @@ async def _read(up: aiohttp.ClientResponse) -> bytes:
         raise Retry("reset", f"{type(e).__name__}: {e}") from None
     finally:
         up.release()
+
+
+def _max_tokens(raw: dict[str, Any]) -> int | None:
+    """The request's token limit per sequence (chat's `max_completion_tokens` first), None
+    when it sets none (the engine then fills the context)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = raw.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
 
 
 def _request_id(request: web.Request) -> str:
