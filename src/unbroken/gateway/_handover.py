@@ -497,9 +497,12 @@ def takeover_dir(port: int) -> Path:
     return state_dir() / "gateway" / f"listen-{port}"
 
 
-async def offer_listener(listen: socket.socket, port: int, taken: Callable[[], None]) -> None:
-    """Offer `listen` to the next main process until one takes it, then call `taken`.
-    Runs until cancelled; the offer's socket file is removed when it ends."""
+async def offer_listener(
+    listen: socket.socket, port: int, given: Callable[[], None], taken: Callable[[], None]
+) -> None:
+    """Offer `listen` to the next main process until one takes it: `given` once it has the
+    socket, `taken` once its workers serve (it closed the connection). Runs until then or
+    cancelled; the offer's socket file is removed when it ends."""
     d = takeover_dir(port)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = d / f"{os.getpid()}.sock"
@@ -518,6 +521,7 @@ async def offer_listener(listen: socket.socket, port: int, taken: Callable[[], N
             conn.settimeout(2.0)
             socket.send_fds(conn, [b"L"], [listen.fileno()])
             log.warning("worker %d: a new main process took the listening socket", os.getpid())
+            given()
             conn.setblocking(False)
             # Serve on until its workers serve too (it closes this connection then), so
             # that nothing waits in the accept queue meanwhile.

@@ -20,8 +20,8 @@ A lost control socket (or the kernel's parent-death signal) means the main proce
 (kill -9, a crash): the worker keeps serving on the listening socket, with the endpoints and
 caps it last heard of, and offers that socket to the next main process (`offer_listener`).
 Once one takes it (the supervisor's restart, on the same port), the worker drains: its
-streams finish (up to `--shutdown-timeout`) and it exits. No new main within ORPHAN_WAIT_S:
-it drains all the same.
+streams finish (up to `--shutdown-timeout`) and it exits. No new main process within
+`--shutdown-timeout`: it drains all the same (the port closes once the workers exit).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ __all__ = ["WorkerGateway", "main"]
 
 MERGE_WAIT_S = 5.0  # a /metrics scrape waits this long for the main process's merge
 TERM_SETTLE_S = 0.2  # a SIGTERM is told from the parent-death signal after this
-ORPHAN_WAIT_S = 30.0  # a worker whose main process died serves at most this long without one
 
 log = logging.getLogger("unbroken.gateway.worker")
 
@@ -77,6 +76,7 @@ class WorkerGateway(Gateway):
         self.listen: socket.socket | None = None
         self.orphaned = False  # the main process died; serving until a new one takes over
         self._offer: asyncio.Task[None] | None = None
+        self.listener_given = False  # a new main process has the listening socket
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -224,31 +224,38 @@ class WorkerGateway(Gateway):
         parent-death signal; either may come first, and both come). Closing the listener
         now would refuse every connection until a new main binds the port, and forcing
         the drain would cut every stream: keep serving and offer the listening socket to
-        the next main process instead; drain once it has it (or after ORPHAN_WAIT_S)."""
+        the next main process instead; drain once it serves (or after the shutdown timeout)."""
         if self.orphaned or self.drain_task is not None:
             return  # told already, or draining anyway (a reload's or shutdown's drain goes on)
         self.orphaned = True
         if self.listen is None:
             self._drain_orphan("main process gone")
             return
+        wait = self.shutdown_timeout
         log.warning(
             "worker %d lost the main process: serving on until a new one takes the listening "
-            "socket (at most %.0f s)",
+            "socket (at most %.0f s, the shutdown timeout)",
             os.getpid(),
-            ORPHAN_WAIT_S,
+            wait,
         )
         port = int(self.listen.getsockname()[1])
         self._offer = asyncio.create_task(
             offer_listener(
-                self.listen, port, lambda: self._drain_orphan("a new main process took over")
+                self.listen,
+                port,
+                self._given,
+                lambda: self._drain_orphan("a new main process took over"),
             )
         )
         asyncio.get_running_loop().call_later(
-            ORPHAN_WAIT_S, self._drain_orphan, "main process gone, and no new one came"
+            wait, self._drain_orphan, "main process gone, and no new one came", True
         )
 
-    def _drain_orphan(self, why: str) -> None:
-        if self.drain_task is not None:
+    def _given(self) -> None:
+        self.listener_given = True  # the new main process says when to drain (bounded)
+
+    def _drain_orphan(self, why: str, timer: bool = False) -> None:
+        if self.drain_task is not None or (timer and self.listener_given):
             return
         if self._offer is not None and not self._offer.done():
             self._offer.cancel()
