@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from unbroken.bench.baseline import StandardDeployment
@@ -318,6 +319,61 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def print_table(console: Console, t: Table) -> None:
+    """Print `t` whole: on a terminal rich fits it to the window, but into a pipe or a CI log
+    the console's width is 80 and rich would cut cells with an ellipsis, so measure the
+    table's natural width and print at that."""
+    if console.is_terminal:
+        console.print(t)
+        return
+    wide = console.options.update(max_width=10_000)
+    width = Measurement.get(console, wide, t).maximum
+    before = console.width  # print(width=) is capped at the console's width: widen it
+    console.width = max(width, before)
+    try:
+        console.print(t)
+    finally:
+        console.width = before
+
+
+def checks_table(checks: list[dict[str, Any]]) -> Table:
+    t = Table(title="checks")
+    for c in ("check", "measured", "target", "verdict"):
+        t.add_column(c)
+    for c in checks:
+        ok = c.get("ok")
+        t.add_row(
+            str(c["metric"]),
+            str(c["measured"]),
+            str(c["target"]),
+            "[green]pass[/green]" if ok else "[red]FAIL[/red]",
+        )
+    return t
+
+
+def verdict_line(checks: list[dict[str, Any]]) -> str:
+    """The demo's last line: PASS, or FAIL with every failing check, measured against its
+    target (a check may carry its own `reason`, a sentence that says it better)."""
+    failed = [c for c in checks if not c.get("ok")]
+    if not failed:
+        return f"PASS: all {len(checks)} checks"
+    why = "; ".join(
+        c.get("reason") or f"{c['metric']}: {c['measured']} (target {c['target']})" for c in failed
+    )
+    return f"FAIL ({len(failed)} of {len(checks)} checks): {why}"
+
+
+def print_verdict(console: Console, results: dict[str, Any]) -> bool:
+    """Print every check of `results` (results.json's shape) with its verdict, then the
+    verdict and its reason on the last line. Returns whether every check passed."""
+    checks = list(results.get("checks") or [])
+    print_table(console, checks_table(checks))
+    line = verdict_line(checks)
+    passed = line.startswith("PASS")
+    console.print(line, style="green" if passed else "red", markup=False, highlight=False)
+    return passed
+
+
 def _print_seed(console: Console, rows: list[dict[str, Any]]) -> str:
     t = Table(title="the seed's results table, measured: standard deployment vs unbroken")
     for c in ("metric", "standard", "unbroken", "unit", "target", ""):
@@ -341,7 +397,7 @@ def _print_seed(console: Console, rows: list[dict[str, Any]]) -> str:
             f"| {r['metric']} | {_fmt(r['standard'])} | {_fmt(r['unbroken'])} | {r['unit']} | "
             f"{r.get('target', '')} | {'' if ok is None else ('pass' if ok else 'FAIL')} |"
         )
-    console.print(t)
+    print_table(console, t)
     for r in rows:
         if r.get("note"):
             console.print(f"  {r['metric']}: {r['note']}")
@@ -373,6 +429,8 @@ def _checks(
             f"{rank_note(ub.ttfts_rollout)} first tokens)",
             "target": f"<= {max_ratio:g}x steady",
             "ok": ratio <= max_ratio,
+            "reason": f"p99.9 TTFT during the rolling upgrade {fmt_ms(ub.p999_ttft_rollout_s)} "
+            f"is {ratio:.2f}x steady (target <= {max_ratio:g}x)",
         },
         {
             "metric": "rolling upgrade of primary (2 replicas)",
@@ -615,7 +673,7 @@ def _verdict(
     if not ub_res.decisions:
         console.print("no controller decisions were recorded in the unbroken pass")
     console.print(f"report: {report}")
-    console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
+    passed = print_verdict(console, {"checks": checks})
     return 0 if passed else 1
 
 
