@@ -54,8 +54,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(413, f"request body too large: {e.text}", code="body_too_large")
     except web.RequestPayloadError as e:
         # A body that cannot be read as sent (bad gzip, chunking cut short): the client's fault.
-        resp = error_response(400, f"unreadable request body: {e}", code="invalid_body")
+        why = " ".join(str(e).split())  # aiohttp's text spans two lines
+        resp = error_response(400, f"unreadable request body: {why}", code="invalid_body")
         resp.force_close()
+        # The connection closes after this answer: mark the body ended, or aiohttp's lingering
+        # read of the rest re-raises the stored error and logs it as an unhandled traceback.
+        request.content.feed_eof()
+        log.info("400 on %s %s: unreadable request body (%s)", request.method, request.path, why)
         return resp
     except web.HTTPException as e:
         if e.status < 400:
