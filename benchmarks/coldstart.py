@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import mmap
 import os
@@ -118,8 +117,9 @@ def main() -> None:
         throttle = IoThrottle.create(d, int(args.storage_mbps * 1e6))
         print(f"storage: {throttle.describe()}", file=sys.stderr)
     try:
-        with throttle.applied() if throttle else contextlib.nullcontext():
-            measure(args, d, files, total)
+        if throttle is not None:
+            throttle.add(os.getpid())  # this process and what it starts; remove() moves it out
+        measure(args, d, files, total)
     finally:
         if throttle is not None:
             throttle.remove()
