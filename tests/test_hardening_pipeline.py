@@ -210,7 +210,9 @@ def test_gateway_restarts_back_off(tmp_path: Path) -> None:
     u = Up(tmp_path, spec)
     squat = socket.socket()
     try:
-        os.kill(u.status()["gateway_pid"], signal.SIGKILL)
+        # The whole gateway, workers too: orphaned workers would keep the port (and offer it
+        # to the next main process), which is not the case under test here.
+        os.killpg(u.status()["gateway_pid"], signal.SIGKILL)
         squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
         def bound() -> bool:  # as soon as the dead gateway's socket is gone, before the respawn

@@ -164,8 +164,7 @@ def test_an_orphaned_data_plane_stops_with_unbroken_down(tmp_path: Path) -> None
         os.kill(u.proc.pid, signal.SIGKILL)
         u.proc.wait(10)
         down = subprocess.run(
-            [sys.executable, "-c", "import sys; from unbroken.pipeline.up import down_cli; "
-             "sys.exit(down_cli())"],
+            [sys.executable, "-m", "unbroken", "down"],
             env=u.env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert down.returncode == 0, down.stdout + down.stderr

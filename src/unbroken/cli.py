@@ -357,6 +357,15 @@ def reload() -> None:
 
 
 @app.command()
+def down() -> None:
+    """Stop the pipeline of the state directory: its supervisor and everything it runs, or
+    the data plane a killed supervisor left serving (docs/pipeline.md)."""
+    from unbroken.pipeline.up import down_cli
+
+    raise typer.Exit(down_cli())
+
+
+@app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:

@@ -53,6 +53,8 @@ class GatewaySettings(_Spec):
     max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20
     stream_buffer_bytes: Annotated[int, Field(ge=4096)] = 4 * 2**20
+    # One SSE event from an engine larger than this breaks its leg (docs/gateway.md).
+    max_sse_event_bytes: Annotated[int, Field(ge=65536)] = 16 * 2**20
     probe_interval_s: Annotated[float, Field(gt=0)] = 1.0
     health_fail_threshold: Annotated[int, Field(ge=1)] = 2
     warmup_timeout_s: Annotated[float, Field(gt=0)] = 30.0

@@ -243,6 +243,7 @@ class MainGateway(Gateway):
                     "waiting": e.waiting,
                     "running": e.running,
                     "kv": e.kv_usage,
+                    "warmup_s": e.warmup_s,
                     "deadline": None
                     if e.state != State.DRAINING or e.drain_deadline is None
                     else max(0.0, e.drain_deadline - now),

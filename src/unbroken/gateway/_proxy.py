@@ -918,7 +918,7 @@ class Proxy:
             )
             return
         elif self.on_hang is not None and (
-            kind in ("ttfb", "stall", "timeout", "answer", "abort")
+            kind in ("ttfb", "stall", "timeout", "answer", "abort", "protocol")
             or _SHUTTING_DOWN in detail
             or run >= _5XX_RUN
         ):

@@ -32,7 +32,6 @@ from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTr
 from unbroken.gateway._upstream import Form, Leg, Retry, UpstreamResponse
 from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.sse import (
-    MAX_EVENT_BYTES,
     EventTooLarge,
     SSEDecoder,
     SSEEvent,
@@ -578,7 +577,7 @@ class StreamRelay:
         self.p.watch_streams()
         loop = self._loop
         self._wake = loop.create_future()
-        self._dec = SSEDecoder(getattr(self.p.cfg, "max_sse_event_bytes", MAX_EVENT_BYTES))
+        self._dec = SSEDecoder(self.p.cfg.max_sse_event_bytes)
         self._rw = rewrite
         self._first = True
         self._started = loop.time()

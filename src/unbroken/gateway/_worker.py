@@ -114,6 +114,7 @@ class WorkerGateway(Gateway):
             ep.condition, ep.condition_since = d["condition"], d["condition_since"]
             ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
             ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
+            ep.warmup_s = d.get("warmup_s")  # seeds the learned non-streaming answer limit
             ep.set_state(State(d["state"]))
             if ep.state == State.DRAINING and d["deadline"] is not None:
                 if name not in self._drain_timers:  # the stream migration at the deadline
