@@ -90,7 +90,12 @@ def test_field_survives_migration_or_errors(
     body = {**BASE, "prompt": f"fields {name}", **extra}
     st, ref = _events(b.url, body)
     if st != 200:
-        pytest.skip(f"the simulator refuses this request ({st}): nothing to migrate")
+        # The engine refuses this request outright: nothing to migrate, and the gateway must
+        # pass the same refusal through in OpenAI's error format, not turn it into a stream.
+        r = httpx.post(g.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == st, (name, r.status_code, r.text)
+        assert r.json()["error"]["type"], r.text
+        return
     r = httpx.post(
         a.url + "/admin/faults",
         headers=AUTH,
