@@ -395,22 +395,31 @@ def test_metrics_never_go_back_for_a_stopped_killed_or_reloaded_worker(
     """One /metrics for all workers, and its counters only ever grow: a worker that cannot
     answer (SIGSTOP) is represented by its last exposition, a killed worker's counts (up to
     its last answer) and a drained worker's (all of them, its last word) stay counted. Two
-    keep-alive clients, one held by each worker, so each worker's share is known."""
+    keep-alive clients, one held by each worker, so each worker's share is known: the second
+    connects while the first client's worker is stopped, so the other worker accepts it (the
+    shared accept queue gave one worker 40 connections in a row on a loaded CI machine)."""
     g = gateway(tmp_path, eng.url, args=("--workers", "2"))
     clients: list[httpx.Client] = []
     try:
         pids = tuple(workers_of(g)["pids"])
         by_worker: dict[int, httpx.Client] = {}
-        while len(by_worker) < 2:
-            assert len(clients) < 40, "the accept queue never gave a connection to each worker"
+        for _ in range(2):
             c = httpx.Client()
             clients.append(c)
             before = client_conns(pids, g.port)
-            _complete(c, g, 1)  # opens its connection; kept alive
+            held = tuple(by_worker)
+            for p in held:
+                os.kill(p, signal.SIGSTOP)
+            try:
+                _complete(c, g, 1)  # opens its connection; kept alive
+            finally:
+                for p in held:
+                    os.kill(p, signal.SIGCONT)
             after = client_conns(pids, g.port)
             pid = next(p for p in pids if after[p] > before[p])
-            by_worker.setdefault(pid, c)
-        first, second = pids
+            assert pid not in by_worker, (pid, by_worker)
+            by_worker[pid] = c
+        first, second = by_worker
         _complete(by_worker[first], g, 10)
         _complete(by_worker[second], g, 15)
         total = _served(g)

@@ -14,7 +14,7 @@ Token budgets shrink by the tokens the client already received (counted as the e
 them, see `_stream`). Requests whose output cannot be spliced safely are refused: several
 choices (`n > 1`), tools, structured or guided output, logprobs, stop strings; on the
 text path also token-id prompts and `suffix`. `echo`: the echoed prompt is not generated text
-(the relay strips it from the text it continues after).
+(`continuation_body` strips it from the text it continues after, or raises `NotExact`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import copy
 from typing import Any
 
 __all__ = [
+    "NotExact",
     "augment",
     "continuation_body",
     "not_migratable",
@@ -59,6 +60,11 @@ _CHAT_ONLY = (
     "include_reasoning",
     "add_special_tokens",
 )
+
+
+class NotExact(Exception):
+    """No exact continuation on this path (the argument: why); an explicit error beats a
+    guessed prompt."""
 
 
 def augment(raw: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +140,21 @@ def continuation_body(
     raw: dict[str, Any], chat: bool, text: str, sent: int
 ) -> dict[str, Any] | None:
     """The text-path request that continues `raw` after `text` (`sent` tokens) reached the
-    client. None when the token budget is already spent (the stream only lacks its finish)."""
+    client. None when the token budget is already spent (the stream only lacks its finish).
+    NotExact when the prompt is not text (token ids: the token path's) or an echoed prompt
+    cannot be told from the text (`echo`: the client's text begins with the prompt, which is
+    not generated text and is not echoed again)."""
+    prompt = ""
+    if not chat:
+        p = raw.get("prompt")
+        p = p[0] if isinstance(p, list) and p else p
+        if not isinstance(p, str):
+            raise NotExact("prompt_form")
+        prompt = p
+        if raw.get("echo"):
+            if not text.startswith(prompt):
+                raise NotExact("echo")
+            text = text[len(prompt) :]
     body = copy.deepcopy(raw)
     body["stream"] = True
     key, limit = _limit(raw, chat)
@@ -154,8 +174,7 @@ def continuation_body(
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
     else:
-        p = raw["prompt"]
-        body["prompt"] = (p if isinstance(p, str) else p[0]) + text
+        body["prompt"] = prompt + text
         body["echo"] = False
     _min_tokens(raw, body, sent)
     return body

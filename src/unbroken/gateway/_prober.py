@@ -34,6 +34,27 @@ _HOLD_MAX_S = 120.0
 _FORGET_S = 60.0
 
 
+class _Hold:
+    """An endpoint caught hanging: hangs caught since it last stayed in rotation for
+    `_FORGET_S` (`strikes`), when its hold ends, and when it last came back."""
+
+    __slots__ = ("back_at", "strikes", "until")
+
+    def __init__(self) -> None:
+        self.strikes = 0
+        self.until = 0.0
+        self.back_at: float | None = None
+
+    def caught(self, now: float) -> float:
+        """Caught hanging at `now`: the hold, doubling per strike soon after coming back."""
+        if self.back_at is None or now - self.back_at > _FORGET_S:
+            self.strikes = 0
+        self.strikes += 1
+        hold = min(_HOLD_MAX_S, _HOLD_BASE_S * 2 ** (self.strikes - 1))
+        self.until = now + hold
+        return hold
+
+
 def parse_load(text: str) -> tuple[float, float, float]:
     """(waiting, running, kv_usage) from a vLLM /metrics page; sums over label sets."""
     waiting = running = 0.0
@@ -77,11 +98,7 @@ class Prober:
         self.headers_for = headers_for or (lambda _ep: {})
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.suspects: set[str] = set()
-        # Per endpoint: hangs caught since it last stayed in rotation for `_FORGET_S`, when
-        # its hold ends, and when it last came back.
-        self.strikes: dict[str, int] = {}
-        self.hold_until: dict[str, float] = {}
-        self._back_at: dict[str, float] = {}
+        self._holds: dict[str, _Hold] = {}  # per endpoint caught hanging at least once
 
     def suspect(self, ep: Endpoint) -> None:
         """Out of rotation until its hold has passed and a completion succeeds (see the
@@ -89,18 +106,14 @@ class Prober:
         if ep.name in self.suspects:
             return
         now = time.monotonic()
-        back = self._back_at.get(ep.name)
-        strikes = 0 if back is None or now - back > _FORGET_S else self.strikes.get(ep.name, 0)
-        strikes += 1
-        self.strikes[ep.name] = strikes
-        hold = min(_HOLD_MAX_S, _HOLD_BASE_S * 2 ** (strikes - 1))
-        self.hold_until[ep.name] = now + hold
+        h = self._holds.setdefault(ep.name, _Hold())
+        hold = h.caught(now)
         self.suspects.add(ep.name)
-        if strikes > 1:
+        if h.strikes > 1:
             log.warning(
                 "%s hung again %.0f s after it came back: held out %.0f s",
                 ep.name,
-                now - (back or now),
+                now - (h.back_at or now),
                 hold,
             )
         if ep.healthy:
@@ -113,8 +126,7 @@ class Prober:
 
     def forget(self, name: str) -> None:
         self.suspects.discard(name)
-        for d in (self.strikes, self.hold_until, self._back_at):
-            d.pop(name, None)
+        self._holds.pop(name, None)
         if (t := self.tasks.pop(name, None)) is not None:
             t.cancel()
 
@@ -165,7 +177,7 @@ class Prober:
             await self._warm(ep)
             return
         if ep.name in self.suspects:
-            if time.monotonic() < self.hold_until.get(ep.name, 0.0):
+            if (h := self._holds.get(ep.name)) is not None and time.monotonic() < h.until:
                 return
             try:
                 took = await self._complete(ep, sorted(ep.models)[0] if ep.models else "")
@@ -173,7 +185,8 @@ class Prober:
                 ep.last_error = f"hang check: {type(e).__name__}: {e}"
                 return
             self.suspects.discard(ep.name)
-            self._back_at[ep.name] = time.monotonic()
+            if h is not None:
+                h.back_at = time.monotonic()
             log.info("%s served a completion again (%.0f ms)", ep.name, took * 1e3)
         if not ep.healthy:
             ep.healthy = True

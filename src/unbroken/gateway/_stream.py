@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from unbroken.gateway._continuation import (
+    NotExact,
     augment,
     continuation_body,
     not_migratable,
@@ -76,10 +77,6 @@ def _has_text(obj: dict[str, Any]) -> bool:
         if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
             return True
     return False
-
-
-class _NoForm(Exception):
-    """No continuation can be made exact (the argument: why)."""
 
 
 def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
@@ -369,7 +366,7 @@ class StreamRelay:
                     await self._safe_split()
                 try:
                     tries = self._continuations(tokens)
-                except _NoForm as e:
+                except NotExact as e:
                     await self._give_up(reason, str(e))
                     return self._response()
                 if not moved:
@@ -468,18 +465,12 @@ class StreamRelay:
             if b is None:
                 return []
             out.append(Form("tokens", "/v1/completions", orjson.dumps(augment(b))))
-        text = self.tracker.text(0)
-        if not self.chat and self.raw.get("echo"):
-            # The echoed prompt is not generated text: the continuation's prompt is the
-            # prompt and what was generated after it, once (the engine counts no echo).
-            p = self.raw.get("prompt")
-            p = p if isinstance(p, str) else p[0] if isinstance(p, list) and p else None
-            if not isinstance(p, str) or not text.startswith(p):
-                if not out:
-                    raise _NoForm("echo")  # an explicit error, never a guessed prompt
-                return out
-            text = text[len(p) :]
-        b = continuation_body(self.raw, self.chat, text, self.sent)
+        try:
+            b = continuation_body(self.raw, self.chat, self.tracker.text(0), self.sent)
+        except NotExact:
+            if not out:
+                raise
+            return out  # the token path alone
         if b is None:
             return []
         if tokens and not_migratable(self.raw, self.chat) is not None:
