@@ -2,10 +2,12 @@
 from its API server.
 
 Each step admits waiting sequences while `max_num_seqs` and the KV cache allow (FCFS),
-preempts the newest sequences when the cache cannot hold one more token per sequence (they
-are recomputed on re-admission, as vLLM does), spends the step's modelled time inside the
-stand-in CUDA calls, then produces one token per running sequence and hands the batch to the
-event loop in a single thread-safe callback.
+preempts the newest sequences when the cache cannot give every running sequence room for one
+more token (they are recomputed on re-admission, as vLLM does), spends the step's modelled
+time inside the stand-in CUDA calls, then produces one token per running sequence and hands
+the batch to the event loop in a single thread-safe callback. The KV cache is vLLM v1's block
+pool with prefix caching (`kvcache.KVCache`): an admitted sequence prefills only the tokens
+its cached prefix blocks do not hold.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unbroken.engine.cuda import CudaStub, Fn
 from unbroken.engine.faults import Faults
+from unbroken.engine.kvcache import Block, KVCache
 from unbroken.engine.profiles import EngineProfile
-from unbroken.engine.textmodel import Cursor, StopChecker
+from unbroken.engine.textmodel import Cursor, StopChecker, piece_id
 
 __all__ = ["EngineCore", "Output", "Seq"]
 
@@ -42,9 +45,20 @@ class Seq:
     ignore_eos: bool = False
     want_logprobs: bool = False
     generated: int = 0
-    kv: int = 0  # KV slots held while running
     finished: bool = False
     scheduled: float | None = None  # monotonic time of first admission (queue time ends)
+    # The prefix cache's view: prompt token ids then generated ones (empty: not cacheable),
+    # the chained hashes of its full blocks, the blocks held while running and how many of
+    # them are registered in the cache.
+    token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the cache at first admission
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
 
 
 @dataclass(slots=True)
@@ -68,6 +82,7 @@ class EngineCore:
         cuda: CudaStub | None = None,
         faults: Faults | None = None,
         on_step: Callable[[EngineCore, int, int], None] | None = None,
+        cache_root: int = 0,
     ) -> None:
         self.profile = profile
         self.max_num_seqs = profile.max_num_seqs
@@ -81,7 +96,12 @@ class EngineCore:
         self._aborts: set[str] = set()
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
-        self.kv_used = 0
+        self.kv = KVCache(
+            profile.num_blocks,
+            profile.block_size,
+            enable_caching=profile.enable_prefix_caching,
+            root=cache_root,
+        )
         self.steps = 0
         self.preemptions = 0
         self._stop = False
@@ -118,7 +138,7 @@ class EngineCore:
 
     @property
     def kv_usage(self) -> float:
-        return self.kv_used / self.profile.kv_capacity_tokens
+        return self.kv.usage
 
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -148,8 +168,7 @@ class EngineCore:
         keep = []
         for s in self.running:
             if s.request_id in ids:
-                self.kv_used -= s.kv
-                s.kv = 0
+                self.kv.release(s)
                 s.finished = True
             else:
                 keep.append(s)
@@ -158,40 +177,61 @@ class EngineCore:
 
     def _step(self) -> None:
         p = self.profile
+        kv = self.kv
         prefill = 0
-        # Admit (FCFS) while slots and KV allow.
+        outputs: list[Output] = []
+        # Admit (FCFS) while slots and KV allow. A sequence needs blocks for its tokens plus
+        # the one this step produces; its cached prefix blocks need no prefill.
         while self.waiting and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
-            need = s.prompt_tokens + s.generated + 1
-            if self.kv_used + need > p.kv_capacity_tokens and self.running:
-                break
+            ntok = s.num_tokens
+            need = kv.blocks_for(ntok + 1)
+            hit = kv.lookup(s, ntok)
+            if not kv.can_admit(hit, need):
+                if self.running:
+                    break
+                # Nothing runs, so the whole cache is free: this sequence can never fit.
+                self.waiting.popleft()
+                outputs.append(self._too_long(s))
+                continue
             self.waiting.popleft()
             if s.scheduled is None:
                 s.scheduled = time.monotonic()
-            s.kv = need - 1
-            self.kv_used += s.kv
-            prefill += s.kv
+                s.cached_tokens = len(hit) * kv.block_size
+                kv.record(ntok, len(hit))
+            kv.admit(s, hit, need)
+            kv.cache_full(s, ntok)  # registered now, so a sibling admitted next can hit it
+            prefill += ntok - len(hit) * kv.block_size
             self.running.append(s)
-        # Every running sequence needs one more slot; preempt the newest until they fit.
-        while self.running and self.kv_used + len(self.running) > p.kv_capacity_tokens:
+        # Every running sequence needs room for one more token; preempt the newest until the
+        # blocks that takes fit (vLLM frees a preempted request's blocks; cached ones stay).
+        grow = sum(1 for s in self.running if kv.blocks_for(s.num_tokens + 1) > len(s.blocks))
+        while self.running and grow > kv.num_free:
             victim = self.running.pop()
-            self.kv_used -= victim.kv
-            victim.kv = 0
+            if kv.blocks_for(victim.num_tokens + 1) > len(victim.blocks):
+                grow -= 1
+            kv.release(victim)
+            if not self.running:  # it alone outgrew the cache
+                outputs.append(self._too_long(victim))
+                break
             self.waiting.appendleft(victim)
             self.preemptions += 1
+        for s in self.running:
+            kv.grow(s, kv.blocks_for(s.num_tokens + 1))
+            kv.cache_full(s, s.num_tokens)  # the KV this step computes
         if not self.running:
+            if outputs:
+                self._deliver(outputs)
             return
         self._spend(p.step_time(len(self.running), prefill), prefill > 0)
         self.steps += 1
-        outputs: list[Output] = []
         still: list[Seq] = []
         for s in self.running:
             out = self._advance(s)
             if out is not None:
                 outputs.append(out)
             if s.finished:
-                self.kv_used -= s.kv
-                s.kv = 0
+                kv.release(s)
             else:
                 still.append(s)
         self.running = still
@@ -200,6 +240,12 @@ class EngineCore:
         if outputs:
             self._deliver(outputs)
 
+    def _too_long(self, s: Seq) -> Output:
+        """A sequence longer than the whole KV cache ends as if it reached max_tokens (vLLM
+        refuses to start with a max_model_len its cache cannot hold)."""
+        s.finished = True
+        return Output(s, s.stop.flush(), "length", 0)
+
     def _advance(self, s: Seq) -> Output | None:
         lp = s.cursor.logprob() if s.want_logprobs else None
         piece, eos = s.cursor.next(allow_eos=not s.ignore_eos and s.generated >= s.min_tokens)
@@ -207,8 +253,8 @@ class EngineCore:
             s.finished = True
             return Output(s, s.stop.flush(), "stop", 0)
         s.generated += 1
-        s.kv += 1
-        self.kv_used += 1
+        if s.token_ids:
+            s.token_ids.append(piece_id(piece))
         text, stopped = s.stop.add(piece)
         if stopped:
             s.finished = True

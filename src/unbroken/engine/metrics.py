@@ -133,6 +133,18 @@ class EngineMetrics:
             labels,
             registry=r,
         ).labels(*self._lv)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=r,
+        ).labels(*self._lv)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=r,
+        ).labels(*self._lv)
         self.preemptions = Counter(
             "vllm:num_preemptions", "Cumulative preemptions.", labels, registry=r
         ).labels(*self._lv)

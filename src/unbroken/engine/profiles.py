@@ -1,5 +1,6 @@
 """Timing profiles of the simulated engine. A step costs
-``decode_base_s + decode_per_seq_s * running + prefill_per_token_s * prefill_tokens``."""
+``decode_base_s + decode_per_seq_s * running + prefill_per_token_s * prefill_tokens``, where
+prefill tokens are those the prefix cache did not hold."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ class EngineProfile:
     decode_per_seq_s: float = 0.000_15
     kernels_per_step: int = 8  # launches in a prefill step; decode steps replay one CUDA graph
     launch_overhead_s: float = 4e-6
+    block_size: int = 16  # tokens per KV-cache block (vLLM's --block-size)
+    enable_prefix_caching: bool = True  # vLLM v1's default
+
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks: the capacity in tokens, in whole blocks (at least one)."""
+        return max(1, self.kv_capacity_tokens // self.block_size)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
 
     def step_time(self, running: int, prefill_tokens: int) -> float:
         return (

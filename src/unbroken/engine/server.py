@@ -23,11 +23,18 @@ from pydantic import ValidationError
 from unbroken.engine import cuda as cuda_mod
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
+from unbroken.engine.kvcache import root_hash
 from unbroken.engine.metrics import EngineMetrics, FinishedSeq
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.render import ChatFormat, CompletionFormat
 from unbroken.engine.request import INT64_MAX, INT64_MIN, RequestState, client_request_id
-from unbroken.engine.textmodel import StopChecker, TextModel, count_tokens, render_chat
+from unbroken.engine.textmodel import (
+    StopChecker,
+    TextModel,
+    count_tokens,
+    render_chat,
+    token_ids,
+)
 from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
 from unbroken.wire.errors import ApiError
 from unbroken.wire.heap import freeze_startup_heap
@@ -90,6 +97,7 @@ class Engine:
         self.weights_report: LoadReport | None = None
         self.startup_s: float | None = None
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)  # the core's prefix-cache (queries, hits) last exported
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -133,9 +141,19 @@ class Engine:
             if core.preemptions > self._preemptions_seen:
                 m.preemptions.inc(core.preemptions - self._preemptions_seen)
                 self._preemptions_seen = core.preemptions
+            queries, hits = core.kv.queries, core.kv.hits
+            if queries > self._prefix_seen[0]:
+                m.prefix_queries.inc(queries - self._prefix_seen[0])
+                m.prefix_hits.inc(hits - self._prefix_seen[1])
+                self._prefix_seen = (queries, hits)
 
         self.core = EngineCore(
-            self.cfg.profile, deliver, cuda=self.cuda, faults=self.faults, on_step=on_step
+            self.cfg.profile,
+            deliver,
+            cuda=self.cuda,
+            faults=self.faults,
+            on_step=on_step,
+            cache_root=root_hash(self.cfg.model_name),
         )
         self.core.start()
 
@@ -305,7 +323,9 @@ class Engine:
         max_tokens: list[int],
     ) -> list[Seq]:
         seqs = []
+        caching = self.cfg.profile.enable_prefix_caching
         for p, (ctx, ptoks) in enumerate(contexts):
+            ids = token_ids(ctx) if caching else []
             for j in range(req.n):
                 idx = p * req.n + j
                 seqs.append(
@@ -320,6 +340,7 @@ class Engine:
                         min_tokens=req.min_tokens,
                         ignore_eos=req.ignore_eos,
                         want_logprobs=bool(req.logprobs is not None and req.logprobs is not False),
+                        token_ids=ids if j == 0 else list(ids),  # each grows by its output
                     )
                 )
         return seqs
@@ -550,6 +571,16 @@ class Engine:
                 "running": len(core.running),
                 "waiting": len(core.waiting),
                 "kv_usage": core.kv_usage,
+                "kv_cache": {
+                    "blocks": core.kv.num_blocks,
+                    "block_size": core.kv.block_size,
+                    "free_blocks": core.kv.num_free,
+                    "cached_blocks": len(core.kv.cached),
+                    "evictions": core.kv.evictions,
+                    "prefix_caching": core.kv.enable_caching,
+                    "prefix_cache_queries": core.kv.queries,
+                    "prefix_cache_hits": core.kv.hits,
+                },
                 "steps": core.steps,
                 "preemptions": core.preemptions,
                 "max_num_seqs": core.max_num_seqs,

@@ -11,6 +11,7 @@ empty or already ends in whitespace. Tests and the verifier call `expected_compl
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +24,9 @@ __all__ = [
     "count_tokens",
     "expected_chat",
     "expected_completion",
+    "piece_id",
     "render_chat",
+    "token_ids",
 ]
 
 # A fixed vocabulary. Part of the "model": changing it changes every output.
@@ -51,6 +54,32 @@ every make tower bridge lake garden river valley forest stone silver golden quie
 bright dark warm cold early late small large ancient modern simple complex steady sudden
 calm wild""".split()
 )
+
+
+# A vocabulary word's token id is its (first) index; any other word's is a CRC-32 of its bytes
+# with the top bit set, so the two never meet and the ids are the same in every process.
+_VOCAB_ID: dict[str, int] = {w: i for i, w in reversed(list(enumerate(VOCAB)))}
+
+
+def _word_id(word: str) -> int:
+    return zlib.crc32(word.encode()) | 0x8000_0000
+
+
+def token_ids(text: str) -> list[int]:
+    """Token ids of a prompt, one per token `count_tokens` counts (the prefix cache hashes
+    them). About 0.1 µs a vocabulary word; other words cost a CRC-32 each."""
+    words = text.split()
+    if not words:
+        return [_word_id(text)] if text else []
+    ids: list[int | None] = list(map(_VOCAB_ID.get, words))
+    if None in ids:
+        ids = [_word_id(w) if i is None else i for w, i in zip(words, ids, strict=True)]
+    return ids  # type: ignore[return-value]
+
+
+def piece_id(piece: str) -> int:
+    """The token id of a generated piece (a vocabulary word, perhaps after one space)."""
+    return _VOCAB_ID[piece.lstrip(" ")]
 
 
 def count_tokens(text: str) -> int:
