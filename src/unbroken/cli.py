@@ -666,6 +666,33 @@ def bench(
         float, typer.Option(help="Exit 1 when more than this share of requests end in an error.")
     ] = 0.01,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("bench-out"),
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="random (--prompt-words, --chat-fraction), shared-prefix (inference-perf's "
+            "shared_prefix) or multi-turn (conversations carrying their history)."
+        ),
+    ] = "random",
+    num_groups: Annotated[int, typer.Option(help="shared-prefix: system prompts.")] = 10,
+    num_prompts_per_group: Annotated[
+        int, typer.Option(help="shared-prefix: questions per system prompt.")
+    ] = 10,
+    system_prompt_len: Annotated[
+        int, typer.Option(help="Words of the shared system prompt (multi-turn: 0 for none).")
+    ] = 100,
+    question_len: Annotated[int, typer.Option(help="Words per question / user turn.")] = 50,
+    output_len: Annotated[
+        int, typer.Option(help="Tokens per answer (workloads other than random).")
+    ] = 50,
+    num_turns: Annotated[int, typer.Option(help="multi-turn: turns per conversation.")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts.")] = 1,
+    engine_metrics: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="An engine's URL (repeat for each): its /metrics before and after the run "
+            "give the prefix-cache hit rate and the load spread."
+        ),
+    ] = None,
 ) -> None:
     """Load-test an OpenAI endpoint; measure TTFT/ITL/TPOT, dropped and corrupted streams.
 
@@ -676,10 +703,26 @@ def bench(
     from unbroken.bench.control import PipelineControl, Sampler
     from unbroken.bench.load import LoadConfig
     from unbroken.bench.runner import run_bench
+    from unbroken.bench.workloads import MultiTurn, SharedPrefix, WorkloadSpec
     from unbroken.config.paths import RunInfo, state_dir
 
     if scenario not in ("steady", "rollout", "chaos"):
         _fail("--scenario must be steady, rollout or chaos")
+    spec: WorkloadSpec | None = None
+    try:
+        if workload == "shared-prefix":
+            spec = SharedPrefix(
+                num_groups, num_prompts_per_group, system_prompt_len, question_len, output_len
+            )
+        elif workload == "multi-turn":
+            spec = MultiTurn(num_turns, system_prompt_len, question_len, output_len)
+        elif workload != "random":
+            _fail("--workload must be random, shared-prefix or multi-turn")
+    except ValueError as e:
+        _fail(f"--workload {workload}: {e}")
+    for u in engine_metrics or ():
+        if not u.startswith(("http://", "https://")):
+            _fail(f"--engine-metrics {u!r}: expected http(s)://HOST:PORT")
     mix: dict[str, float] = {}
     for part in priority_mix.split(","):
         k, _, v = part.partition("=")
@@ -724,6 +767,8 @@ def bench(
         slow_fraction=slow_fraction,
         verify=verify,
         reference_url=reference_url,
+        seed=seed,
+        workload=spec,
     )
     if not 0 <= max_error_rate <= 1:
         _fail("--max-error-rate must be between 0 and 1")
@@ -742,6 +787,7 @@ def bench(
             console=_console(),
             max_error_rate=max_error_rate,
             command=" ".join(["unbroken", *sys.argv[1:]]),
+            engine_metrics=engine_metrics,
         )
     )
     raise typer.Exit(1 if result["failures"] else 0)

@@ -21,6 +21,10 @@ where an engine sends no usage. TPOT and the inter-token gaps follow those count
 
 A user backs off after an error (exponentially, 0.1 s to 5 s) and after a rejection
 (Retry-After when given), so a wrong URL costs a few requests, not a flood.
+
+`LoadConfig.workload` replaces the random prompts with a prefix-heavy workload
+(`bench/workloads.py`: shared system prompts, multi-turn conversations with a session id);
+its texts are verified the same way, against the messages actually sent.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from unbroken.engine.textmodel import VOCAB, expected_chat, expected_completion
+from unbroken.bench.workloads import Turn, WorkloadGen, WorkloadSpec, make_generator
+from unbroken.engine.textmodel import VOCAB
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.sse import SSEDecoder
 
@@ -81,6 +86,8 @@ class LoadConfig:
     seed: int = 1
     api_key: str | None = None
     request_timeout_s: float = 300.0
+    workload: WorkloadSpec | None = None  # None: random prompts (prompt_words, chat_fraction)
+    session_header: str = "x-session-id"  # a workload's session id; also the body's `user`
 
 
 @dataclass(slots=True)
@@ -99,6 +106,8 @@ class Record:
     outcome: str = "pending"
     detail: str | None = None
     endpoint: str | None = None
+    session: str | None = None
+    turn: int = 0  # its turn in a multi-turn conversation
 
     @property
     def e2e(self) -> float | None:
@@ -130,6 +139,9 @@ class LoadRun:
         self.verify_mode = "sim"  # sim, reference or off; decided when the run starts
         self.verify_note = ""
         self._refs: dict[bytes, asyncio.Future[str | None]] = {}
+        self.workload: WorkloadGen | None = (
+            make_generator(cfg.workload, cfg.seed) if cfg.workload is not None else None
+        )
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -256,6 +268,18 @@ class LoadRun:
         n = self._rng.randint(lo, hi)
         return " ".join(self._rng.choice(VOCAB) for _ in range(n)).capitalize()
 
+    def _next_turn(self, user: int) -> Turn:
+        """The workload's next request for this user, or a random one (the draws in the
+        order they always were: chat, prompt, max_tokens)."""
+        if self.workload is not None:
+            return self.workload.next(user)
+        chat = self._rng.random() < self.cfg.chat_fraction
+        prompt = self._prompt()
+        max_tokens = self._rng.randint(*self.cfg.max_tokens)
+        if chat:
+            return Turn(chat=True, max_tokens=max_tokens, messages=(("user", prompt),))
+        return Turn(chat=False, max_tokens=max_tokens, prompt=prompt)
+
     def _priority(self) -> str:
         r = self._rng.random() * sum(self.cfg.priorities.values())
         for name, w in self.cfg.priorities.items():
@@ -288,9 +312,8 @@ class LoadRun:
         self, session: aiohttp.ClientSession, user: int, slow: bool
     ) -> tuple[Record, float | None]:
         cfg = self.cfg
-        chat = self._rng.random() < cfg.chat_fraction
-        prompt = self._prompt()
-        max_tokens = self._rng.randint(*cfg.max_tokens)
+        turn = self._next_turn(user)
+        chat, max_tokens = turn.chat, turn.max_tokens
         priority = self._priority()
         rec = Record(
             user=user,
@@ -299,6 +322,8 @@ class LoadRun:
             slow=slow,
             start=self.now(),
             max_tokens=max_tokens,
+            session=turn.session,
+            turn=turn.turn,
         )
         body: dict[str, Any] = {
             "model": cfg.model,
@@ -309,13 +334,15 @@ class LoadRun:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if chat:
-            msgs = [{"role": "user", "content": prompt}]
-            body["messages"] = msgs
+            body["messages"] = [{"role": r, "content": c} for r, c in turn.messages]
             path = "/v1/chat/completions"
         else:
-            body["prompt"] = prompt
+            body["prompt"] = turn.prompt
             path = "/v1/completions"
         headers = {"Content-Type": "application/json", cfg.priority_header: priority}
+        if turn.session is not None:
+            body["user"] = turn.session
+            headers[cfg.session_header] = turn.session
         if cfg.api_key:
             headers["Authorization"] = f"Bearer {cfg.api_key}"
         self.active += 1
@@ -393,9 +420,10 @@ class LoadRun:
                 ref = None
                 if self.verify_mode == "reference" and done and not error:
                     ref = await self._reference(session, path, body)
-                rec.outcome = self._judge(
-                    rec, chat, prompt, max_tokens, "".join(texts), finish, done, error, ref
-                )
+                rec.outcome = self._judge(rec, turn, "".join(texts), finish, done, error, ref)
+            if self.workload is not None:
+                finished = rec.outcome in ("ok", "corrupted")
+                self.workload.done(user, turn, "".join(texts) if finished else None)
             self.records.append(rec)
             self.outcomes[rec.outcome] += 1
         return rec, retry_after
@@ -403,9 +431,7 @@ class LoadRun:
     def _judge(
         self,
         rec: Record,
-        chat: bool,
-        prompt: str,
-        max_tokens: int,
+        turn: Turn,
         text: str,
         finish: str | None,
         done: bool,
@@ -417,11 +443,7 @@ class LoadRun:
             return "dropped"
         want: str | None = None
         if self.verify_mode == "sim":
-            want = (
-                expected_chat([("user", prompt)], max_tokens, seed=self.cfg.sim_seed)
-                if chat
-                else expected_completion(prompt, max_tokens, seed=self.cfg.sim_seed)
-            ).text
+            want = turn.expected(self.cfg.sim_seed)
         elif self.verify_mode == "reference":
             if ref is None:
                 rec.detail = "the reference engine gave no answer: not verified"

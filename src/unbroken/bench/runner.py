@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import sys
 import time
@@ -18,6 +19,7 @@ from unbroken.bench.control import PipelineControl, Sampler
 from unbroken.bench.load import LoadConfig, LoadRun, Record, base_url, error_key
 from unbroken.bench.report import Marker, Span, fmt_ms, run_metadata, write_report
 from unbroken.bench.stats import summarize
+from unbroken.bench.workloads import EngineWatch, describe
 
 __all__ = [
     "error_counts",
@@ -163,11 +165,16 @@ async def run_bench(
     console: Console,
     max_error_rate: float = MAX_ERROR_RATE,
     command: str | None = None,
+    engine_metrics: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run the load (and the scenario), write the report; the result's `failures` says why
-    the run failed (empty when it passed)."""
+    the run failed (empty when it passed). With `engine_metrics` (engine URLs), the result's
+    `engines` holds the prefix-cache hit rate and the load spread over the run."""
     load = LoadRun(cfg)
     started = time.time()
+    watch = EngineWatch(list(engine_metrics)) if engine_metrics else None
+    if watch is not None:
+        await watch.start()
     scenario_window: tuple[float, float] | None = None
     with live_progress(console) as prog:
         task_id = prog.add_task(f"bench {scenario}", total=cfg.duration, stats="")
@@ -204,6 +211,8 @@ async def run_bench(
         await act
     if sampler is not None:
         await sampler.stop()
+    engines = await watch.stop() if watch is not None else None
+    engine_lines = describe(engines)
     records = load.records
     end = max((r.end or r.start) for r in records) if records else 0.0
     windows = {"whole run": make_window(records, 0.0, end + 1)}
@@ -226,6 +235,9 @@ async def run_bench(
         console.print(f"[yellow]{load.verify_note}[/]")
     if control is not None:
         extra["pipeline"] = await _pipeline_line(control)
+    if cfg.workload is not None:
+        extra["workload"] = ", ".join(f"{k}={v}" for k, v in asdict(cfg.workload).items())
+    extra["engines"] = " / ".join(engine_lines)
     meta = run_metadata(command=command or " ".join(sys.argv), started=started, extra=extra)
     report = write_report(
         out,
@@ -248,7 +260,14 @@ async def run_bench(
         ],
         meta=meta,
     )
+    if engines is not None:  # results.json gets the numbers, not only the lines
+        path = out / "results.json"
+        raw = json.loads(path.read_text())
+        raw["engines"] = engines
+        path.write_text(json.dumps(raw, default=str))
     console.print(md, markup=False, highlight=False)
+    for line in engine_lines:
+        console.print(line, markup=False, highlight=False)
     console.print(f"report: {report}", markup=False, highlight=False)
     for why in failures:
         console.print(f"FAIL: {why}", markup=False, highlight=False)
@@ -257,4 +276,5 @@ async def run_bench(
         "report": str(report),
         "events": load.events,
         "failures": failures,
+        "engines": engines,
     }

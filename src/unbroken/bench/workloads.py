@@ -1,0 +1,341 @@
+"""Prefix-heavy workloads for `unbroken bench` and the routing benchmark, and what the
+engines say about them (prefix-cache hit rate, load spread).
+
+Routing only matters when requests share prefixes that an engine may still hold in its
+prefix cache; the default random prompts share none. Two generators, both deterministic
+from a seed (words of the simulator's vocabulary, nothing downloaded):
+
+- `SharedPrefix`: kubernetes-sigs/inference-perf's `shared_prefix` data generator, with its
+  parameter names and meaning: `num_groups` system prompts of `system_prompt_len` tokens,
+  each followed by `num_prompts_per_group` questions of `question_len` tokens, `output_len`
+  tokens out; the prompts are shuffled once and requests take them in turn (cycling), via
+  /v1/completions, prompt = system prompt + " " + question (as inference-perf sends them).
+- `MultiTurn`: each user holds a conversation; turn k sends (over /v1/chat/completions) an
+  optional shared system prompt, every earlier user message and the assistant's actual
+  reply, and a new user message; after `num_turns` turns the user starts a new
+  conversation. A user keeps one session id for the whole run (header and body `user`), so
+  session-aware routing has something to hold on to.
+
+A tokens here is a word (the simulator splits on single spaces), so lengths are in words.
+`EngineWatch` reads each engine's /metrics before, during and after a run: vLLM's
+`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens) give the
+cluster's hit rate, `vllm:request_success_total` and `vllm:num_requests_running` the spread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from unbroken.engine.textmodel import VOCAB, expected_chat, expected_completion
+
+__all__ = [
+    "EngineWatch",
+    "MultiTurn",
+    "MultiTurnGen",
+    "SharedPrefix",
+    "SharedPrefixGen",
+    "Turn",
+    "WorkloadGen",
+    "WorkloadSpec",
+    "describe",
+    "make_generator",
+    "parse_metrics",
+    "spread",
+]
+
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+SUCCESS = "vllm:request_success_total"
+RUNNING = "vllm:num_requests_running"
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """inference-perf's `data.shared_prefix` (its defaults), lengths in words."""
+
+    num_groups: int = 10
+    num_prompts_per_group: int = 10
+    system_prompt_len: int = 100
+    question_len: int = 50
+    output_len: int = 50
+    name: str = field(default="shared-prefix", init=False)
+
+    def __post_init__(self) -> None:
+        _check(self, "num_groups", "num_prompts_per_group", "output_len")
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    """Chat conversations of `num_turns` turns; each turn adds `question_len` words from the
+    user and `output_len` from the assistant to the history the next turn carries."""
+
+    num_turns: int = 5
+    system_prompt_len: int = 100  # one system prompt shared by every conversation; 0: none
+    question_len: int = 50
+    output_len: int = 50
+    name: str = field(default="multi-turn", init=False)
+
+    def __post_init__(self) -> None:
+        _check(self, "num_turns", "question_len", "output_len")
+
+
+def _check(spec: object, *positive: str) -> None:
+    """Refuse a spec that would send nothing useful: these fields >= 1, lengths >= 0."""
+    for name in ("system_prompt_len", "question_len", *positive):
+        least = 1 if name in positive else 0
+        if getattr(spec, name) < least:
+            raise ValueError(f"{name} must be at least {least}, got {getattr(spec, name)}")
+
+
+WorkloadSpec = SharedPrefix | MultiTurn
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request a workload wants sent, and what its text is checked against."""
+
+    chat: bool
+    max_tokens: int
+    prompt: str = ""  # /v1/completions
+    messages: tuple[tuple[str, str], ...] = ()  # /v1/chat/completions: (role, content)
+    session: str | None = None
+    turn: int = 0  # 0-based turn in its conversation (0 for single requests)
+    group: int | None = None  # shared-prefix group
+
+    def expected(self, seed: int) -> str:
+        """The simulator's greedy text for this request."""
+        if self.chat:
+            return expected_chat(self.messages, self.max_tokens, seed=seed).text
+        return expected_completion(self.prompt, self.max_tokens, seed=seed).text
+
+
+class WorkloadGen(Protocol):
+    def next(self, user: int) -> Turn: ...
+
+    def done(self, user: int, turn: Turn, reply: str | None) -> None:
+        """The request ended: `reply` is its text when the stream finished, else None."""
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+class SharedPrefixGen:
+    """inference-perf's order: all prompts built up front, shuffled once, taken in turn."""
+
+    def __init__(self, spec: SharedPrefix, seed: int) -> None:
+        rng = random.Random(f"shared-prefix:{seed}")
+        self.spec = spec
+        self.system_prompts = [words(rng, spec.system_prompt_len) for _ in range(spec.num_groups)]
+        self.prompts: list[tuple[int, str]] = []
+        for g, system in enumerate(self.system_prompts):
+            for _ in range(spec.num_prompts_per_group):
+                q = words(rng, spec.question_len)
+                self.prompts.append((g, f"{system} {q}" if system and q else system or q))
+        rng.shuffle(self.prompts)
+        self._i = 0
+
+    def next(self, user: int) -> Turn:
+        g, prompt = self.prompts[self._i % len(self.prompts)]
+        self._i += 1
+        return Turn(chat=False, max_tokens=self.spec.output_len, prompt=prompt, group=g)
+
+    def done(self, user: int, turn: Turn, reply: str | None) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Conversation:
+    number: int = 0
+    turn: int = 0
+    history: tuple[tuple[str, str], ...] = ()
+
+
+class MultiTurnGen:
+    """Per user, one conversation at a time. A turn whose stream did not finish is sent again
+    (same question, same history), as inference-perf keeps the last context on a failure."""
+
+    def __init__(self, spec: MultiTurn, seed: int) -> None:
+        self.spec, self.seed = spec, seed
+        system = words(random.Random(f"multi-turn:{seed}:system"), spec.system_prompt_len)
+        self.system: tuple[tuple[str, str], ...] = (("system", system),) if system else ()
+        self.conversations: dict[int, _Conversation] = {}
+
+    def session(self, user: int) -> str:
+        return f"bench-{self.seed}-user-{user}"
+
+    def next(self, user: int) -> Turn:
+        c = self.conversations.setdefault(user, _Conversation())
+        # Keyed by (user, conversation, turn), not drawn in order: the text of a turn does not
+        # depend on which user happened to ask first.
+        rng = random.Random(f"multi-turn:{self.seed}:{user}:{c.number}:{c.turn}")
+        question = words(rng, self.spec.question_len)
+        return Turn(
+            chat=True,
+            max_tokens=self.spec.output_len,
+            messages=(*self.system, *c.history, ("user", question)),
+            session=self.session(user),
+            turn=c.turn,
+        )
+
+    def done(self, user: int, turn: Turn, reply: str | None) -> None:
+        c = self.conversations[user]
+        if reply is None or turn.turn != c.turn:
+            return
+        c.history = (*c.history, turn.messages[-1], ("assistant", reply))
+        c.turn += 1
+        if c.turn >= self.spec.num_turns:
+            self.conversations[user] = _Conversation(number=c.number + 1)
+
+
+def make_generator(spec: WorkloadSpec, seed: int) -> WorkloadGen:
+    if isinstance(spec, SharedPrefix):
+        return SharedPrefixGen(spec, seed)
+    return MultiTurnGen(spec, seed)
+
+
+# -- what the engines saw -------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text: each sample name's value, summed over its label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        if 0 <= brace < line.find(" "):  # name{labels} value: label values may hold spaces
+            name, value = line[:brace], line[line.rindex("}") + 1 :].split()
+        else:
+            name, *value = line.split()
+        try:
+            out[name] = out.get(name, 0.0) + float(value[0])
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+@dataclass
+class EngineWatch:
+    """Counters of each engine before and after a run, and its running requests sampled in
+    between: the cluster's prefix-cache hit rate and how evenly the router spread the load."""
+
+    urls: list[str]
+    every_s: float = 0.25
+    before: dict[str, dict[str, float]] = field(default_factory=dict)
+    after: dict[str, dict[str, float]] = field(default_factory=dict)
+    max_running: dict[str, float] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
+    _task: asyncio.Task[None] | None = None
+    _session: aiohttp.ClientSession | None = None
+
+    async def _read(self, url: str) -> dict[str, float] | None:
+        assert self._session is not None
+        try:
+            async with self._session.get(url.rstrip("/") + "/metrics") as r:
+                if r.status != 200:
+                    self.unreadable[url] = f"HTTP {r.status}"
+                    return None
+                return parse_metrics(await r.text())
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self.unreadable[url] = type(e).__name__
+            return None
+
+    async def _read_all(self) -> dict[str, dict[str, float]]:
+        got = await asyncio.gather(*(self._read(u) for u in self.urls))
+        return {u: m for u, m in zip(self.urls, got, strict=True) if m is not None}
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self.before = await self._read_all()
+        self.max_running = {u: m.get(RUNNING, 0.0) for u, m in self.before.items()}
+        self._task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            for u, m in (await self._read_all()).items():
+                self.max_running[u] = max(self.max_running.get(u, 0.0), m.get(RUNNING, 0.0))
+
+    async def stop(self) -> dict[str, Any]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._session is not None:
+            self.after = await self._read_all()
+            await self._session.close()
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        """Per engine: requests served and tokens queried/hit over the run, max running; and
+        the cluster's totals. `hit_rate` is None when no engine exports the counters."""
+        engines: dict[str, dict[str, Any]] = {}
+        for u in self.urls:
+            b, a = self.before.get(u), self.after.get(u)
+            if b is None or a is None:
+                engines[u] = {"error": self.unreadable.get(u, "not read")}
+                continue
+            cache = HITS in a and QUERIES in a
+            engines[u] = {
+                "requests": round(a.get(SUCCESS, 0.0) - b.get(SUCCESS, 0.0)),
+                "max_running": round(self.max_running.get(u, 0.0)),
+                "queries": a[QUERIES] - b.get(QUERIES, 0.0) if cache else None,
+                "hits": a[HITS] - b.get(HITS, 0.0) if cache else None,
+            }
+        read = [e for e in engines.values() if "error" not in e]
+        cached = [e for e in read if e["queries"] is not None]
+        queries = sum(e["queries"] for e in cached)
+        hits = sum(e["hits"] for e in cached)
+        served = [e["requests"] for e in read]
+        return {
+            "engines": engines,
+            "hit_rate": hits / queries if cached and queries else None,
+            "hits": hits if cached else None,
+            "queries": queries if cached else None,
+            "cache_counters": bool(cached),
+            "spread": spread(served),
+        }
+
+
+def spread(served: list[int]) -> float | None:
+    """Busiest over least-busy engine's requests served (inf when one served none)."""
+    if len(served) < 2 or not any(served):
+        return None
+    return max(served) / min(served) if min(served) else float("inf")
+
+
+def describe(res: dict[str, Any] | None) -> list[str]:
+    """The report's lines on the engines: hit rate and spread, or why they are missing."""
+    if res is None:
+        return [
+            "prefix-cache hit rate and load spread: not measured (give the engines' URLs "
+            "with --engine-metrics)"
+        ]
+    lines = []
+    if res["hit_rate"] is not None:
+        lines.append(
+            f"prefix-cache hit rate: {res['hit_rate']:.1%} ({res['hits']:.0f} of "
+            f"{res['queries']:.0f} prompt tokens found in the engines' prefix caches)"
+        )
+    elif res["cache_counters"]:
+        lines.append("prefix-cache hit rate: no prompt tokens queried during the run")
+    else:
+        lines.append(f"prefix-cache hit rate: unknown (no engine exports {QUERIES} / {HITS})")
+    parts = []
+    for u, e in res["engines"].items():
+        if "error" in e:
+            parts.append(f"{u}: unreadable ({e['error']})")
+        else:
+            rate = f", hit rate {e['hits'] / e['queries']:.0%}" if e["queries"] else ""
+            parts.append(f"{u}: {e['requests']} requests, max {e['max_running']} running{rate}")
+    s = res["spread"]
+    ratio = "n/a" if s is None else f"{s:.2f}x"
+    lines.append(f"load spread (busiest/least-busy requests served): {ratio}; " + "; ".join(parts))
+    return lines
