@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.engine.weights import make_weights
-from unbroken.prewarm import evict, find_weight_files, residency, warm_files
+from unbroken.prewarm import evict, find_weight_files, reader, residency, warm_files
 from unbroken.prewarm.files import PrewarmError
 
 
@@ -49,6 +50,7 @@ def test_evict_then_prewarm_moves_residency_from_0_to_100(weights: Path) -> None
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["residency"]["percent"] == 100.0 and out["read"]["bytes"] == out["bytes"]
+    assert out["read"]["method"] == "sendfile"
     assert _pct(weights) == 100.0
     assert _run(str(weights), "--check").returncode == 0
 
@@ -159,3 +161,77 @@ def test_warm_files_threads_and_bounded_chunks(weights: Path) -> None:
     assert max(seen) <= 2**20 and sum(seen) == stats.bytes
     auto = warm_files(files)
     assert auto.threads >= 2 and auto.bytes == stats.bytes
+
+
+def _evict_all(files: list[Path]) -> None:
+    for f in files:
+        evict(f)
+    assert _pct(files[0].parent) < 5
+
+
+def test_warm_files_splices_instead_of_copying(
+    weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 21, finding 7: the pre-warm copied every byte into user space (preadv), and
+    asked WILLNEED for whole files up front; now the kernel splices the pages to /dev/null."""
+    files = find_weight_files([str(weights)])
+    _evict_all(files)
+    advice: list[int] = []
+    fadvise = os.posix_fadvise
+
+    def record(fd: int, off: int, length: int, how: int) -> None:
+        advice.append(how)
+        fadvise(fd, off, length, how)
+
+    def no_copy(*a: object) -> int:
+        raise AssertionError("preadv called: the pre-warm copied the file")
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    monkeypatch.setattr(os, "preadv", no_copy)
+    stats = warm_files(files)
+    assert stats.method == "sendfile" and stats.bytes == sum(f.stat().st_size for f in files)
+    assert os.POSIX_FADV_WILLNEED not in advice and os.POSIX_FADV_SEQUENTIAL in advice
+    assert _pct(weights) == 100.0
+
+
+def test_falls_back_to_preadv_where_sendfile_cannot_splice(
+    weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = find_weight_files([str(weights)])
+    _evict_all(files)
+    calls: list[int] = []
+
+    def refuse(out: int, fd: int, off: int, n: int) -> int:
+        calls.append(fd)
+        raise OSError(errno.EINVAL, "no splice here")
+
+    monkeypatch.setattr(os, "sendfile", refuse)
+    seen: list[int] = []
+    stats = warm_files(files, threads=2, chunk=2**20, progress=seen.append)
+    assert stats.method == "preadv" and stats.bytes == sum(f.stat().st_size for f in files)
+    assert sum(seen) == stats.bytes and max(seen) <= 2**20
+    assert _pct(weights) == 100.0
+    # each file is tried once or twice (two workers may race on it), not once per chunk
+    assert len(calls) <= 2 * len(files) < stats.bytes // 2**20
+
+
+def test_read_errors_are_not_taken_for_no_splice(
+    weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(out: int, fd: int, off: int, n: int) -> int:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "sendfile", fail)
+    with pytest.raises(OSError) as e:
+        warm_files(find_weight_files([str(weights)]))
+    assert e.value.errno == errno.EIO
+
+
+def test_ramp_does_not_wait_out_its_window(weights: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ramp slept whole windows, so the command went on waiting for up to 0.5 s after
+    the last chunk. With a 60 s window, 96 MiB must not take anywhere near 60 s."""
+    monkeypatch.setattr(reader, "RAMP_WINDOW_S", 60.0)
+    files = find_weight_files([str(weights)])
+    _evict_all(files)
+    stats = warm_files(files)
+    assert stats.seconds < 30 and stats.bytes == sum(f.stat().st_size for f in files)

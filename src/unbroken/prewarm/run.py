@@ -69,6 +69,7 @@ def run_prewarm(
                 "seconds": round(stats.seconds, 4),
                 "gbps": round(stats.gbps, 3),
                 "threads": stats.threads,
+                "method": stats.method,
                 "ramp": [[n, round(r, 3)] for n, r in stats.thread_history],
             }
         res = [residency(f) for f in files]
@@ -120,7 +121,7 @@ def run_prewarm(
             rd = result["read"]
             console.print(
                 f"read {rd['bytes'] / 1e9:.2f} GB in {rd['seconds']:.2f} s "
-                f"({rd['gbps']:.2f} GB/s, {rd['threads']} threads)"
+                f"({rd['gbps']:.2f} GB/s, {rd['threads']} threads, {rd['method']})"
             )
         console.print(f"resident: {resident_pages} of {pages} pages ({_pct(pct)} %)", markup=False)
         if not ok:
