@@ -122,6 +122,16 @@ def engine(
     prefill_per_token_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
     decode_base_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
     decode_per_seq_s: Annotated[float | None, typer.Option(help="Override the profile.")] = None,
+    block_size: Annotated[
+        int | None, typer.Option(help="Tokens per KV-cache block (profile: 16).")
+    ] = None,
+    enable_prefix_caching: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            help="Automatic prefix caching, as vLLM v1 (profile: on).",
+        ),
+    ] = None,
     shutdown_timeout: Annotated[
         float, typer.Option(help="On SIGTERM, seconds to let in-flight requests finish.")
     ] = 30.0,
@@ -149,6 +159,8 @@ def engine(
             prefill_per_token_s=prefill_per_token_s,
             decode_base_s=decode_base_s,
             decode_per_seq_s=decode_per_seq_s,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
         )
     except ValueError as e:
         _fail(str(e))
@@ -249,6 +261,13 @@ def gateway(
             "with an SSE error event (a second SIGTERM ends them at once).",
         ),
     ] = 30.0,
+    routing: Annotated[
+        str | None,
+        typer.Option(
+            help="Routing policy: prefix (cache- and session-aware) [default], session, "
+            "latency, least_load, round_robin."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
@@ -272,6 +291,7 @@ def gateway(
         "priority_header": priority_header,
         "default_cap": cap,
         "queue_timeout_s": queue_timeout,
+        "routing": routing,
     }
 
     def load() -> GatewayConfig:  # again at each reload (SIGHUP): the settings on disk now

@@ -79,6 +79,39 @@ class GatewaySettings(_Spec):
     upstream_key_env: dict[str, str] = Field(
         default_factory=dict, description="pool → env var holding its upstream API key"
     )
+    # Routing (docs/gateway.md, "Routing"): the policy by name, and its knobs.
+    routing: Literal["prefix", "session", "latency", "least_load", "round_robin"] = Field(
+        default="prefix",
+        description="routing policy: prefix (cache- and session-aware, the default), session, "
+        "latency, least_load, round_robin",
+    )
+    session_header: str = Field(
+        default="x-session-id",
+        description="header naming a conversation (else the body's `user`): session affinity",
+    )
+    ttft_target_ms: dict[Priority, Annotated[float, Field(gt=0)] | None] = Field(
+        default_factory=dict,
+        description="first-token target per priority: standard and sheddable work spills to a "
+        "later pool of its route only when the first misses it (absent or null: whenever the "
+        "later pool is clearly faster); critical work never spills while its pool has room",
+    )
+    slo_spill_ratio: Annotated[float, Field(gt=1)] | None = Field(
+        default=1.5,
+        description="a later pool must be this many times better (load included) to take "
+        "standard or sheddable work; null: no SLO spill",
+    )
+    slo_spill_min_load: Annotated[float, Field(ge=0)] = Field(
+        default=16.0,
+        description="the first pool's best endpoint spills nothing below this load "
+        "(in flight + engine queue + KV)",
+    )
+    prefill_us_per_token: Annotated[float, Field(ge=0)] = Field(
+        default=40.0, description="what prefilling one uncached prompt token costs (µs)"
+    )
+    prefix_block_chars: Annotated[int, Field(ge=8, le=4096)] = 64
+    prefix_index_blocks: Annotated[int, Field(ge=1)] = Field(
+        default=16384, description="prefix index bound per endpoint, in blocks (LRU)"
+    )
     handover_on_reload: bool = Field(
         default=True,
         description="at a reload, hand open streams with their client connections to the new "
@@ -162,11 +195,17 @@ class ProfileOverrides(_Spec):
     prefill_per_token_s: Annotated[float, Field(ge=0)] | None = None
     decode_base_s: Annotated[float, Field(ge=0)] | None = None
     decode_per_seq_s: Annotated[float, Field(ge=0)] | None = None
+    block_size: Annotated[int, Field(ge=1, le=1024)] | None = None
+    enable_prefix_caching: bool | None = None
 
     def args(self) -> list[str]:
         out: list[str] = []
         for k, v in self.model_dump(exclude_none=True).items():
-            out += [f"--{k.replace('_', '-')}", str(v)]
+            flag = f"--{k.replace('_', '-')}"
+            if isinstance(v, bool):
+                out.append(flag if v else f"--no-{flag[2:]}")
+            else:
+                out += [flag, str(v)]
         return out
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from unbroken.gateway._pool import Endpoint, Pool
+from unbroken.gateway._prefix import RouteHint
 from unbroken.wire.errors import ApiError
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class _Waiter:
     weight: int = field(compare=False, default=1)
     size: int = field(compare=False, default=0)
     deferred: float | None = field(compare=False, default=None)
+    hint: RouteHint | None = field(compare=False, default=None)
 
 
 class Admission:
@@ -89,12 +91,17 @@ class Admission:
         return ep, n
 
     def _pick_take(
-        self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
+        self,
+        model: str,
+        priority: str,
+        exclude: tuple[Endpoint, ...],
+        weight: int,
+        hint: RouteHint | None = None,
     ) -> tuple[Endpoint, int] | None:
-        if self.shared is not None and self._pick(model, priority, exclude, weight) is None:
+        if self.shared is not None and self._room(model, priority, exclude, weight) is None:
             return None  # full: known without the lock (waiters poll this often)
         with self._lock():
-            ep = self._pick(model, priority, exclude, weight)
+            ep = self._pick(model, priority, exclude, weight, hint)
             return None if ep is None else self._take(ep, weight)
 
     def _others_waiting(self, rank: int) -> bool:
@@ -115,15 +122,27 @@ class Admission:
             for i, p in enumerate(PRIORITIES):
                 self.shared.set_depth(i, self.depth[p])
 
-    def _pick(
+    def _room(
         self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
+    ) -> Endpoint | None:
+        """Is there room for this request? (A pick without its hint: cheap, and the policy's
+        cache arithmetic is not needed to know.)"""
+        return self._pick(model, priority, exclude, weight)
+
+    def _pick(
+        self,
+        model: str,
+        priority: str,
+        exclude: tuple[Endpoint, ...],
+        weight: int,
+        hint: RouteHint | None = None,
     ) -> Endpoint | None:
         """The pool's pick, among endpoints with room for `weight` sequences (at most their
         whole cap: a request heavier than a cap needs the endpoint to itself)."""
         if weight <= 1:
-            return self.pool.pick(model, priority, exclude)
+            return self.pool.pick(model, priority, exclude, hint)
         skip = list(exclude)
-        while (ep := self.pool.pick(model, priority, skip)) is not None:
+        while (ep := self.pool.pick(model, priority, skip, hint)) is not None:
             cap = ep.effective_cap(self.pool.default_cap)
             if ep.inflight + min(weight, cap) <= cap:
                 return ep
@@ -138,13 +157,15 @@ class Admission:
         *,
         weight: int = 1,
         size: int = 0,
+        hint: RouteHint | None = None,
     ) -> tuple[Endpoint, int, float]:
         """Slots on an endpoint: (endpoint, slots taken, seconds spent queued). `size` is
-        what the request holds in memory while it waits (its body)."""
+        what the request holds in memory while it waits (its body); `hint` what a
+        cache-aware policy needs of its prompt."""
         exclude = tuple(exclude)
         rank = _RANK[priority]
         if not any(w.rank <= rank for w in self._heap) and not self._others_waiting(rank):
-            got = self._pick_take(model, priority, exclude, weight)
+            got = self._pick_take(model, priority, exclude, weight, hint)
             if got is not None:
                 return *got, 0.0
         if priority == "sheddable":
@@ -176,6 +197,7 @@ class Admission:
             loop.create_future(),
             weight,
             size,
+            hint=hint,
         )
         heapq.heappush(self._heap, w)
         self.depth[priority] += 1
@@ -238,7 +260,7 @@ class Admission:
                 continue
             if w.rank > 0 and self._others_waiting(w.rank - 1):
                 # Defer only while there is room: the clock runs from when a slot is free.
-                if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
+                if self._room(w.model, w.priority, w.exclude, w.weight) is None:
                     w.deferred = None
                     continue
                 w.deferred = w.deferred or now
@@ -247,7 +269,7 @@ class Admission:
             key = (w.model, w.priority, w.weight)
             if not w.exclude and key in full:
                 continue
-            got = self._pick_take(w.model, w.priority, w.exclude, w.weight)
+            got = self._pick_take(w.model, w.priority, w.exclude, w.weight, w.hint)
             if got is None:
                 if not w.exclude:
                     full.add(key)

@@ -25,14 +25,19 @@ every stream of every endpoint itself. This policy uses that:
   every leg queued ahead adds prefill work; below `floor_s` differences are jitter.
 - **Pick within a pool**: the lowest `(load + 1) x expected`, load being the least-load score
   (in-flight + engine queue + KV); ties round-robin. With no measurements it is least load.
-- **Spill across pools** (a new request only): the route's first pool is kept unless its best
-  endpoint has a prefill backlog made by this gateway (`spill_backlog` legs or more waiting
-  for their first event: a burst of continuations after a crash, a drain or the controller
-  moving streams) and is expected to be `spill_ratio` times slower (and `spill_min_s` more)
-  than a later pool's best. A later pool that is merely faster (an fp8 tier) does not draw
-  new requests away from the route's order. A retry or a continuation (a pick that excludes
-  an endpoint) keeps to the route's order: spreading a burst of continuations over the tiers
-  would put prefill work in front of new requests everywhere.
+- **Spill across pools** (a new request only): the route's first pool is kept unless (a) its
+  best endpoint has a prefill backlog made by this gateway (`spill_backlog` legs or more
+  waiting for their first event: a burst of continuations after a crash, a drain or the
+  controller moving streams) and is expected to be `spill_ratio` times slower (and
+  `spill_min_s` more) than a later pool's best, or (b) SLO-aware spill: the request is not
+  critical, the first pool's expected first token misses the priority's target
+  (`ttft_targets`; no target: always), its best endpoint carries at least `slo_min_load`,
+  and a later pool's best key is `slo_ratio` times lower, load included. So critical work
+  stays on the first tier (fp16) while it has room, and standard and sheddable work fills a
+  fallback tier that would otherwise idle, only as far as that tier is clearly faster. A
+  retry or a continuation (a pick that excludes an endpoint) keeps to the route's order:
+  spreading a burst of continuations over the tiers would put prefill work in front of new
+  requests everywhere.
 
 Slow clients change none of it: the gateway reads every upstream at engine speed and buffers
 for the client, so a slow reader changes neither the gaps nor the first-event times.
@@ -43,8 +48,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,6 +75,14 @@ class LatencySettings:
     trend_s: float = 2.0  # time constant of the slow gap average a rise is judged against
     rise_min: float = 0.1  # a rise counts above (1 + this) x the slow average
     rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
+    # SLO-aware spill (standard, sheddable): a later pool whose key is this many times lower
+    # takes a new request when the first pool's expected first token misses the priority's
+    # target (seconds; None: no target, spill whenever clearly faster). None: off.
+    slo_ratio: float | None = 1.5
+    # ... and only once the first pool's best endpoint carries this much load: a continuous
+    # batch of a few sequences meets any target, and spilling them buys nothing.
+    slo_min_load: float = 16.0
+    ttft_targets: Mapping[str, float | None] = field(default_factory=dict)
 
 
 class EndpointLatency:
@@ -216,19 +229,35 @@ class LatencyAware:
         known = [m for e in candidates if (m := e.latency.measured(now, self.s)) is not None]
         return min(known) if known else None
 
+    def _costs(
+        self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest
+    ) -> list[tuple[float | None, float]]:
+        """Per candidate: (expected first-token time or None when nothing is known, the key
+        it is ranked by: (load + 1) x expected). A cache-aware policy adds the prefill of the
+        part of the prompt a candidate does not hold."""
+        out: list[tuple[float | None, float]] = []
+        for e in candidates:
+            exp = e.latency.expected(now, prior, self.s)
+            out.append((exp, (e.load + 1.0) * (exp if exp is not None else 1.0)))
+        return out
+
     def _best(
-        self, candidates: Sequence[Endpoint], now: float, prior: float | None
-    ) -> tuple[Endpoint | None, float | None]:
-        """The candidate with the lowest (load + 1) x expected, and its expected time."""
+        self,
+        candidates: Sequence[Endpoint],
+        now: float,
+        prior: float | None,
+        request: PickRequest,
+    ) -> tuple[Endpoint | None, float | None, float]:
+        """The candidate with the lowest key, its expected time and its key."""
         best: Endpoint | None = None
         best_key = (0.0, 0)
         best_exp: float | None = None
-        for e in candidates:
-            exp = e.latency.expected(now, prior, self.s)
-            key = ((e.load + 1.0) * (exp if exp is not None else 1.0), e._rr)
-            if best is None or key < best_key:
-                best, best_key, best_exp = e, key, exp
-        return best, best_exp
+        costs = self._costs(candidates, now, prior, request)
+        for e, (exp, key) in zip(candidates, costs, strict=True):
+            k = (key, e._rr)
+            if best is None or k < best_key:
+                best, best_key, best_exp = e, k, exp
+        return best, best_exp, best_key[0]
 
     def _chose(self, ep: Endpoint, candidates: Sequence[Endpoint]) -> Endpoint:
         if min(candidates, key=lambda e: (e.load, e._rr)) is not ep:
@@ -238,8 +267,14 @@ class LatencyAware:
 
     def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
         now = time.monotonic()
-        best, _ = self._best(candidates, now, self._prior(candidates, now))
+        best, _, _ = self._best(candidates, now, self._prior(candidates, now), request)
         return None if best is None else self._chose(best, candidates)
+
+    def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
+        """A leg was admitted to `ep` (once per leg): nothing to learn for this policy."""
+
+    def forget(self, name: str) -> None:
+        """Endpoint `name` is gone."""
 
     def pick_route(
         self, pools: list[list[Endpoint]], request: PickRequest, *, fresh: bool
@@ -252,22 +287,31 @@ class LatencyAware:
         if not fresh or len(pools) == 1:
             return self.pick(pools[0], request)
         prior = self._prior([e for c in pools for e in c], now)
-        chosen, first_exp = self._best(pools[0], now, prior)
+        chosen, first_exp, first_key = self._best(pools[0], now, prior, request)
         among = pools[0]
-        if (
-            chosen is not None
-            and first_exp is not None
-            and len(chosen.latency.waiting) >= self.s.spill_backlog
-        ):
+        if chosen is None:
+            return None
+        backlog = first_exp is not None and len(chosen.latency.waiting) >= self.s.spill_backlog
+        # SLO: standard and sheddable work leaves the first pool when it misses the
+        # priority's first-token target (or has none) and a later pool is clearly faster,
+        # load included; critical work stays while the first pool has room.
+        target = self.s.ttft_targets.get(request.priority)
+        slo = request.priority != "critical" and self.s.slo_ratio is not None
+        slo = slo and chosen.load >= self.s.slo_min_load
+        slo = slo and (target is None or (first_exp is not None and first_exp > target))
+        if backlog or slo:
             for cands in pools[1:]:
-                other, other_exp = self._best(cands, now, prior)
+                other, other_exp, other_key = self._best(cands, now, prior, request)
+                if other is None:
+                    continue
                 if (
-                    other is not None
+                    backlog
+                    and first_exp is not None
                     and other_exp is not None
                     and first_exp > self.s.spill_ratio * other_exp
                     and first_exp - other_exp > self.s.spill_min_s
-                ):
+                ) or (slo and first_key > self.s.slo_ratio * other_key):  # type: ignore[operator]
                     chosen, among = other, cands
                     self.spills += 1
                     break
-        return None if chosen is None else self._chose(chosen, among)
+        return self._chose(chosen, among)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from unbroken.gateway._latency import EndpointLatency, LatencyAware
+from unbroken.gateway._prefix import RouteHint
 
 __all__ = [
     "CONDITIONS",
@@ -235,12 +236,16 @@ def _backlog(sink: Any) -> int:
     return n
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PickRequest:
-    """What a routing policy may look at besides the candidates."""
+    """What a routing policy may look at besides the candidates: the request's prompt as
+    block names and its session key (`hint`, None where the gateway computed none), and
+    whether it is a new request or a retry or continuation (`fresh`)."""
 
     model: str
     priority: str
+    hint: RouteHint | None = None
+    fresh: bool = True
 
 
 class RoutingPolicy(Protocol):
@@ -287,7 +292,14 @@ class Pool:
     def remove(self, name: str) -> Endpoint:
         ep = self.endpoints.pop(name)
         ep.set_state(State.GONE)
+        if (forget := getattr(self.policy, "forget", None)) is not None:
+            forget(name)
         return ep
+
+    def admitted(self, ep: Endpoint, model: str, priority: str, hint: RouteHint | None) -> None:
+        """A leg was admitted to `ep`: the policy learns it (once per leg)."""
+        if hint is not None and (on_admit := getattr(self.policy, "on_admit", None)) is not None:
+            on_admit(ep, PickRequest(model, priority, hint))
 
     def get(self, name: str) -> Endpoint | None:
         return self.endpoints.get(name)
@@ -306,11 +318,17 @@ class Pool:
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self.endpoints.values() if e.state != State.GONE)
 
-    def pick(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+    def pick(
+        self,
+        model: str,
+        priority: str,
+        exclude: Iterable[Endpoint] = (),
+        hint: RouteHint | None = None,
+    ) -> Endpoint | None:
         exclude = tuple(exclude)
         excluded = set(map(id, exclude))
         cap = self.default_cap
-        request = PickRequest(model, priority)
+        request = PickRequest(model, priority, hint, not exclude)
         route = getattr(self.policy, "pick_route", None)
         by_pool: list[list[Endpoint]] = []
         for pool in self.pools_for(priority):

@@ -26,6 +26,7 @@ from aiohttp import web
 from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._continuation import augment
 from unbroken.gateway._pool import Endpoint, Pool, State
+from unbroken.gateway._prefix import RouteHint, hint_of
 from unbroken.gateway._relay import BufferBudget, ClientSink
 from unbroken.gateway._stream import StreamRelay
 from unbroken.gateway._upstream import (
@@ -402,6 +403,7 @@ class Proxy:
                 model = next(iter(known))
             wants = _wants(view.raw) if streaming else None
             tokens = None if streaming else _max_tokens(view.raw)
+            hint = self._hint(request, view.raw, chat, model)
             del view  # a waiter keeps its body's bytes, nothing bigger
             if weight > self.cfg.max_sequences_per_request:
                 raise ApiError(
@@ -444,6 +446,7 @@ class Proxy:
                 rid,
                 wants,
                 tokens,
+                hint,
             )
             status = resp.status
             return resp
@@ -458,6 +461,20 @@ class Proxy:
             raise
         finally:
             self.metrics.requests.labels(str(status), priority, pool_label).inc()
+
+    def _hint(
+        self, request: web.Request, raw: dict[str, Any], chat: bool, model: str
+    ) -> RouteHint | None:
+        """What a cache- or session-aware policy needs of this request (None for others)."""
+        if not getattr(self.pool.policy, "wants_hint", False):
+            return None
+        return hint_of(
+            raw,
+            chat,
+            model,
+            block_chars=self.cfg.prefix_block_chars,
+            session=request.headers.get(self.cfg.session_header) or None,
+        )
 
     def _headers(self, request: web.Request, rid: str) -> dict[str, str]:
         h = {k: v for k, v in request.headers.items() if k.lower() not in self._skip}
@@ -569,6 +586,7 @@ class Proxy:
         weight: int = 1,
         size: int = 0,
         headers: dict[str, str],
+        hint: RouteHint | None = None,
     ) -> Leg:
         """One attempt: wait for slots on an endpoint not in `exclude` (admission), then send
         `forms` in order until the engine does not refuse one with a 4xx; an engine that
@@ -581,8 +599,9 @@ class Proxy:
         (monotonic): its limit firing before the deadline is a hang ("answer", tried
         elsewhere), at the deadline a timeout."""
         ep, n, waited = await self.admission.acquire(
-            model, priority, exclude, weight=weight, size=size
+            model, priority, exclude, weight=weight, size=size, hint=hint
         )
+        self.pool.admitted(ep, model, priority, hint)
         if waited:
             self.metrics.queue_wait.labels(priority).observe(waited)
         hdrs = self.upstream_headers(headers, ep)
@@ -672,6 +691,7 @@ class Proxy:
         rid: str,
         wants: tuple[bool, bool, bool] | None = None,
         tokens: int | None = None,
+        hint: RouteHint | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Send the request to an endpoint, trying others (at most `max_attempts`) while
         nothing was sent to the client. A non-streaming request (`tokens`: its max_tokens)
@@ -712,6 +732,7 @@ class Proxy:
                     weight=weight,
                     size=len(body),
                     headers=headers,
+                    hint=hint,
                 )
             except Retry as r:
                 self.metrics.retries.labels(r.kind).inc()
@@ -761,6 +782,7 @@ class Proxy:
                 weight=weight,
                 augmented=leg.kind == "augmented",
                 wants=wants or (False, False, False),
+                hint=hint,
             )
             try:
                 return await relay.run(up, ep, leg.n), ep.pool

@@ -27,6 +27,7 @@ from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
 from unbroken.gateway._proxy import PASSTHROUGH_ROUTES, Proxy
+from unbroken.gateway._routing import make_policy
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
     ServerLimits,
@@ -62,7 +63,7 @@ class Gateway:
     ) -> None:
         self.cfg = cfg
         self.admin_token = admin_token
-        self.pool = Pool(cfg.default_cap)
+        self.pool = Pool(cfg.default_cap, make_policy(cfg))
         self.pool.routes = {k: list(v) for k, v in cfg.routes.items()}
         self.admission = Admission(
             self.pool,

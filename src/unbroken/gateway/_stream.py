@@ -29,6 +29,7 @@ from unbroken.gateway._continuation import (
     token_continuation_body,
 )
 from unbroken.gateway._pool import Endpoint
+from unbroken.gateway._prefix import RouteHint
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
 from unbroken.gateway._upstream import Form, Leg, Retry, UpstreamResponse
 from unbroken.wire.http import SSE_HEADERS
@@ -118,6 +119,7 @@ class RelayHost(Protocol):
         weight: int = 1,
         size: int = 0,
         headers: dict[str, str],
+        hint: RouteHint | None = None,
     ) -> Leg: ...
     def could_serve(self, model: str, priority: str, exclude: list[Endpoint]) -> bool: ...
     def release(self, ep: Endpoint, n: int = 1) -> None: ...
@@ -153,8 +155,10 @@ class StreamRelay:
         weight: int = 1,
         augmented: bool = False,
         wants: tuple[bool, bool, bool] = (False, False, False),
+        hint: RouteHint | None = None,
     ) -> None:
         self.p = proxy
+        self.hint = hint  # the prompt's block names: a continuation prefers who holds them
         self.request = request
         self.path = path
         self.body = body
@@ -493,6 +497,7 @@ class StreamRelay:
                     limit=p.ttfb_limit,
                     weight=self.weight,
                     headers=self.headers,
+                    hint=self.hint,
                 )
             except Retry:
                 continue

@@ -1,0 +1,138 @@
+"""Cache- and session-aware routing: the latency-aware policy plus what each candidate holds.
+
+One decision, not a cascade of thresholds: a candidate's expected first-token time is the
+latency policy's (queue and decode, `_latency`) plus the prefill of the part of this prompt
+it does not hold, and candidates are ranked by `(load + 1) x that`, so cache affinity and
+load trade off continuously. What a candidate holds:
+
+- **Prefix** (`PrefixIndex`): the leading blocks of this prompt that were routed there.
+- **Session**: a request with a session key (the `session_header`, else the body's `user`)
+  credits its whole prompt to the key's home: the candidate with the highest rendezvous
+  hash of (key, endpoint) among those with room. Rendezvous hashing is consistent: adding
+  or removing a replica moves only the sessions whose home it is, and every gateway worker
+  and replica computes the same home without sharing state.
+- **A new prefix** (no candidate holds any of it, no session): its first block's home gets
+  credit for its first `home_blocks` blocks, a small prior that breaks near-ties the same
+  way in every worker and gateway replica, so the first requests of a new system prompt
+  converge on one replica instead of one per worker.
+
+Hot spots (one popular prefix piling onto one replica): a candidate whose load exceeds the
+least-loaded candidate's by more than `balance_rel` x it + `balance_abs` gets no credit at
+all (bounded-load affinity), so it is chosen for its load alone until the others catch up.
+
+A continuation (a pick that excludes where the stream was) is scored the same way: it
+prefers a replica that holds its prompt's prefix. A draining replica is no candidate, so its
+cached prefixes stop attracting requests; a new replica holds nothing and wins on load.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from unbroken.gateway._latency import LatencyAware, LatencySettings
+from unbroken.gateway._prefix import CHARS_PER_TOKEN, PrefixIndex
+
+if TYPE_CHECKING:
+    from unbroken.gateway._pool import Endpoint, PickRequest
+
+__all__ = ["AffinitySettings", "CacheAware", "home"]
+
+
+@dataclass(frozen=True)
+class AffinitySettings:
+    """The cache-aware policy's knobs (docs/gateway.md, "Routing")."""
+
+    use_prefix: bool = True  # the prefix index (off: session affinity only)
+    use_session: bool = True
+    prefill_s_per_token: float = 40e-6  # what an uncached prompt token costs to prefill
+    blocks_per_endpoint: int = 16384  # index bound per endpoint (~ its KV cache, in blocks)
+    home_blocks: int = 4  # a new prefix's home is credited with this many leading blocks
+    balance_abs: float = 8.0  # no credit above min load x (1 + balance_rel) + balance_abs
+    balance_rel: float = 0.25
+
+
+def home(key: bytes, candidates: Sequence[Endpoint]) -> Endpoint | None:
+    """The rendezvous (highest random weight) choice of `key` among `candidates`."""
+    best: Endpoint | None = None
+    best_w = -1
+    for e in candidates:
+        w = zlib.crc32(e.name.encode(), zlib.crc32(key))
+        if w > best_w:
+            best, best_w = e, w
+    return best
+
+
+class CacheAware(LatencyAware):
+    """`prefix` and `session` routing (module doc)."""
+
+    wants_hint = True  # the proxy computes each request's `RouteHint` for it
+
+    def __init__(
+        self,
+        settings: LatencySettings | None = None,
+        affinity: AffinitySettings | None = None,
+    ) -> None:
+        super().__init__(settings)
+        self.a = affinity or AffinitySettings()
+        self.index = PrefixIndex(self.a.blocks_per_endpoint)
+        self.credited = 0  # picks that went where the prompt (or session) was held
+
+    def _held(self, candidates: Sequence[Endpoint], request: PickRequest) -> list[int]:
+        """Per candidate, the characters of the prompt credited to it."""
+        hint = request.hint
+        n = len(candidates)
+        if hint is None:
+            return [0] * n
+        blocks, bc = hint.blocks, hint.block_chars
+        if self.a.use_prefix:
+            held = [self.index.cached(e.name, blocks) * bc for e in candidates]
+        else:
+            held = [0] * n
+        if self.a.use_session and hint.session:
+            h = home(hint.session.encode(), candidates)
+            if h is not None:
+                held[candidates.index(h)] = hint.chars  # the conversation lives there
+        elif self.a.use_prefix and blocks and not any(held):
+            h = home(blocks[0].to_bytes(4, "little"), candidates)
+            if h is not None:
+                held[candidates.index(h)] = min(len(blocks), self.a.home_blocks) * bc
+        if any(held):
+            lo = min(e.load for e in candidates)
+            limit = lo * (1.0 + self.a.balance_rel) + self.a.balance_abs
+            for i, e in enumerate(candidates):
+                if held[i] and e.load > limit:
+                    held[i] = 0
+        return held
+
+    def _costs(
+        self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest
+    ) -> list[tuple[float | None, float]]:
+        hint = request.hint
+        if hint is None:
+            return super()._costs(candidates, now, prior, request)
+        # A floor of one token: a credited candidate wins an exact tie even for a short prompt.
+        per_token = self.a.prefill_s_per_token
+        out: list[tuple[float | None, float]] = []
+        for e, held in zip(candidates, self._held(candidates, request), strict=True):
+            exp = e.latency.expected(now, prior, self.s)
+            uncached = (
+                max(0, hint.chars - held) + (0 if held else CHARS_PER_TOKEN)
+            ) / CHARS_PER_TOKEN
+            total = (exp if exp is not None else self.s.floor_s) + uncached * per_token
+            out.append((total, (e.load + 1.0) * total))
+        return out
+
+    def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
+        hint = request.hint
+        if hint is None:
+            return
+        if self.a.use_prefix:
+            if hint.blocks and self.index.cached(ep.name, hint.blocks):
+                self.credited += 1
+            self.index.record(ep.name, hint.blocks)
+
+    def forget(self, name: str) -> None:
+        self.index.forget(name)

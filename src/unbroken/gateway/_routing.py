@@ -1,0 +1,78 @@
+"""The routing policies by name (`routing:` in the gateway settings, `--routing`).
+
+A policy has `pick(candidates, request)`, and may have `pick_route(pools, request, fresh=)`
+(it is given every pool of the route that has candidates), `on_admit(ep, request)` (called
+once per admitted leg: what it learns from where requests went) and `forget(name)` (an
+endpoint is gone). A new policy is one class, one line in `POLICIES` and its test.
+
+- `prefix` (default): `CacheAware`, the expected first-token time including the prefill of
+  the part of the prompt a candidate does not hold (prefix index, session affinity, bounded
+  load);
+- `session`: `CacheAware` without the prefix index (session affinity only);
+- `latency`: `LatencyAware`, least load weighted by the measured expected first-token time;
+- `least_load`: `LeastLoad`, in-flight + engine queue + KV;
+- `round_robin`: `RoundRobin`, each candidate in turn (what a plain L4 balancer does).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from unbroken.gateway._affinity import AffinitySettings, CacheAware
+from unbroken.gateway._latency import LatencyAware, LatencySettings
+from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, RoutingPolicy
+
+if TYPE_CHECKING:
+    from unbroken.config.spec import GatewaySettings
+
+__all__ = ["POLICIES", "RoundRobin", "make_policy"]
+
+
+class RoundRobin:
+    """Each candidate in turn, whatever its load (what a plain L4 balancer does)."""
+
+    def __init__(self) -> None:
+        self._tick = itertools.count(1)
+
+    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda e: e._rr)
+        best._rr = next(self._tick)
+        return best
+
+
+def _latency(cfg: GatewaySettings) -> LatencySettings:
+    return LatencySettings(
+        ttft_targets={k: None if v is None else v / 1e3 for k, v in cfg.ttft_target_ms.items()},
+        slo_ratio=cfg.slo_spill_ratio,
+        slo_min_load=cfg.slo_spill_min_load,
+    )
+
+
+def _affinity(cfg: GatewaySettings, *, prefix: bool) -> AffinitySettings:
+    return AffinitySettings(
+        use_prefix=prefix,
+        prefill_s_per_token=cfg.prefill_us_per_token / 1e6,
+        blocks_per_endpoint=cfg.prefix_index_blocks,
+    )
+
+
+POLICIES: dict[str, Callable[[GatewaySettings], RoutingPolicy]] = {
+    "prefix": lambda c: CacheAware(_latency(c), _affinity(c, prefix=True)),
+    "session": lambda c: CacheAware(_latency(c), _affinity(c, prefix=False)),
+    "latency": lambda c: LatencyAware(_latency(c)),
+    "least_load": lambda _c: LeastLoad(),
+    "round_robin": lambda _c: RoundRobin(),
+}
+
+
+def make_policy(cfg: GatewaySettings) -> RoutingPolicy:
+    try:
+        return POLICIES[cfg.routing](cfg)
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {cfg.routing!r}; choose one of {', '.join(POLICIES)}"
+        ) from None

@@ -1,0 +1,272 @@
+"""Cache- and session-aware routing (gateway/_prefix.py, _affinity.py, _routing.py) and the
+SLO-aware spill (_latency.py): the arithmetic in process on tables of cases, then a real
+gateway with two worker processes in front of two real engines."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import MODEL, Proc, engine, gateway
+from unbroken.config.spec import GatewaySettings
+from unbroken.engine.textmodel import VOCAB
+from unbroken.gateway._affinity import AffinitySettings, CacheAware, home
+from unbroken.gateway._latency import LatencyAware, LatencySettings
+from unbroken.gateway._pool import Endpoint, PickRequest, Pool, State
+from unbroken.gateway._prefix import PrefixIndex, RouteHint, hint_of, prompt_text
+from unbroken.gateway._routing import POLICIES, RoundRobin, make_policy
+
+
+def _ep(name: str, pool: str = "default", inflight: int = 0) -> Endpoint:
+    e = Endpoint(name=name, url=f"http://{name}", pool=pool)
+    e.models = {"m"}
+    e.set_state(State.READY)
+    e.slot.add(inflight)
+    return e
+
+
+def _words(n: int, seed: int) -> str:
+    r = random.Random(seed)
+    return " ".join(r.choice(VOCAB) for _ in range(n))
+
+
+def _hint(prompt: str, session: str | None = None) -> RouteHint:
+    return hint_of({"prompt": prompt}, False, "m", block_chars=64, session=session)
+
+
+def _req(hint: RouteHint | None, priority: str = "standard") -> PickRequest:
+    return PickRequest("m", priority, hint)
+
+
+# -- block names and the index ------------------------------------------------------------------
+def test_block_names_are_chained_and_the_same_in_every_process() -> None:
+    """Equal prefixes give equal leading names, a changed character changes every name after
+    it, and the names do not depend on the process (CRC-32, not Python's salted hash)."""
+    text = _words(400, 1)
+    a = _hint(text)
+    b = _hint(text[:1000] + "X" + text[1001:])
+    assert a.blocks[:15] == b.blocks[:15]  # the change is in block 15 (chars 960-1023)
+    assert all(x != y for x, y in zip(a.blocks[15:], b.blocks[15:], strict=False))
+    assert len(a.blocks) == len(text.encode()) // 64
+    assert (
+        a.blocks[:2]
+        == hint_of({"prompt": text}, False, "m", block_chars=64, session=None).blocks[:2]
+    )
+    # Another model never shares a block, even with the same text.
+    assert not set(a.blocks) & set(
+        hint_of({"prompt": text}, False, "other", block_chars=64, session=None).blocks
+    )
+
+
+def test_chat_prompt_text_keeps_message_prefixes_as_text_prefixes() -> None:
+    """A conversation's next turn carries the previous one: its text starts with the
+    previous turn's text, so its blocks start with the previous turn's blocks."""
+    turn1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    t1, t2 = prompt_text({"messages": turn1}, True), prompt_text({"messages": turn2}, True)
+    assert t2.startswith(t1)
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert prompt_text({"messages": parts}, True) == "user\nab\x1e"
+    assert prompt_text({"prompt": ["first", "second"]}, False) == "first"
+    assert prompt_text({"prompt": [1, 2, 3]}, False) == "1 2 3"
+
+
+@pytest.mark.parametrize(
+    ("recorded", "asked", "held"),
+    [
+        (40, 40, 40),  # all of it
+        (40, 25, 25),  # a shorter prompt of the same prefix
+        (10, 40, 10),  # a longer one: the leading run
+        (0, 40, 0),
+        (1, 40, 1),
+    ],
+)
+def test_index_finds_the_leading_run(recorded: int, asked: int, held: int) -> None:
+    text = _words(800, 2)
+    blocks = _hint(text).blocks
+    idx = PrefixIndex()
+    idx.record("a", blocks[:recorded])
+    assert idx.cached("a", blocks[:asked]) == held
+    assert idx.cached("b", blocks[:asked]) == 0
+
+
+def test_index_is_bounded_and_evicts_least_recently_used() -> None:
+    idx = PrefixIndex(blocks_per_endpoint=100)
+    old, new = _hint(_words(1200, 3)).blocks[:60], _hint(_words(1200, 4)).blocks[:60]
+    idx.record("a", old)
+    idx.record("a", new)  # 120 > 100: the oldest 20 of `old` go: its tail
+    assert idx.size() == 100
+    assert idx.cached("a", new) == 60
+    assert idx.cached("a", old) == 40  # its head stays a leading run
+    idx.forget("a")
+    assert idx.size() == 0
+
+
+# -- the policy ---------------------------------------------------------------------------------
+def test_a_prompt_goes_where_its_prefix_was_sent_at_equal_load() -> None:
+    pol = CacheAware()
+    a, b, c = _ep("a"), _ep("b"), _ep("c")
+    system = _words(600, 5)
+    first = _req(_hint(system + " question one"))
+    ep = pol.pick([a, b, c], first)
+    assert ep is not None
+    pol.on_admit(ep, first)
+    for q in ("two", "three", "four"):
+        assert pol.pick([a, b, c], _req(_hint(system + f" question {q}"))) is ep
+    # An unrelated prompt is not drawn there by the index.
+    others = Counter(
+        pol.pick([a, b, c], _req(_hint(_words(600, 100 + i)))).name  # type: ignore[union-attr]
+        for i in range(30)
+    )
+    assert len(others) == 3  # spread by their own homes
+
+
+def test_load_outweighs_a_short_prefix_but_not_a_long_one() -> None:
+    """One decision: the prefill saved is weighed against the load, not a threshold."""
+    pol = CacheAware()
+    a, b = _ep("a", inflight=2), _ep("b", inflight=0)
+    short, long_ = _words(30, 6), _words(3000, 7)
+    for text in (short, long_):
+        pol.on_admit(a, _req(_hint(text)))
+    assert pol.pick([a, b], _req(_hint(short + " next"))) is b  # 2 in flight beat ~40 tokens
+    assert pol.pick([a, b], _req(_hint(long_ + " next"))) is a  # ~4,500 tokens of prefill
+
+
+def test_a_hot_prefix_does_not_pile_onto_one_replica() -> None:
+    """Bounded load: past min load x 1.25 + 8, the holder gets no credit, so a popular
+    prefix spreads once its holder is busy (the 'death spiral' of pure affinity)."""
+    pol = CacheAware()
+    a, b = _ep("a"), _ep("b")
+    hot = _words(3000, 8)
+    pol.on_admit(a, _req(_hint(hot)))
+    picks = []
+    for i in range(40):
+        ep = pol.pick([a, b], _req(_hint(hot + f" q{i}")))
+        assert ep is not None
+        ep.slot.add(1)  # the stream stays open
+        pol.on_admit(ep, _req(_hint(hot + f" q{i}")))
+        picks.append(ep.name)
+    assert picks[:9] == ["a"] * 9  # affinity while within the bound
+    assert abs(a.inflight - b.inflight) <= 10  # and then both take it
+    assert b.inflight >= 15
+
+
+def test_session_home_is_rendezvous_and_moves_only_with_its_replica() -> None:
+    pol = CacheAware(affinity=AffinitySettings(use_prefix=False))
+    eps = [_ep(n) for n in "abcd"]
+    sessions = [f"user-{i}" for i in range(200)]
+    before = {s: pol.pick(eps, _req(_hint("hi", session=s))) for s in sessions}
+    assert len({e.name for e in before.values() if e}) == 4  # spread over all replicas
+    for s in sessions[:20]:  # the same session, the same replica
+        assert pol.pick(eps, _req(_hint("another turn", session=s))) is before[s]
+    gone = eps[1]
+    after = {
+        s: pol.pick([e for e in eps if e is not gone], _req(_hint("hi", session=s)))
+        for s in sessions
+    }
+    moved = [s for s in sessions if after[s] is not before[s]]
+    assert moved and all(before[s] is gone for s in moved)  # only the removed one's sessions
+    assert home(b"user-1", eps) is before["user-1"]
+
+
+def test_session_affinity_gives_way_to_load() -> None:
+    pol = CacheAware(affinity=AffinitySettings(use_prefix=False))
+    a, b = _ep("a"), _ep("b")
+    s = next(f"s{i}" for i in range(100) if home(f"s{i}".encode(), [a, b]) is a)
+    assert pol.pick([a, b], _req(_hint("x", session=s))) is a
+    a.slot.add(20)  # far past the bound: its home is busy
+    assert pol.pick([a, b], _req(_hint("x", session=s))) is b
+
+
+def test_slo_spill_sends_standard_work_to_a_clearly_faster_tier_and_keeps_critical() -> None:
+    """The fp16 tier is busy, the fp8 tier idle: standard and sheddable work spills, critical
+    stays; with a target the first tier meets, standard stays too."""
+    for policy in (LatencyAware(), CacheAware()):
+        pool = Pool(default_cap=256, policy=policy)
+        p1, p2, f = _ep("p1", "primary", 100), _ep("p2", "primary", 100), _ep("f", "fallback", 10)
+        for e in (p1, p2, f):
+            pool.add(e)
+        pool.routes = {k: ["primary", "fallback"] for k in ("critical", "standard", "sheddable")}
+        assert pool.pick("m", "critical") in (p1, p2)
+        assert pool.pick("m", "standard") is f
+        assert pool.pick("m", "sheddable") is f
+        f.slot.add(140)  # busier than the primaries: no longer clearly better
+        assert pool.pick("m", "standard") in (p1, p2)
+    for target, stays in ((10.0, True), (0.1, False)):
+        pol = LatencyAware(LatencySettings(ttft_targets={"standard": target}))
+        pool = Pool(default_cap=256, policy=pol)
+        p, f = _ep("p1", "primary", 100), _ep("f", "fallback", 0)
+        for e in (p, f):
+            pool.add(e)
+        now = time.monotonic()
+        for i in range(40):  # 0.25 s decode steps on the primary: ~0.5 s expected first token
+            p.latency.gap(0.25, now=now - 0.4 + i * 0.01)
+        pool.routes = {"standard": ["primary", "fallback"]}
+        assert (pool.pick("m", "standard") is p) == stays, target
+
+
+def test_registry_and_settings() -> None:
+    assert set(POLICIES) == {"prefix", "session", "latency", "least_load", "round_robin"}
+    assert isinstance(make_policy(GatewaySettings()), CacheAware)  # the default
+    assert isinstance(make_policy(GatewaySettings(routing="round_robin")), RoundRobin)
+    with pytest.raises(ValueError, match="routing"):
+        GatewaySettings(routing="nope")  # type: ignore[arg-type]
+    rr = RoundRobin()
+    a, b = _ep("a", inflight=50), _ep("b")
+    assert [rr.pick([a, b], _req(None)) for _ in range(4)] == [a, b, a, b]
+
+
+# -- real processes -----------------------------------------------------------------------------
+@pytest.fixture
+def two_engines(tmp_path: Path) -> list[Proc]:
+    engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
+    yield engs
+    for e in engs:
+        e.stop()
+
+
+def test_conversations_and_shared_prompts_stay_put_across_two_workers(
+    tmp_path: Path, two_engines: list[Proc]
+) -> None:
+    """Two gateway workers, two engines, fresh connections (the kernel spreads them over the
+    workers): every turn of a conversation (session header) lands on one engine, and every
+    request with the same long system prompt lands on one engine, though no worker saw all
+    of them: the homes are the same in every worker."""
+    urls = [e.url for e in two_engines]
+    g = gateway(tmp_path, *urls, args=("--workers", "2", "--routing", "prefix"))
+    try:
+        where: dict[str, set[str]] = {}
+        for turn in range(4):
+            for conv in range(6):
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"conversation {conv} turn {turn}"}],
+                    "max_tokens": 3,
+                }
+                with httpx.Client(timeout=30) as c:
+                    r = c.post(
+                        g.url + "/v1/chat/completions",
+                        json=body,
+                        headers={"x-session-id": f"conv-{conv}"},
+                    )
+                assert r.status_code == 200, r.text
+                where.setdefault(f"conv-{conv}", set()).add(r.headers["x-unbroken-endpoint"])
+        for group in range(6):
+            system = _words(400, 50 + group)
+            for q in range(4):
+                body = {"model": MODEL, "prompt": f"{system} question {q}", "max_tokens": 3}
+                with httpx.Client(timeout=30) as c:
+                    r = c.post(g.url + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                where.setdefault(f"group-{group}", set()).add(r.headers["x-unbroken-endpoint"])
+        assert all(len(v) == 1 for v in where.values()), where
+        assert len({next(iter(v)) for v in where.values()}) == 2  # both engines are used
+    finally:
+        g.stop()
