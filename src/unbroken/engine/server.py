@@ -197,6 +197,14 @@ class Engine:
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        profile = self.cfg.profile.name
+
+        async def say_profile(_request: web.Request, resp: web.StreamResponse) -> None:
+            # Which precision served a request, through any proxy (the demo's standard
+            # deployment is an L4 one): the share of critical tokens at reduced precision.
+            resp.headers["X-Unbroken-Profile"] = profile
+
+        app.on_response_prepare.append(say_profile)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
