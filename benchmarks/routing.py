@@ -105,6 +105,7 @@ class Pass:
     outcomes: dict[str, int] = field(default_factory=dict)
     ttft_p50: float | None = None
     ttft_p99: float | None = None
+    ttft_mean: float | None = None  # TTFT is bimodal here (prefix hit or miss): p50 flips
     itl_p50: float | None = None
     hit_rate: float | None = None
     spread: float | None = None
@@ -292,7 +293,9 @@ async def one_pass(
             Counter(f"{r.outcome}: {(r.detail or '?')[:60]}" for r in recs if r.outcome != "ok")
         )
         res.ttft_p50 = pct_ms([r.ttft for r in ok if r.ttft is not None], 50)
-        res.ttft_p99 = pct_ms([r.ttft for r in ok if r.ttft is not None], 99)
+        ttfts = [r.ttft for r in ok if r.ttft is not None]
+        res.ttft_p99 = pct_ms(ttfts, 99)
+        res.ttft_mean = sum(ttfts) / len(ttfts) * 1e3 if ttfts else None
         res.itl_p50 = pct_ms([g for r in ok for g in r.gaps], 50)
         res.hit_rate = eng["hit_rate"]
         res.spread = eng["spread"]
@@ -311,7 +314,8 @@ def summary(p: Pass) -> str:
     if not p.ok:
         return f"not run: {p.why}"
     return (
-        f"{p.requests} requests, TTFT p50 {fmt(p.ttft_p50)} p99 {fmt(p.ttft_p99)} ms, "
+        f"{p.requests} requests, TTFT p50 {fmt(p.ttft_p50)} p99 {fmt(p.ttft_p99)} "
+        f"mean {fmt(p.ttft_mean)} ms, "
         f"ITL p50 {fmt(p.itl_p50)} ms, hit rate {pct(p.hit_rate)}, served {p.served}, "
         f"failed {p.requests - p.outcomes.get('ok', 0)}, {p.seconds:.0f} s"
     )
@@ -338,7 +342,7 @@ def workload_table(passes: list[Pass]) -> str:
     rows = []
     for p in passes:
         if not p.ok:
-            rows.append([p.router, f"not run: {p.why}"] + [""] * 10)
+            rows.append([p.router, f"not run: {p.why}"] + [""] * 13)
             continue
         failed = p.requests - p.outcomes.get("ok", 0)
         spread = "-" if p.spread is None else f"{p.spread:.2f}x"
@@ -348,14 +352,17 @@ def workload_table(passes: list[Pass]) -> str:
                 str(p.requests),
                 fmt(p.ttft_p50),
                 fmt(p.ttft_p99),
+                fmt(p.ttft_mean),
                 fmt(p.itl_p50),
                 pct(p.hit_rate),
                 spread,
                 str(failed),
                 ratio(p.ttft_p50, ca.ttft_p50 if ca else None),
                 ratio(p.ttft_p99, ca.ttft_p99 if ca else None),
+                ratio(p.ttft_mean, ca.ttft_mean if ca else None),
                 ratio(p.ttft_p50, rr.ttft_p50 if rr else None),
                 ratio(p.ttft_p99, rr.ttft_p99 if rr else None),
+                ratio(p.ttft_mean, rr.ttft_mean if rr else None),
             ]
         )
     headers = [
@@ -363,14 +370,17 @@ def workload_table(passes: list[Pass]) -> str:
         "requests",
         "TTFT p50 ms",
         "TTFT p99 ms",
+        "TTFT mean ms",
         "ITL p50 ms",
         "hit rate",
         "busiest/least",
         "errors",
         "p50 vs cache_aware",
         "p99 vs cache_aware",
+        "mean vs cache_aware",
         "p50 vs round_robin",
         "p99 vs round_robin",
+        "mean vs round_robin",
     ]
     return table(headers, rows)
 
