@@ -286,3 +286,22 @@ def test_stall_spikes_count_long_gaps_ending_in_the_window() -> None:
     assert stall_spikes([r], 10.0, 11.0, 0.25) == 1
     r.ttft = None  # no token at all: nothing to count
     assert stall_spikes([r], 0.0, 100.0, 0.0) == 0
+
+
+def test_critical_tokens_at_reduced_precision_are_counted_from_either_header() -> None:
+    """The engine's own X-Unbroken-Profile (through an L4 proxy) wins; else the gateway's
+    endpoint name (POOL-N) and the pool's precision; non-critical work does not count."""
+    from types import SimpleNamespace as R
+
+    from unbroken.bench.demo import critical_reduced_pct
+
+    recs = [
+        R(priority="critical", tokens=30, profile="fp16", endpoint=None),
+        R(priority="critical", tokens=10, profile="fp8", endpoint=None),
+        R(priority="critical", tokens=40, profile=None, endpoint="primary-2"),
+        R(priority="critical", tokens=20, profile=None, endpoint="fallback-1"),
+        R(priority="standard", tokens=500, profile="fp8", endpoint="fallback-1"),
+        R(priority="critical", tokens=0, profile="fp8", endpoint=None),
+    ]
+    assert critical_reduced_pct(recs, {"primary": "fp16", "fallback": "fp8"}) == 30.0
+    assert critical_reduced_pct(recs[4:], {}) is None

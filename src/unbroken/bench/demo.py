@@ -131,9 +131,37 @@ class _Measured:
     rejected: int
     errors: int
     requests: int
+    critical_reduced_pct: float | None = None
 
 
-def measure(p: PassResult, windows: dict[str, dict[str, Any]], stall_s: float) -> _Measured:
+FULL_PRECISIONS = ("fp16", "bf16")
+
+
+def critical_reduced_pct(records: list[Any], precisions: dict[str, str]) -> float | None:
+    """Percent of critical requests' tokens served at reduced precision (first leg): by the
+    engine's own X-Unbroken-Profile where it reached the client (through an L4 proxy), else
+    by the gateway's X-Unbroken-Endpoint (`POOL-N`) and the pool's precision."""
+    total = reduced = 0
+    for r in records:
+        if r.priority != "critical" or not r.tokens:
+            continue
+        prec = r.profile
+        if prec is None and r.endpoint:
+            prec = precisions.get(r.endpoint.rsplit("-", 1)[0])
+        if prec is None:
+            continue
+        total += r.tokens
+        if prec not in FULL_PRECISIONS:
+            reduced += r.tokens
+    return None if not total else round(100.0 * reduced / total, 2)
+
+
+def measure(
+    p: PassResult,
+    windows: dict[str, dict[str, Any]],
+    stall_s: float,
+    precisions: dict[str, str] | None = None,
+) -> _Measured:
     m = p.marks
 
     def p999(name: str) -> float | None:
@@ -170,6 +198,9 @@ def measure(p: PassResult, windows: dict[str, dict[str, Any]], stall_s: float) -
         rejected=windows["whole run"]["summary"]["outcomes"].get("rejected", 0),
         errors=windows["whole run"]["summary"]["outcomes"].get("error", 0),
         requests=windows["whole run"]["summary"]["requests"],
+        critical_reduced_pct=critical_reduced_pct(
+            p.records, precisions or {q.name: q.precision for q in default_spec().pools}
+        ),
     )
 
 
@@ -290,6 +321,16 @@ def seed_rows(
             + f"; the window's last third alone: {ub.stall_spikes_last_third} unbroken"
             + ("" if std is None else f", {std.stall_spikes_last_third} standard")
             + ")",
+        },
+        {
+            "metric": "critical_tokens_reduced_precision_pct",
+            "standard": col("critical_reduced_pct"),
+            "unbroken": ub.critical_reduced_pct,
+            "unit": "%",
+            "target": "<= 1 (fp16 has room)",
+            "ok": ub.critical_reduced_pct is not None and ub.critical_reduced_pct <= 1.0,
+            "note": "share of critical requests' tokens served by the fp8 pool (by where each "
+            "stream started); the demo's fp16 pool has room for all critical work",
         },
         {
             "metric": "rejected_requests",

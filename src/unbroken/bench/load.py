@@ -106,6 +106,7 @@ class Record:
     outcome: str = "pending"
     detail: str | None = None
     endpoint: str | None = None
+    profile: str | None = None  # the simulator's X-Unbroken-Profile (fp16, fp8) where it passes
     session: str | None = None
     turn: int = 0  # its turn in a multi-turn conversation
 
@@ -357,6 +358,7 @@ class LoadRun:
             ) as r:
                 rec.status = r.status
                 rec.endpoint = r.headers.get("X-Unbroken-Endpoint")
+                rec.profile = r.headers.get("X-Unbroken-Profile")
                 if r.status != 200:
                     await r.read()
                     rec.outcome = "rejected" if r.status in (429, 503) else "error"
