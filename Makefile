@@ -25,10 +25,12 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-# Gateway overhead against direct, with vllm-router (scripts/bench-peer.sh installs it into its
-# own cached venv) as a peer; BENCH_ARGS="--no-peer" skips it, e.g. offline.
+# Gateway overhead against direct, then routing on prefix-heavy workloads, each with
+# vllm-router (scripts/bench-peer.sh installs it into its own cached venv) as a peer;
+# BENCH_ARGS="--no-peer" skips it, e.g. offline.
 bench: setup
 	$(BIN)/python benchmarks/gateway_overhead.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/routing.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
