@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
@@ -340,10 +341,21 @@ def client_session(
     )
 
 
+_HANDED: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now, and not one this process handed out recently: the kernel may give
+    the same ephemeral port to two binds in a row (a gateway once got its public and admin
+    ports equal, and could not listen)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED:
+            break
+    _HANDED.append(port)
+    return port
 
 
 async def wait_ok(
