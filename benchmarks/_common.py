@@ -132,3 +132,26 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def install_peer() -> tuple[str | None, str]:
+    """vllm-router's executable (scripts/bench-peer.sh installs it into its own cached venv),
+    or None and why not."""
+    print("vllm-router: scripts/bench-peer.sh ...", file=sys.stderr)
+    try:
+        p = subprocess.run(
+            [str(ROOT / "scripts" / "bench-peer.sh")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"bench-peer.sh: {e}"
+    if p.returncode != 0:
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("bench-peer:")]
+        return None, (lines[-1] if lines else f"bench-peer.sh exited {p.returncode}")
+    return p.stdout.strip().splitlines()[-1], ""

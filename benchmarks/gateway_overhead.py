@@ -45,6 +45,7 @@ from _common import (
     Service,
     engine_service,
     gateway_service,
+    install_peer,
     median,
     table,
     tree_cpu_seconds,
@@ -134,20 +135,6 @@ async def closed_loop(
     run = PacedRun(cfg, ramp)
     await run.run()
     return run
-
-
-def install_peer() -> tuple[str | None, str]:
-    """The vllm-router executable, or None and why not."""
-    script = ROOT / "scripts" / "bench-peer.sh"
-    print("vllm-router: scripts/bench-peer.sh ...", file=sys.stderr)
-    try:
-        p = subprocess.run([str(script)], capture_output=True, text=True, timeout=600, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"bench-peer.sh: {e}"
-    if p.returncode != 0:
-        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("bench-peer:")]
-        return None, (lines[-1] if lines else f"bench-peer.sh exited {p.returncode}")
-    return p.stdout.strip().splitlines()[-1], ""
 
 
 async def start_peer(

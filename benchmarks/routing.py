@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import Service, engine_service, gateway_service, table, wait_http
+from _common import Service, engine_service, gateway_service, install_peer, table, wait_http
 from unbroken.bench.load import LoadConfig, LoadRun
 from unbroken.bench.stats import percentile
 from unbroken.bench.workloads import EngineWatch, MultiTurn, SharedPrefix, WorkloadSpec
@@ -127,25 +127,6 @@ def gateway_has_routing() -> bool:
         check=False,
     )
     return "--routing" in p.stdout
-
-
-def install_peer() -> tuple[str | None, str]:
-    """vllm-router's executable (scripts/bench-peer.sh), or None and why not."""
-    print("vllm-router: scripts/bench-peer.sh ...", file=sys.stderr)
-    try:
-        p = subprocess.run(
-            [str(ROOT / "scripts" / "bench-peer.sh")],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"bench-peer.sh: {e}"
-    if p.returncode != 0:
-        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("bench-peer:")]
-        return None, (lines[-1] if lines else f"bench-peer.sh exited {p.returncode}")
-    return p.stdout.strip().splitlines()[-1], ""
 
 
 def peer_version(exe: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import orjson
 
+from unbroken.gateway._pool import Endpoint, State
 from unbroken.wire.http import free_port
 from unbroken.wire.sse import SSEDecoder
 
@@ -402,3 +403,13 @@ class Poller:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join()
+
+
+def ready_endpoint(name: str, pool: str = "default", inflight: int = 0) -> Endpoint:
+    """An in-process endpoint serving model "m", ready, with `inflight` slots taken: for the
+    routing policies' arithmetic."""
+    e = Endpoint(name=name, url=f"http://{name}", pool=pool)
+    e.models = {"m"}
+    e.set_state(State.READY)
+    e.slot.add(inflight)
+    return e

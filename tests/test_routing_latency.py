@@ -15,20 +15,15 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, wait_for
+from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, ready_endpoint, wait_for
 from unbroken.gateway._latency import EndpointLatency, LatencyAware, LatencySettings
-from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool, State
+from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REQ = PickRequest("m", "standard")
 
 
-def _ep(name: str, pool: str = "default", inflight: int = 0) -> Endpoint:
-    e = Endpoint(name=name, url=f"http://{name}", pool=pool)
-    e.models = {"m"}
-    e.set_state(State.READY)
-    e.slot.add(inflight)
-    return e
+_ep = ready_endpoint
 
 
 def _gaps(e: EndpointLatency, gap: float, t0: float, t1: float, step: float = 0.01) -> None:

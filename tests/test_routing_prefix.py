@@ -12,22 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, engine, gateway
+from helpers import MODEL, Proc, engine, gateway, ready_endpoint
 from unbroken.config.spec import GatewaySettings
 from unbroken.engine.textmodel import VOCAB
 from unbroken.gateway._affinity import AffinitySettings, CacheAware, home
 from unbroken.gateway._latency import LatencyAware, LatencySettings
-from unbroken.gateway._pool import Endpoint, PickRequest, Pool, State
+from unbroken.gateway._pool import PickRequest, Pool
 from unbroken.gateway._prefix import PrefixIndex, RouteHint, hint_of, prompt_text
 from unbroken.gateway._routing import POLICIES, RoundRobin, make_policy
 
-
-def _ep(name: str, pool: str = "default", inflight: int = 0) -> Endpoint:
-    e = Endpoint(name=name, url=f"http://{name}", pool=pool)
-    e.models = {"m"}
-    e.set_state(State.READY)
-    e.slot.add(inflight)
-    return e
+_ep = ready_endpoint
 
 
 def _words(n: int, seed: int) -> str:
