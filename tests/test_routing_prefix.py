@@ -57,6 +57,16 @@ def test_block_names_are_chained_and_the_same_in_every_process() -> None:
     )
 
 
+def test_a_huge_prompt_costs_a_bounded_number_of_blocks() -> None:
+    """An 8 MiB prompt (the default body limit) is named up to MAX_HASHED_BYTES only; its
+    length still counts in full for the prefill estimate."""
+    from unbroken.gateway._prefix import MAX_HASHED_BYTES
+
+    h = _hint("word " * (8 * 2**20 // 5))
+    assert len(h.blocks) == MAX_HASHED_BYTES // 64
+    assert h.chars > 8_000_000
+
+
 def test_chat_prompt_text_keeps_message_prefixes_as_text_prefixes() -> None:
     """A conversation's next turn carries the previous one: its text starts with the
     previous turn's text, so its blocks start with the previous turn's blocks."""
