@@ -98,8 +98,10 @@ class Admission:
         weight: int,
         hint: RouteHint | None = None,
     ) -> tuple[Endpoint, int] | None:
-        if self.shared is not None and self._room(model, priority, exclude, weight) is None:
-            return None  # full: known without the lock (waiters poll this often)
+        # Full is known without the lock (waiters poll this often), and without the hint:
+        # room does not need a cache-aware policy's arithmetic.
+        if self.shared is not None and self._pick(model, priority, exclude, weight) is None:
+            return None
         with self._lock():
             ep = self._pick(model, priority, exclude, weight, hint)
             return None if ep is None else self._take(ep, weight)
@@ -121,13 +123,6 @@ class Admission:
         if self.shared is not None:
             for i, p in enumerate(PRIORITIES):
                 self.shared.set_depth(i, self.depth[p])
-
-    def _room(
-        self, model: str, priority: str, exclude: tuple[Endpoint, ...], weight: int
-    ) -> Endpoint | None:
-        """Is there room for this request? (A pick without its hint: cheap, and the policy's
-        cache arithmetic is not needed to know.)"""
-        return self._pick(model, priority, exclude, weight)
 
     def _pick(
         self,
@@ -260,7 +255,7 @@ class Admission:
                 continue
             if w.rank > 0 and self._others_waiting(w.rank - 1):
                 # Defer only while there is room: the clock runs from when a slot is free.
-                if self._room(w.model, w.priority, w.exclude, w.weight) is None:
+                if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
                     w.deferred = None
                     continue
                 w.deferred = w.deferred or now

@@ -78,7 +78,6 @@ class CacheAware(LatencyAware):
         super().__init__(settings)
         self.a = affinity or AffinitySettings()
         self.index = PrefixIndex(self.a.blocks_per_endpoint)
-        self.credited = 0  # picks that went where the prompt (or session) was held
 
     def _held(self, candidates: Sequence[Endpoint], request: PickRequest) -> list[int]:
         """Per candidate, the characters of the prompt credited to it."""
@@ -126,13 +125,8 @@ class CacheAware(LatencyAware):
         return out
 
     def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
-        hint = request.hint
-        if hint is None:
-            return
-        if self.a.use_prefix:
-            if hint.blocks and self.index.cached(ep.name, hint.blocks):
-                self.credited += 1
-            self.index.record(ep.name, hint.blocks)
+        if request.hint is not None and self.a.use_prefix:
+            self.index.record(ep.name, request.hint.blocks)
 
     def forget(self, name: str) -> None:
         self.index.forget(name)

@@ -270,12 +270,6 @@ class LatencyAware:
         best, _, _ = self._best(candidates, now, self._prior(candidates, now), request)
         return None if best is None else self._chose(best, candidates)
 
-    def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
-        """A leg was admitted to `ep` (once per leg): nothing to learn for this policy."""
-
-    def forget(self, name: str) -> None:
-        """Endpoint `name` is gone."""
-
     def pick_route(
         self, pools: list[list[Endpoint]], request: PickRequest, *, fresh: bool
     ) -> Endpoint | None:

@@ -56,10 +56,6 @@ class RouteHint:
         self.session = session
         self.block_chars = block_chars
 
-    @property
-    def tokens(self) -> float:
-        return self.chars / CHARS_PER_TOKEN
-
 
 def prompt_text(raw: dict[str, Any], chat: bool) -> str:
     """The text an engine prefills for `raw`, up to its template: the prompt, or each
