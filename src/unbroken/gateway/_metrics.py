@@ -180,6 +180,10 @@ class _HistChild:
         self.counts[bisect_left(self.bounds, v)] += 1
         self.sum += v
 
+    def observe_zeros(self, k: int) -> None:
+        """`k` observations of 0 (the tokens after the first of one read)."""
+        self.counts[bisect_left(self.bounds, 0.0)] += k
+
 
 class FastHistogram(Collector):
     """A labelled histogram for the per-token path: an observation is a bisect and two

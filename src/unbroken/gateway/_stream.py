@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
+from orjson import JSONDecodeError as _JSONDecodeError
+from orjson import loads as _loads
 
 from unbroken.gateway._continuation import (
     NotExact,
@@ -140,6 +142,65 @@ class RelayHost(Protocol):
 
 
 class StreamRelay:
+    """One client stream and its legs (module doc)."""
+
+    __slots__ = (
+        "__weakref__",  # `_handover` holds relays weakly
+        "_dec",
+        "_detail",
+        "_exc",
+        "_first",
+        "_gap_max",
+        "_gaps",
+        "_handoff",
+        "_itl",
+        "_last_event",
+        "_last_token",
+        "_loop",
+        "_outq",
+        "_raw",
+        "_rearm_at",
+        "_rw",
+        "_started",
+        "_tmo",
+        "_verdict",
+        "_wake",
+        "_wrap_chat",
+        "augmented",
+        "body",
+        "chat",
+        "ep",
+        "exact",
+        "failed",
+        "gen_ids",
+        "headers",
+        "hint",
+        "ids_ok",
+        "interrupted",
+        "leg_base",
+        "leg_count",
+        "legs",
+        "migrations",
+        "model",
+        "p",
+        "path",
+        "priority",
+        "prompt_ids",
+        "prompt_tokens",
+        "request",
+        "resp",
+        "sent",
+        "sink",
+        "split_back",
+        "t0",
+        "tracker",
+        "up",
+        "want_cont",
+        "want_ids",
+        "want_usage",
+        "weight",
+    )
+
     def __init__(
         self,
         proxy: RelayHost,
@@ -717,7 +778,7 @@ class StreamRelay:
             self.ep.observe_first(self, now - self._started)  # type: ignore[union-attr]
         elif self._last_event:
             gap = now - self._last_event
-            self.ep.observe_gap(gap)  # type: ignore[union-attr]
+            self.ep.latency.gap(gap)  # type: ignore[union-attr]
             self._gaps += 1
             if gap > self._gap_max:
                 self._gap_max = gap
@@ -746,65 +807,28 @@ class StreamRelay:
         self._wake_up()
 
     def _take(self, events: list[SSEEvent], rewrite: bool) -> str | None:
-        """Forward a batch of events; "done" at a proper end, a reason at a break."""
-        tracker = self.tracker
+        """Forward a batch of events; "done" at a proper end, a reason at a break.
+
+        Every event is decoded (what reaches the client must be a well-formed chunk), but the
+        usual one, a single choice on a first leg, is accounted inline (`_fast`); everything
+        else (the first event's prompt ids, an abort, an error, several choices, a
+        continuation leg's rewrite) goes through `_event`."""
         out: list[bytes] = []
         verdict: str | None = None
         tokens = 0
+        fast = not rewrite and not self._wrap_chat
         for ev in events:
-            if ev.data is None:
-                if ev.raw.startswith(b":"):
-                    out.append(_COMMENT)
-                continue  # `event:`, `id:`, `retry:` alone: nothing an OpenAI client reads
-            if ev.is_done:
-                if tracker.finished:
-                    tracker.done = True
-                    out.append(ev.raw)
-                    verdict = "done"
-                else:
-                    verdict = "truncated"
-                break
-            try:
-                obj = orjson.loads(ev.data)
-            except orjson.JSONDecodeError:
-                obj = None
-            if not isinstance(obj, dict) or not (
-                "error" in obj or _is_chunk(obj, self.chat and not self._wrap_chat)
-            ):
-                # Not JSON, or not a completion chunk (events run together for want of the
-                # blank line between them are this too): the leg is broken, its bytes dropped.
-                self._detail = f"an event that is not a completion chunk: {ev.data[:120]!r}"
-                verdict = PROTOCOL
-                break
-            if "error" in obj:
-                tracker.observe_obj(obj)
-                verdict = "error_event"
-                break
-            if self._wrap_chat:
-                obj = self._as_chat(obj)
-            n, aborted, changed = self._account(obj, rewrite)
-            tokens += n
-            if aborted:
-                # vLLM ended the request itself (shutdown): a break, not a finish. Its text
-                # so far goes to the client; the rest comes from another engine.
-                verdict = "abort"
-                if n or _has_text(obj):
-                    raw = self._rewrite(obj) if rewrite else encode_json(obj)
-                    if raw is not None:
-                        tracker.observe_obj(obj)
-                        out.append(raw)
-                break
-            if changed is None:  # a chunk only the gateway asked for
-                continue
-            raw = ev.raw
-            if rewrite:
-                raw = self._rewrite(obj)
-                if raw is None:
+            if fast and ev.plain:
+                got = self._fast(ev)
+                if got is not None:
+                    tokens += got[0]
+                    if got[1] is not None:
+                        out.append(got[1])
                     continue
-            elif changed or not ev.plain:
-                raw = encode_json(obj)
-            tracker.observe_obj(obj)
-            out.append(raw)
+            verdict, n = self._event(ev, rewrite, out)
+            tokens += n
+            if verdict is not None:
+                break
         if out:
             if tokens:
                 now = time.monotonic()
@@ -813,11 +837,152 @@ class StreamRelay:
                     ttft.observe(now - self.t0)
                 else:
                     self._itl.observe(now - self._last_token)
-                for _ in range(tokens - 1):
-                    self._itl.observe(0.0)
+                if tokens > 1:
+                    self._itl.observe_zeros(tokens - 1)
                 self._last_token = now
-            self._emit(b"".join(out))
+            self._emit(out[0] if len(out) == 1 else b"".join(out))
         return verdict
+
+    def _fast(self, ev: SSEEvent) -> tuple[int, bytes | None] | None:
+        """The usual event of a first leg, accounted as `_account` and `observe_obj` would:
+        (tokens, bytes for the client or None to drop it), or None when `_event` must take
+        it (not a one-choice chunk, prompt ids, an abort, an error, not JSON)."""
+        data = ev.data
+        if data is None or data[:1] != b"{":
+            return None
+        try:
+            obj = _loads(data)
+        except _JSONDecodeError:
+            return None
+        if type(obj) is not dict or "error" in obj or obj.get("prompt_token_ids") is not None:
+            return None
+        choices = obj.get("choices")
+        if type(choices) is not list or len(choices) != 1:
+            return None
+        ch = choices[0]
+        if (
+            type(ch) is not dict
+            or ch.get("index", 0) != 0
+            or ch.get("prompt_token_ids") is not None
+        ):
+            return None
+        fr = ch.get("finish_reason")
+        if fr == "abort":
+            return None
+        tracker = self.tracker
+        if self.chat:
+            d = ch.get("delta")
+            if type(d) is not dict:
+                return None
+            text = d.get("content")
+            if "role" in d:
+                tracker.role_sent.add(0)
+        else:
+            text = ch.get("text")
+        if text is not None and type(text) is not str:
+            return None  # not a chunk: `_event` says so
+        ids = ch.get("token_ids")
+        if ids is not None and type(ids) is not list:
+            ids = None
+        u = obj.get("usage")
+        if type(u) is dict and type(ct := u.get("completion_tokens")) is int:
+            n = ct - self.leg_count if ct > self.leg_count else 0
+            self.leg_count = ct
+            if self.prompt_tokens is None and self.legs == 1:
+                pt = u.get("prompt_tokens")
+                self.prompt_tokens = pt if type(pt) is int else None
+        elif ids is not None:
+            n = len(ids)
+            self.leg_count += n
+        else:
+            n = 1 if text else 0
+            self.leg_count += n
+            if n:
+                self.exact = False  # events, not tokens: this engine gives no counts
+        if n:
+            if ids is not None and len(ids) == n:
+                self.gen_ids.extend(ids)
+            else:
+                self.ids_ok = False
+        self.sent = self.leg_base + self.leg_count
+        if tracker.id is None:
+            tracker.id = obj.get("id")
+            tracker.created = obj.get("created")
+            tracker.model = obj.get("model")
+        if text:
+            t = tracker.texts.get(0)
+            if t is None:
+                tracker.texts[0] = [text]
+            else:
+                t.append(text)
+            tracker.token_events += 1
+        if fr:
+            tracker.finish[0] = fr
+        if self.augmented:
+            changed = False
+            if ids is not None and not self.want_ids:
+                ch["token_ids"] = None
+                changed = True
+            if u is not None and not self.want_cont:
+                del obj["usage"]
+                changed = True
+            if changed:
+                return n, encode_json(obj)
+        return n, ev.raw
+
+    def _event(self, ev: SSEEvent, rewrite: bool, out: list[bytes]) -> tuple[str | None, int]:
+        """Any event, in full: (verdict or None, tokens); what the client gets goes to
+        `out`."""
+        tracker = self.tracker
+        if ev.data is None:
+            if ev.raw.startswith(b":"):
+                out.append(_COMMENT)
+            return None, 0  # `event:`, `id:`, `retry:` alone: nothing an OpenAI client reads
+        if ev.is_done:
+            if tracker.finished:
+                tracker.done = True
+                out.append(ev.raw)
+                return "done", 0
+            return "truncated", 0
+        try:
+            obj = orjson.loads(ev.data)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict) or not (
+            "error" in obj or _is_chunk(obj, self.chat and not self._wrap_chat)
+        ):
+            # Not JSON, or not a completion chunk (events run together for want of the
+            # blank line between them are this too): the leg is broken, its bytes dropped.
+            self._detail = f"an event that is not a completion chunk: {ev.data[:120]!r}"
+            return PROTOCOL, 0
+        if "error" in obj:
+            tracker.observe_obj(obj)
+            return "error_event", 0
+        if self._wrap_chat:
+            obj = self._as_chat(obj)
+        n, aborted, changed = self._account(obj, rewrite)
+        if aborted:
+            # vLLM ended the request itself (shutdown): a break, not a finish. Its text
+            # so far goes to the client; the rest comes from another engine.
+            if n or _has_text(obj):
+                raw = self._rewrite(obj) if rewrite else encode_json(obj)
+                if raw is not None:
+                    tracker.observe_obj(obj)
+                    out.append(raw)
+            return "abort", n
+        if changed is None:  # a chunk only the gateway asked for
+            return None, n
+        raw = ev.raw
+        if rewrite:
+            r = self._rewrite(obj)
+            if r is None:
+                return None, n
+            raw = r
+        elif changed or not ev.plain:
+            raw = encode_json(obj)
+        tracker.observe_obj(obj)
+        out.append(raw)
+        return None, n
 
     async def _send(self, data: bytes) -> None:
         if self.sink is None:

@@ -312,7 +312,11 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         r = self._resp
         if r is not None:
-            r._feed(body)
+            cb = r._on_body  # streamed: straight to the consumer (one call less per chunk)
+            if cb is not None:
+                cb(body)
+            else:
+                r._feed(body)
 
     def on_message_complete(self) -> None:
         if self._interim:

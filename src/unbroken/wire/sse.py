@@ -66,6 +66,18 @@ class SSEDecoder:
         self.max_event = max_event
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if (
+            not self._buf
+            and not self._cr
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+        ):
+            # The usual read: exactly one plain `data:` event (one token of one stream).
+            if self.max_event is not None and len(chunk) > self.max_event:
+                raise EventTooLarge(f"an SSE event of {len(chunk)} bytes (limit {self.max_event})")
+            return [SSEEvent(chunk, chunk[6:-2], True)]
         if self._cr:
             chunk = b"\r" + chunk
             self._cr = False
