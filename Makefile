@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.bootstrapped
 
-.PHONY: setup demo up test lint bench clean
+.PHONY: setup demo up test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,21 @@ up: setup
 test: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
+
+# The tier a developer runs after each change (under 3 minutes here): in-process tests and
+# tests of one process or one engine, no pipelines, no real vLLM. `make test` runs these too.
+FAST_TESTS := $(addprefix tests/,test_sse.py test_relay_events.py test_layers.py \
+	test_wire_http.py test_textmodel.py test_upstream.py test_cuda_stub.py \
+	test_metrics_agent.py test_reliability_demo.py test_bench_priority.py test_engine_leak.py \
+	test_k8s_render.py test_engine_prefix_cache.py test_hardening_prewarm.py \
+	test_engine_api.py test_weights.py test_metrics_exporters.py test_report.py \
+	test_prewarm.py test_routing_prefix.py test_gateway_tokens.py test_migration_fields.py \
+	test_gateway_compat.py test_reliability_stream.py test_engine_runtime.py \
+	test_bench_verify.py test_malformed.py test_bench_workloads.py)
+
+test-fast: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest $(FAST_TESTS)
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
