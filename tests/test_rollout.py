@@ -42,6 +42,7 @@ class NiceWatch(Poller):
         self.parent = parent
         self.seen: dict[tuple[str, int], set[int]] = {}  # (kind, pid) -> nice values
         self.autogroup: dict[tuple[str, int], set[int]] = {}  # its autogroup's nice values
+        self.cpu_cgroup: dict[tuple[str, int], set[str]] = {}  # its cpu cgroups' names
 
     def _children(self) -> set[int]:
         out: set[int] = set()
@@ -69,6 +70,12 @@ class NiceWatch(Poller):
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     ag = int((d / "autogroup").read_text().split()[2])
                     self.autogroup.setdefault((kind, pid), set()).add(ag)
+                with contextlib.suppress(OSError):
+                    for line in (d / "cgroup").read_text().splitlines():
+                        _, ctrls, path = line.split(":", 2)
+                        if "cpu" in ctrls.split(","):
+                            name = path.rsplit("/", 1)[-1]
+                            self.cpu_cgroup.setdefault((kind, pid), set()).add(name)
 
     def values(
         self, kind: str, pids: set[int] | None = None, *, autogroup: bool = False
@@ -153,6 +160,23 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
                 # lowers a starting engine against the serving ones (pipeline/niceness.py).
                 assert nice.values("engine", new, autogroup=True) == {10, 0}, nice.autogroup
                 assert 10 in nice.values("prewarm", autogroup=True), nice.autogroup
+            if Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
+                # Started beside serving replicas: under the startup CPU quota in a cgroup
+                # of their own until they served, then back where the supervisor is
+                # (pipeline/cpucap.py).
+                own = Path(f"/proc/{u.proc.pid}/cgroup").read_text()
+                home = next(
+                    ln.split(":", 2)[2].rsplit("/", 1)[-1]
+                    for ln in own.splitlines()
+                    if "cpu" in ln.split(":", 2)[1].split(",")
+                )
+                for pid in new:
+                    names = nice.cpu_cgroup.get(("engine", pid), set())
+                    assert any(n.startswith("unbroken-start-") for n in names), names
+                    now = Path(f"/proc/{pid}/cgroup").read_text()
+                    assert "unbroken-start-" not in now, now
+                    assert home in names, (home, names)
+                assert not list(Path("/sys/fs/cgroup/cpu").glob(f"unbroken-start-{u.proc.pid}-*"))
         else:  # it could not undo a lowered priority, so it never lowers one
             assert nice.values("engine", new) == {0}, nice.seen
     finally:

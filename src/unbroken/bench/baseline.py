@@ -49,6 +49,7 @@ class StandardDeployment:
         for pool in spec.pools:
             pool.engine.shutdown_timeout_s = 0.0
             pool.engine.startup_nice = 0  # a plain Deployment's pods start at normal priority
+            pool.engine.startup_cpu = 0.0  # and with no quota of their own
         self.spec = spec
         self.state = state
         # The supervisor is used only to launch and stop engine processes: no gateway.

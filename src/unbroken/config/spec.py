@@ -226,6 +226,11 @@ class EngineSpec(_Spec):
     # replacement) takes only spare CPU for its imports and weight load. 0: off. Only used
     # where the supervisor may return it to 0 (root, or RLIMIT_NICE allows).
     startup_nice: Annotated[int, Field(ge=0, le=19)] = 10
+    # CPU quota, in cores, of a replica started while others of the pipeline serve, until it
+    # answers /health (pipeline/cpucap.py): bounds what its imports and weight read take
+    # from them where a nice value does not. 0: off. Needs root and a cgroup cpu controller;
+    # elsewhere it is skipped with one warning.
+    startup_cpu: Annotated[float, Field(ge=0)] = 0.5
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:

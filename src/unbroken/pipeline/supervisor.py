@@ -54,6 +54,7 @@ from unbroken.config.paths import (
 from unbroken.config.spec import GatewaySettings, PipelineSpec, PoolSpec, SpecError
 from unbroken.pipeline.backend import ReplicaHandle
 from unbroken.pipeline.companions import Companions
+from unbroken.pipeline.cpucap import CpuCap, CpuCapUnavailable
 from unbroken.pipeline.niceness import may_renice, set_session_nice
 from unbroken.pipeline.rollout import RolloutError, RolloutRequest, run_rollout
 from unbroken.wire.http import free_port, wait_ok
@@ -274,6 +275,7 @@ class Replica:
     started_at: float = field(default_factory=time.time)
     healthy_at: float | None = None
     niced: bool = False  # started at the pool's startup_nice, not yet back to 0
+    cpucap: CpuCap | None = None  # the startup CPU quota, until it serves (cpucap.py)
     stopping: bool = False
 
     @property
@@ -350,6 +352,7 @@ class Supervisor:
         self.restarts = 0
         self._serial = {p.name: itertools.count(1) for p in spec.pools}
         self._weights: dict[str, Path] = {}
+        self._cap_unavailable = False  # said once: no cgroup CPU quota here
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._control: web.AppRunner | None = None
@@ -559,6 +562,7 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 set_session_nice(r.proc.pid, pool.engine.startup_nice)
                 r.niced = True
+        self._cap_start(r)
         self.replicas[name] = r
         self.save_plane()
         log.info("started %s (pid %d, port %d)", name, r.pid, port)
@@ -587,6 +591,42 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 set_session_nice(r.proc.pid, 0)
             r.niced = False
+        self._uncap(r)
+
+    def _cap_start(self, r: Replica) -> None:
+        """The startup CPU quota, for a replica that starts beside serving ones (a first
+        `up` starts with nothing to protect, at full speed)."""
+        cores = r.pool.engine.startup_cpu
+        if not cores or r.proc is None or self._cap_unavailable:
+            return
+        if not any(o.serving for o in self.replicas.values() if o is not r):
+            return
+        try:
+            cap = CpuCap.create(f"unbroken-start-{os.getpid()}-{r.name}", cores)
+        except CpuCapUnavailable as e:
+            self._cap_unavailable = True
+            log.warning("no startup CPU quota for starting replicas: %s", e)
+            return
+        try:
+            cap.add(r.proc.pid)
+        except OSError as e:  # exited already
+            log.warning("startup CPU quota for %s: %s", r.name, e)
+            cap.release()
+            return
+        r.cpucap = cap
+        log.info("%s starts under a CPU quota of %s", r.name, cap.describe())
+
+    def _uncap(self, r: Replica) -> None:
+        cap, r.cpucap = r.cpucap, None
+        if cap is None:
+            return
+        held = cap.throttled_s()
+        try:
+            cap.release()
+        except OSError as e:
+            log.warning("could not lift %s's startup CPU quota: %s", r.name, e)
+            return
+        log.info("%s serves: CPU quota lifted (held back %.2f s while starting)", r.name, held)
 
     async def register(self, r: Replica) -> None:
         await self.admin.add(url=r.url, name=r.name, pool=r.pool.name, cap=r.pool.cap)
@@ -690,6 +730,7 @@ class Supervisor:
                 r.proc.kill()
             return await r.proc.wait()
         finally:
+            self._uncap(r)
             self.replicas.pop(r.name, None)
             self.save_plane()
 
