@@ -1,13 +1,14 @@
 """The relay's per-event CPU in process: what the gateway's upstream read callback costs for
-one SSE event, without sockets (the part of a relayed chunk that is the gateway's own Python).
+one SSE event, without sockets (the part of a relayed chunk that is the gateway's own
+Python).
 
 A `StreamRelay` is fed vLLM-shaped completion chunks (usage on every chunk and token ids, as
 the gateway asks the engine for them; the client asked for neither, so both are stripped)
-through `_on_body`, one event per read as an engine sends them, into a client sink that takes
-everything. Rows: the fast path (`StreamRelay._fast`, the default), the general path alone
-(`_event`, every event), and a floor: `orjson.loads` plus `orjson.dumps` of the same event,
-the JSON round trip the relay used to do. Ratios are to the general path measured in the same
-run.
+through `_on_body`, one event per read as an engine sends them, into a client sink that
+takes everything. Rows: the fast path (`Transform._fast`, the default), the general path
+alone (`Transform._event`, every event), and a floor: `orjson.loads` plus `orjson.dumps` of
+the same event, the JSON round trip the relay used to do. Ratios are to the general path
+measured in the same run.
 
     python benchmarks/relay_events.py [--events 128] [--streams 300]
 """
@@ -31,6 +32,7 @@ from unbroken.gateway._admission import Admission
 from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool
 from unbroken.gateway._stream import StreamRelay
+from unbroken.gateway._transform import Transform
 
 
 def chunk(i: int) -> bytes:
@@ -69,7 +71,7 @@ class _Host:
         pass
 
 
-class _General(StreamRelay):
+class _General(Transform):
     """Every event through the general path."""
 
     __slots__ = ()
@@ -82,7 +84,7 @@ def relay_us(events: list[bytes], streams: int, general: bool) -> float:
     host, ep = _Host(), Endpoint(name="e", url="http://e")
     total = 0.0
     for _ in range(streams):
-        r = (_General if general else StreamRelay)(
+        r = StreamRelay(
             host,  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
             path="/v1/completions",
@@ -94,13 +96,16 @@ def relay_us(events: list[bytes], streams: int, general: bool) -> float:
             t0=time.monotonic(),
             augmented=True,
         )
-        r.ep, r.legs = ep, 1
+        if general:
+            r.x = _General(False, augmented=True, wants=(False, False, False))
+        r.x.new_leg(rewrite=False)
+        r.ep = ep
         r.sink = _Sink()  # type: ignore[assignment]
         t = time.perf_counter()
         for e in events:
             r._on_body(e)
         total += time.perf_counter() - t
-        assert r.sent == len(events) and r.exact, (r.sent, r.exact)
+        assert r.sent == len(events) and r.x.exact, (r.sent, r.x.exact)
     return total / streams / len(events) * 1e6
 
 
@@ -130,8 +135,8 @@ async def main() -> None:
         rows["floor"].append(floor_us(events, args.streams))
     base = min(rows["general"])
     names = {
-        "general": "general path (`_event`, every event)",
-        "fast": "fast path (`_fast`, the default)",
+        "general": "general path (`Transform._event`, every event)",
+        "fast": "fast path (`Transform._fast`, the default)",
         "floor": "floor: orjson loads + dumps only",
     }
     out = [[names[k], f"{min(v):.2f}", f"{min(v) / base:.2f}x"] for k, v in rows.items()]

@@ -1,58 +1,29 @@
-"""The relay's per-event fast path (`StreamRelay._fast`) against its general path
-(`StreamRelay._event`), in process: for every shape of chunk an engine sends, both must leave
-the same bytes for the client and the same accounting (tokens, token ids, text, finish) that
-a continuation is built from. The fast path exists only for speed; any difference is a bug."""
+"""The event transform's fast path (`Transform._fast`) against its general path
+(`Transform._event`), in process (the transform is pure: no I/O, no loop): for every shape
+of chunk an engine sends, both must leave the same bytes for the client and the same
+accounting (tokens, token ids, text, finish) that a continuation is built from. The fast
+path exists only for speed; any difference is a bug."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-import types
 from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.gateway._admission import Admission
-from unbroken.gateway._metrics import GatewayMetrics
-from unbroken.gateway._pool import Endpoint, Pool
-from unbroken.gateway._stream import StreamRelay
+from unbroken.gateway._transform import Transform
 from unbroken.wire.sse import SSEDecoder, SSEEvent
 
 
-class _Host:
-    cfg = types.SimpleNamespace(max_sse_event_bytes=1 << 24, stall_timeout_s=30.0)
-
-    def __init__(self) -> None:
-        pool = Pool(100)
-        self.metrics = GatewayMetrics(pool, Admission(pool, queue_timeout=1.0))
-
-    def observe_ttfb(self, ep: Endpoint, seconds: float) -> None:
-        pass
+def _relay(chat: bool, augmented: bool, wants: tuple[bool, bool, bool]) -> Transform:
+    x = Transform(chat, augmented=augmented, wants=wants)
+    x.new_leg(rewrite=False)
+    return x
 
 
-def _relay(chat: bool, augmented: bool, wants: tuple[bool, bool, bool]) -> StreamRelay:
-    r = StreamRelay(
-        _Host(),  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        path="/v1/chat/completions" if chat else "/v1/completions",
-        body=b"{}",
-        chat=chat,
-        model="m",
-        priority="standard",
-        headers={},
-        t0=time.monotonic(),
-        augmented=augmented,
-        wants=wants,
-    )
-    r.ep = Endpoint(name="e", url="http://e")
-    r.legs = 1
-    return r
-
-
-def _state(r: StreamRelay) -> dict[str, Any]:
+def _state(r: Transform) -> dict[str, Any]:
     t = r.tracker
     return {
         "sent": r.sent,
@@ -100,7 +71,7 @@ def _chunk(
     return obj
 
 
-def _both(r_fast: StreamRelay, r_slow: StreamRelay, ev: SSEEvent) -> tuple[Any, Any]:
+def _both(r_fast: Transform, r_slow: Transform, ev: SSEEvent) -> tuple[Any, Any]:
     fast = r_fast._fast(ev)
     out: list[bytes] = []
     verdict, n = r_slow._event(ev, False, out)
@@ -108,16 +79,7 @@ def _both(r_fast: StreamRelay, r_slow: StreamRelay, ev: SSEEvent) -> tuple[Any, 
     return fast, (n, out[0] if out else None)
 
 
-@pytest.fixture(scope="module")
-def loop() -> Any:
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=300, deadline=None)
 @given(
     chat=st.booleans(),
     augmented=st.booleans(),
@@ -135,25 +97,21 @@ def loop() -> Any:
     ),
 )
 def test_fast_path_equals_general_path(
-    loop: Any,
     chat: bool,
     augmented: bool,
     wants: tuple[bool, bool, bool],
     steps: list[tuple[str | None, bool, bool, str | None, bool]],
 ) -> None:
-    async def run() -> None:
-        a, b = _relay(chat, augmented, wants), _relay(chat, augmented, wants)
-        for i, (text, ids, usage, finish, role) in enumerate(steps):
-            ev = _event(_chunk(chat, i, text, ids, usage, finish, role))
-            fast, slow = _both(a, b, ev)
-            assert fast is not None, "a one-choice chunk must take the fast path"
-            assert fast[0] == slow[0]
-            assert (fast[1] is None) == (slow[1] is None)
-            if fast[1] is not None:
-                assert orjson.loads(fast[1][6:]) == orjson.loads(slow[1][6:])
-            assert _state(a) == _state(b)
-
-    loop.run_until_complete(run())
+    a, b = _relay(chat, augmented, wants), _relay(chat, augmented, wants)
+    for i, (text, ids, usage, finish, role) in enumerate(steps):
+        ev = _event(_chunk(chat, i, text, ids, usage, finish, role))
+        fast, slow = _both(a, b, ev)
+        assert fast is not None, "a one-choice chunk must take the fast path"
+        assert fast[0] == slow[0]
+        assert (fast[1] is None) == (slow[1] is None)
+        if fast[1] is not None:
+            assert orjson.loads(fast[1][6:]) == orjson.loads(slow[1][6:])
+        assert _state(a) == _state(b)
 
 
 @pytest.mark.parametrize(
@@ -169,13 +127,10 @@ def test_fast_path_equals_general_path(
         {"choices": "x"},
     ],
 )
-def test_fast_path_leaves_the_rest_to_the_general_path(loop: Any, obj: dict[str, Any]) -> None:
-    async def run() -> None:
-        r = _relay(False, True, (False, False, False))
-        assert r._fast(_event(obj)) is None
-        assert _state(r) == _state(_relay(False, True, (False, False, False)))
-
-    loop.run_until_complete(run())
+def test_fast_path_leaves_the_rest_to_the_general_path(obj: dict[str, Any]) -> None:
+    r = _relay(False, True, (False, False, False))
+    assert r._fast(_event(obj)) is None
+    assert _state(r) == _state(_relay(False, True, (False, False, False)))
 
 
 def test_decoder_fast_path_matches_the_general_decoder() -> None:

@@ -217,7 +217,7 @@ def why_not(relay: StreamRelay) -> str | None:
     tr = sink.transport
     if tr is None or tr.is_closing():
         return "client_gone"
-    return not_migratable(relay.raw, relay.chat, tokens=relay._token_path())
+    return not_migratable(relay.raw, relay.chat, tokens=relay.token_path())
 
 
 def _early_bytes(proto: Any) -> bool:

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
-from orjson import JSONDecodeError as _JSONDecodeError
-from orjson import loads as _loads
 
 from unbroken.gateway._continuation import (
     NotExact,
@@ -33,6 +31,7 @@ from unbroken.gateway._continuation import (
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._prefix import RouteHint
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
+from unbroken.gateway._transform import PROTOCOL, Transform
 from unbroken.gateway._upstream import Form, Leg, Retry, UpstreamResponse
 from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.sse import (
@@ -69,37 +68,6 @@ _DYING = ("reset", "truncated", "abort")
 # the endpoint's failure, and not a migration (no limit, not counted as one).
 HANDOVER = "handover"
 SNAPSHOT_VERSION = 1  # of `StreamRelay.snapshot`: a worker refuses a stream in another format
-# The break of a leg whose engine violated the protocol (not SSE, an event that is not a
-# completion chunk, an event past the size bound): none of its bytes reach the client.
-PROTOCOL = "protocol"
-_COMMENT = b": \n\n"  # an upstream comment (keep-alive), forwarded without its text
-
-
-def _has_text(obj: dict[str, Any]) -> bool:
-    for ch in obj.get("choices") or ():
-        if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
-            return True
-    return False
-
-
-def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
-    """Is `obj` a completion (or chat) chunk the relay and a client can read? Cheap: one
-    look at each choice, which carries at most a few tokens."""
-    choices = obj.get("choices")
-    if not isinstance(choices, list):
-        return False
-    for ch in choices:
-        if not isinstance(ch, dict) or not isinstance(ch.get("index", 0), int):
-            return False
-        if chat:
-            d = ch.get("delta")
-            if d is not None and not (
-                isinstance(d, dict) and isinstance(d.get("content") or "", str)
-            ):
-                return False
-        elif not isinstance(ch.get("text") or "", str):
-            return False
-    return True
 
 
 class RelayHost(Protocol):
@@ -147,7 +115,6 @@ class StreamRelay:
     __slots__ = (
         "__weakref__",  # `_handover` holds relays weakly
         "_dec",
-        "_detail",
         "_exc",
         "_first",
         "_gap_max",
@@ -160,45 +127,30 @@ class StreamRelay:
         "_outq",
         "_raw",
         "_rearm_at",
-        "_rw",
         "_started",
         "_tmo",
         "_verdict",
         "_wake",
-        "_wrap_chat",
         "augmented",
         "body",
         "chat",
         "ep",
-        "exact",
         "failed",
-        "gen_ids",
         "headers",
         "hint",
-        "ids_ok",
         "interrupted",
-        "leg_base",
-        "leg_count",
-        "legs",
         "migrations",
         "model",
         "p",
         "path",
         "priority",
-        "prompt_ids",
-        "prompt_tokens",
         "request",
         "resp",
-        "sent",
         "sink",
-        "split_back",
         "t0",
-        "tracker",
         "up",
-        "want_cont",
-        "want_ids",
-        "want_usage",
         "weight",
+        "x",
     )
 
     def __init__(
@@ -230,7 +182,7 @@ class StreamRelay:
         self.priority = priority
         self.headers = headers
         self.t0 = t0
-        self.tracker = StreamTracker(chat)
+        self.x = Transform(chat, augmented=augmented, wants=wants)
         self.resp: web.StreamResponse | None = None
         self.sink: ClientSink | None = None
         self.ep: Endpoint | None = None
@@ -240,20 +192,6 @@ class StreamRelay:
         self.migrations = 0
         # Leg 0 went out with `augment`: what the client did not ask for is stripped here.
         self.augmented = augmented
-        self.want_usage, self.want_cont, self.want_ids = wants
-        # Tokens as the engine counts them (usage on every chunk, or token ids; events only
-        # when an engine gives neither, `exact` then False).
-        self.sent = 0
-        self.leg_base = 0
-        self.leg_count = 0
-        self.exact = True
-        self.prompt_tokens: int | None = None
-        self.prompt_ids: list[int] | None = None
-        self.gen_ids: list[int] = []
-        self.ids_ok = True
-        self.split_back = 0  # tokens regenerated to keep splits outside a character
-        self.legs = 0
-        self._wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
         self._tmo: asyncio.Timeout | None = None
         self._last_event = 0.0
         self._rearm_at = 0.0
@@ -265,13 +203,11 @@ class StreamRelay:
         self._loop = asyncio.get_running_loop()
         self._wake: asyncio.Future[None] = self._loop.create_future()
         self._dec = SSEDecoder()
-        self._rw = False
         self._first = True
         self._started = 0.0
         self._verdict: str | None = None
         self._exc: BaseException | None = None
         self._outq: list[bytes] = []
-        self._detail: str | None = None
         # Set by `hand_over`: moves the stream to another process once its leg is cut.
         self._handoff: Callable[[StreamRelay], Awaitable[bool]] | None = None
 
@@ -282,6 +218,20 @@ class StreamRelay:
         if self._raw is None:
             self._raw = orjson.loads(self.body)
         return self._raw
+
+    @property
+    def tracker(self) -> StreamTracker:
+        """What went through this stream so far (its transform's)."""
+        return self.x.tracker
+
+    @property
+    def sent(self) -> int:
+        """Tokens the client has, as the engine counts them."""
+        return self.x.sent
+
+    def token_path(self) -> bool:
+        """Can this stream continue from token ids?"""
+        return self.x.token_path()
 
     @property
     def last_event(self) -> float:
@@ -313,7 +263,8 @@ class StreamRelay:
     def snapshot(self) -> dict[str, Any]:
         """What another process needs to carry this stream on (all but the body's bytes,
         which travel beside it): see `restore`."""
-        t = self.tracker
+        x = self.x
+        t = x.tracker
         return {
             "path": self.path,
             "chat": self.chat,
@@ -323,17 +274,17 @@ class StreamRelay:
             "t0": self.t0,  # CLOCK_MONOTONIC: the same clock in every process of the host
             "weight": self.weight,
             "augmented": self.augmented,
-            "wants": [self.want_usage, self.want_cont, self.want_ids],
+            "wants": [x.want_usage, x.want_cont, x.want_ids],
             "migrations": self.migrations,
             "failed": [e.name for e in self.failed],
-            "sent": self.sent,
-            "exact": self.exact,
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_ids": self.prompt_ids,
-            "gen_ids": self.gen_ids,
-            "ids_ok": self.ids_ok,
-            "split_back": self.split_back,
-            "legs": self.legs,
+            "sent": x.sent,
+            "exact": x.exact,
+            "prompt_tokens": x.prompt_tokens,
+            "prompt_ids": x.prompt_ids,
+            "gen_ids": x.gen_ids,
+            "ids_ok": x.ids_ok,
+            "split_back": x.split_back,
+            "legs": x.legs,
             "gaps": self._gaps,
             "gap_max": self._gap_max,
             "last_token": self._last_token,
@@ -368,19 +319,19 @@ class StreamRelay:
             wants=(wants[0], wants[1], wants[2]),
         )
         r.migrations = state["migrations"]
-        r.sent = state["sent"]
-        r.exact = state["exact"]
-        r.prompt_tokens = state["prompt_tokens"]
-        r.prompt_ids = state["prompt_ids"]
-        r.gen_ids = state["gen_ids"]
-        r.ids_ok = state["ids_ok"]
-        r.split_back = state["split_back"]
-        r.legs = state["legs"]
+        r.x.sent = state["sent"]
+        r.x.exact = state["exact"]
+        r.x.prompt_tokens = state["prompt_tokens"]
+        r.x.prompt_ids = state["prompt_ids"]
+        r.x.gen_ids = state["gen_ids"]
+        r.x.ids_ok = state["ids_ok"]
+        r.x.split_back = state["split_back"]
+        r.x.legs = state["legs"]
         r._gaps, r._gap_max = state["gaps"], state["gap_max"]
         if state["last_token"] and state["pool"] is not None:
             r._last_token = state["last_token"]
             r._itl = host.metrics.for_pool(state["pool"])[1]
-        tr, t = state["tracker"], r.tracker
+        tr, t = state["tracker"], r.x.tracker
         t.id, t.created, t.model = tr["id"], tr["created"], tr["model"]
         t.texts = {int(i): [v] for i, v in tr["texts"].items()}
         t.finish = {int(i): v for i, v in tr["finish"].items()}
@@ -403,6 +354,7 @@ class StreamRelay:
         Raises Retry when leg 0 breaks before anything reached the client. `up` None: a
         stream handed over by another process (`resume`)."""
         m = self.p.metrics
+        x = self.x
         try:
             if up is None:
                 reason: str | None = HANDOVER
@@ -420,7 +372,7 @@ class StreamRelay:
                 if not moved:
                     assert self.ep is not None
                     self.failed.append(self.ep)
-                tokens = self._token_path()
+                tokens = self.x.token_path()
                 why = not_migratable(self.raw, self.chat, tokens=tokens)
                 if why is None and not moved and self.migrations >= self.p.cfg.max_migrations:
                     why = "migration_limit"
@@ -438,9 +390,9 @@ class StreamRelay:
                     self.migrations += 1
                     m.migrated.labels(reason).inc()
                 if not tries:  # every token was delivered; only the finish was lost
-                    await self._send(self._finish_chunk())
-                    if self.want_usage and self.exact and self.prompt_tokens is not None:
-                        await self._send(self._usage_chunk())
+                    await self._send(self.x.finish_chunk())
+                    if x.want_usage and x.exact and x.prompt_tokens is not None:
+                        await self._send(x.usage_chunk())
                     await self._send(encode_data(b"[DONE]"))
                     break
                 leg = await self._open(tries)
@@ -451,27 +403,27 @@ class StreamRelay:
                 m.migration_path.labels(kind).inc()
                 log.info(
                     "stream %s: %s on %s, continued on %s after %d tokens (%s path, %d back)",
-                    self.tracker.id,
+                    self.x.tracker.id,
                     reason,
                     self.ep.name if self.ep is not None else "another worker",
                     ep.name,
                     self.sent,
                     kind,
-                    self.split_back,
+                    x.split_back,
                 )
                 if kind == "text":
-                    self.ids_ok = False  # later ids would follow a re-tokenized prompt
-                self._wrap_chat = self.chat and kind == "tokens"
+                    x.ids_ok = False  # later ids would follow a re-tokenized prompt
                 self.interrupted = None
-                self.tracker.error = None  # handled: this leg replaces the one that failed
-                reason = await self._leg(up, ep, n, rewrite=True)
+                x.tracker.error = None  # handled: this leg replaces the one that failed
+                wrap = self.chat and kind == "tokens"
+                reason = await self._leg(up, ep, n, rewrite=True, wrap_chat=wrap)
             assert self.sink is not None
             await self.sink.finish()
         except ClientGone:
             m.client_disconnects.inc()
         except SlowClient:
             m.slow_clients.inc()
-            log.warning("stream %s ended for a slow client", self.tracker.id)
+            log.warning("stream %s ended for a slow client", self.x.tracker.id)
             if self.sink is not None:
                 self.sink.abort()
         except asyncio.CancelledError:
@@ -489,15 +441,6 @@ class StreamRelay:
         assert self.resp is not None
         return self.resp
 
-    def _token_path(self) -> bool:
-        """Can this stream continue from token ids (prompt ids and every generated id)?"""
-        return (
-            self.ids_ok
-            and self.exact
-            and self.prompt_ids is not None
-            and len(self.gen_ids) == self.sent
-        )
-
     async def _safe_split(self) -> None:
         """Never continue from inside a character. The engine holds back text while its
         decoding ends in an incomplete (or not yet resolved) UTF-8 sequence, so the client
@@ -505,33 +448,33 @@ class StreamRelay:
         ends so, re-emits the whole prompt's text (measured). So the split moves back to the
         last token after which the text was whole (asked of an engine's /detokenize); the
         engine regenerates the dropped tokens, greedy, the same."""
-        assert self.prompt_ids is not None
+        assert self.x.prompt_ids is not None
         for _ in range(_MAX_SPLIT_BACK):
-            if not self.gen_ids:
+            if not self.x.gen_ids:
                 return
             text = await self.p.detokenize(
-                self.model, self.prompt_ids + self.gen_ids, self.failed, self.headers
+                self.model, self.x.prompt_ids + self.x.gen_ids, self.failed, self.headers
             )
             if not isinstance(text, str) or not text.endswith("\ufffd"):
                 return
-            self.gen_ids.pop()
-            self.sent -= 1
-            self.split_back += 1
+            self.x.gen_ids.pop()
+            self.x.sent -= 1
+            self.x.split_back += 1
 
     def _continuations(self, tokens: bool) -> list[Form]:
         """The forms of the next leg, to try in order on the next endpoint; empty when the
         token budget is spent."""
         out: list[Form] = []
         if tokens:
-            assert self.prompt_ids is not None
+            assert self.x.prompt_ids is not None
             b = token_continuation_body(
-                self.raw, self.chat, self.prompt_ids + self.gen_ids, self.sent
+                self.raw, self.chat, self.x.prompt_ids + self.x.gen_ids, self.x.sent
             )
             if b is None:
                 return []
             out.append(Form("tokens", "/v1/completions", orjson.dumps(augment(b))))
         try:
-            b = continuation_body(self.raw, self.chat, self.tracker.text(0), self.sent)
+            b = continuation_body(self.raw, self.chat, self.x.tracker.text(0), self.x.sent)
         except NotExact:
             if not out:
                 raise
@@ -579,16 +522,14 @@ class StreamRelay:
         return None
 
     async def _leg(
-        self, up: UpstreamResponse, ep: Endpoint, n: int, *, rewrite: bool
+        self, up: UpstreamResponse, ep: Endpoint, n: int, *, rewrite: bool, wrap_chat: bool = False
     ) -> str | None:
         """One leg, and the one place its failure is put on the endpoint's record (a break
         we caused ourselves, the drain deadline, is not the endpoint's failure)."""
-        self._detail = None
-        self.legs += 1
-        self.leg_base, self.leg_count = self.sent, 0
-        reason = await self._pump(up, ep, n, rewrite=rewrite)
+        self.x.new_leg(rewrite=rewrite, wrap_chat=wrap_chat)
+        reason = await self._pump(up, ep, n)
         if reason is not None and reason != self.interrupted:
-            self.p.upstream_failed(ep, reason, self._detail or f"stream {reason}")
+            self.p.upstream_failed(ep, reason, self.x.detail or f"stream {reason}")
             if reason in _DYING:
                 self._alert_siblings(ep)
         return reason
@@ -619,9 +560,7 @@ class StreamRelay:
             return stall
         return min(stall, max(STALL_FLOOR_S, STALL_FACTOR * self._gap_max))
 
-    async def _pump(
-        self, up: UpstreamResponse, ep: Endpoint, n: int, *, rewrite: bool
-    ) -> str | None:
+    async def _pump(self, up: UpstreamResponse, ep: Endpoint, n: int) -> str | None:
         """Pump one upstream leg into the client. None: the stream is complete; otherwise
         why the leg broke. Releases the leg's slots.
 
@@ -635,7 +574,6 @@ class StreamRelay:
         loop = self._loop
         self._wake = loop.create_future()
         self._dec = SSEDecoder(self.p.cfg.max_sse_event_bytes)
-        self._rw = rewrite
         self._first = True
         self._started = loop.time()
         self._last_event = 0.0
@@ -651,7 +589,7 @@ class StreamRelay:
         if up.content_type != "text/event-stream":
             # A 200 that is not a stream (an HTML error page, a JSON body): never relayed.
             reading = True
-            self._detail = f"a streaming answer of type {up.content_type or 'none'!r}"
+            self.x.detail = f"a streaming answer of type {up.content_type or 'none'!r}"
             self._verdict = PROTOCOL
         try:
             while True:
@@ -692,7 +630,7 @@ class StreamRelay:
             if verdict == "eof":
                 if self.interrupted:
                     return self.interrupted
-                if self.tracker.finished:  # finish seen, [DONE] lost: complete it
+                if self.x.tracker.finished:  # finish seen, [DONE] lost: complete it
                     await self._send(encode_data(b"[DONE]"))
                     return None
                 return "truncated"
@@ -752,7 +690,7 @@ class StreamRelay:
         try:
             events = self._dec.feed(chunk)
         except EventTooLarge as e:
-            self._detail = str(e)
+            self.x.detail = str(e)
             self._end_leg(PROTOCOL)
             return
         if events:
@@ -760,7 +698,7 @@ class StreamRelay:
 
     def _on_end(self, exc: BaseException | None) -> None:
         if exc is not None:
-            self._detail = f"{type(exc).__name__}: {exc}"
+            self.x.detail = f"{type(exc).__name__}: {exc}"
             self._end_leg("reset")
             return
         tail = self._dec.flush()
@@ -791,7 +729,7 @@ class StreamRelay:
             self._tmo.reschedule(now + limit)
             self._rearm_at = now + limit / 4
         try:
-            verdict = self._take(events, self._rw)
+            verdict = self._take(events)
         except (ClientGone, SlowClient) as e:
             self._exc = e
             self._end_leg("client")
@@ -806,29 +744,11 @@ class StreamRelay:
         self._outq.append(data)
         self._wake_up()
 
-    def _take(self, events: list[SSEEvent], rewrite: bool) -> str | None:
-        """Forward a batch of events; "done" at a proper end, a reason at a break.
-
-        Every event is decoded (what reaches the client must be a well-formed chunk), but the
-        usual one, a single choice on a first leg, is accounted inline (`_fast`); everything
-        else (the first event's prompt ids, an abort, an error, several choices, a
-        continuation leg's rewrite) goes through `_event`."""
+    def _take(self, events: list[SSEEvent]) -> str | None:
+        """Forward a batch of events (`Transform.take`), observe the tokens' times, write
+        what came out; "done" at a proper end, a reason at a break."""
         out: list[bytes] = []
-        verdict: str | None = None
-        tokens = 0
-        fast = not rewrite and not self._wrap_chat
-        for ev in events:
-            if fast and ev.plain:
-                got = self._fast(ev)
-                if got is not None:
-                    tokens += got[0]
-                    if got[1] is not None:
-                        out.append(got[1])
-                    continue
-            verdict, n = self._event(ev, rewrite, out)
-            tokens += n
-            if verdict is not None:
-                break
+        tokens, verdict = self.x.take(events, out)
         if out:
             if tokens:
                 now = time.monotonic()
@@ -843,147 +763,6 @@ class StreamRelay:
             self._emit(out[0] if len(out) == 1 else b"".join(out))
         return verdict
 
-    def _fast(self, ev: SSEEvent) -> tuple[int, bytes | None] | None:
-        """The usual event of a first leg, accounted as `_account` and `observe_obj` would:
-        (tokens, bytes for the client or None to drop it), or None when `_event` must take
-        it (not a one-choice chunk, prompt ids, an abort, an error, not JSON)."""
-        data = ev.data
-        if data is None or data[:1] != b"{":
-            return None
-        try:
-            obj = _loads(data)
-        except _JSONDecodeError:
-            return None
-        if type(obj) is not dict or "error" in obj or obj.get("prompt_token_ids") is not None:
-            return None
-        choices = obj.get("choices")
-        if type(choices) is not list or len(choices) != 1:
-            return None
-        ch = choices[0]
-        if (
-            type(ch) is not dict
-            or ch.get("index", 0) != 0
-            or ch.get("prompt_token_ids") is not None
-        ):
-            return None
-        fr = ch.get("finish_reason")
-        if fr == "abort":
-            return None
-        tracker = self.tracker
-        if self.chat:
-            d = ch.get("delta")
-            if type(d) is not dict:
-                return None
-            text = d.get("content")
-            if "role" in d:
-                tracker.role_sent.add(0)
-        else:
-            text = ch.get("text")
-        if text is not None and type(text) is not str:
-            return None  # not a chunk: `_event` says so
-        ids = ch.get("token_ids")
-        if ids is not None and type(ids) is not list:
-            ids = None
-        u = obj.get("usage")
-        if type(u) is dict and type(ct := u.get("completion_tokens")) is int:
-            n = ct - self.leg_count if ct > self.leg_count else 0
-            self.leg_count = ct
-            if self.prompt_tokens is None and self.legs == 1:
-                pt = u.get("prompt_tokens")
-                self.prompt_tokens = pt if type(pt) is int else None
-        elif ids is not None:
-            n = len(ids)
-            self.leg_count += n
-        else:
-            n = 1 if text else 0
-            self.leg_count += n
-            if n:
-                self.exact = False  # events, not tokens: this engine gives no counts
-        if n:
-            if ids is not None and len(ids) == n:
-                self.gen_ids.extend(ids)
-            else:
-                self.ids_ok = False
-        self.sent = self.leg_base + self.leg_count
-        if tracker.id is None:
-            tracker.id = obj.get("id")
-            tracker.created = obj.get("created")
-            tracker.model = obj.get("model")
-        if text:
-            t = tracker.texts.get(0)
-            if t is None:
-                tracker.texts[0] = [text]
-            else:
-                t.append(text)
-            tracker.token_events += 1
-        if fr:
-            tracker.finish[0] = fr
-        if self.augmented:
-            changed = False
-            if ids is not None and not self.want_ids:
-                ch["token_ids"] = None
-                changed = True
-            if u is not None and not self.want_cont:
-                del obj["usage"]
-                changed = True
-            if changed:
-                return n, encode_json(obj)
-        return n, ev.raw
-
-    def _event(self, ev: SSEEvent, rewrite: bool, out: list[bytes]) -> tuple[str | None, int]:
-        """Any event, in full: (verdict or None, tokens); what the client gets goes to
-        `out`."""
-        tracker = self.tracker
-        if ev.data is None:
-            if ev.raw.startswith(b":"):
-                out.append(_COMMENT)
-            return None, 0  # `event:`, `id:`, `retry:` alone: nothing an OpenAI client reads
-        if ev.is_done:
-            if tracker.finished:
-                tracker.done = True
-                out.append(ev.raw)
-                return "done", 0
-            return "truncated", 0
-        try:
-            obj = orjson.loads(ev.data)
-        except orjson.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict) or not (
-            "error" in obj or _is_chunk(obj, self.chat and not self._wrap_chat)
-        ):
-            # Not JSON, or not a completion chunk (events run together for want of the
-            # blank line between them are this too): the leg is broken, its bytes dropped.
-            self._detail = f"an event that is not a completion chunk: {ev.data[:120]!r}"
-            return PROTOCOL, 0
-        if "error" in obj:
-            tracker.observe_obj(obj)
-            return "error_event", 0
-        if self._wrap_chat:
-            obj = self._as_chat(obj)
-        n, aborted, changed = self._account(obj, rewrite)
-        if aborted:
-            # vLLM ended the request itself (shutdown): a break, not a finish. Its text
-            # so far goes to the client; the rest comes from another engine.
-            if n or _has_text(obj):
-                raw = self._rewrite(obj) if rewrite else encode_json(obj)
-                if raw is not None:
-                    tracker.observe_obj(obj)
-                    out.append(raw)
-            return "abort", n
-        if changed is None:  # a chunk only the gateway asked for
-            return None, n
-        raw = ev.raw
-        if rewrite:
-            r = self._rewrite(obj)
-            if r is None:
-                return None, n
-            raw = r
-        elif changed or not ev.plain:
-            raw = encode_json(obj)
-        tracker.observe_obj(obj)
-        out.append(raw)
-        return None, n
-
     async def _send(self, data: bytes) -> None:
         if self.sink is None:
             assert self.ep is not None
@@ -994,188 +773,6 @@ class StreamRelay:
             self.sink = self.p.stream_sink(self.request, self.resp)
         await self.sink.send(data)
 
-    def _account(self, obj: dict[str, Any], rewrite: bool) -> tuple[int, bool, bool | None]:
-        """Count the event's tokens as the engine does, note its token ids, take out what the
-        client did not ask for. (tokens, aborted, changed); changed None: drop the event.
-        One pass over the choices: this runs for every event relayed."""
-        changed: bool | None = False
-        aborted = False
-        choices = obj.get("choices") or ()
-        u = obj.get("usage")
-        text_events = 0
-        ids: list[int] | None = None
-        first_leg = self.legs == 1
-        strip = self.augmented or rewrite
-        strip_prompt = rewrite or not self.want_ids
-        for ch in choices:
-            if not isinstance(ch, dict):
-                continue
-            if ch.get("finish_reason") == "abort":
-                ch["finish_reason"] = None
-                aborted = changed = True
-            if ch.get("index", 0) == 0:
-                t = ch.get("token_ids")
-                if isinstance(t, list):
-                    ids = t
-                if first_leg and isinstance(pids := ch.get("prompt_token_ids"), list):
-                    self.prompt_ids = pids
-                txt = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
-                if txt:
-                    text_events += 1
-            if strip:
-                # vLLM keeps these keys, null, when they were not asked for: so does the relay.
-                if strip_prompt and ch.get("prompt_token_ids") is not None:
-                    ch["prompt_token_ids"] = None
-                    changed = True
-                if not self.want_ids and ch.get("token_ids") is not None:
-                    ch["token_ids"] = None
-                    changed = True
-        if first_leg and isinstance(pids := obj.get("prompt_token_ids"), list):
-            self.prompt_ids = pids
-        if isinstance(u, dict) and isinstance(ct := u.get("completion_tokens"), int):
-            n = max(0, ct - self.leg_count)
-            self.leg_count = ct
-            if first_leg and self.prompt_tokens is None:
-                pt = u.get("prompt_tokens")
-                self.prompt_tokens = pt if isinstance(pt, int) else None
-        elif ids is not None:
-            n = len(ids)
-            self.leg_count += n
-        else:
-            n = text_events
-            self.leg_count += n
-            if n:
-                self.exact = False  # events, not tokens: this engine gives no counts
-        if n:
-            if ids is not None and len(ids) == n:
-                self.gen_ids.extend(ids)
-            else:
-                self.ids_ok = False
-        self.sent = self.leg_base + self.leg_count
-        if strip:
-            if strip_prompt and obj.get("prompt_token_ids") is not None:
-                obj["prompt_token_ids"] = None
-                changed = True
-            if self.augmented and u is not None:
-                if choices and not self.want_cont:
-                    del obj["usage"]
-                    changed = True
-                elif not choices and not self.want_usage:
-                    changed = None
-        return n, aborted, changed
-
-    def _as_chat(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """A /v1/completions chunk of a token-path leg, as the chat stream's chunk."""
-        choices = []
-        for ch in obj.get("choices") or ():
-            if not isinstance(ch, dict):
-                continue
-            c: dict[str, Any] = {
-                "index": ch.get("index", 0),
-                "delta": {"content": ch.get("text") or ""},
-                "logprobs": None,
-                "finish_reason": ch.get("finish_reason"),
-            }
-            for k in ("stop_reason", "token_ids"):
-                if k in ch:
-                    c[k] = ch[k]
-            choices.append(c)
-        out: dict[str, Any] = {
-            "id": obj.get("id"),
-            "object": "chat.completion.chunk",
-            "created": obj.get("created"),
-            "model": obj.get("model"),
-            "choices": choices,
-        }
-        if "usage" in obj:
-            out["usage"] = obj["usage"]
-        return out
-
-    def _rewrite(self, obj: dict[str, Any]) -> bytes | None:
-        """An event of a continuation leg, as the original stream would have sent it."""
-        t = self.tracker
-        if t.id is not None:
-            obj["id"] = t.id
-            obj["created"] = t.created
-        choices = obj.get("choices")
-        if self.chat and choices:
-            keep = []
-            for ch in choices:
-                d = ch.get("delta")
-                if isinstance(d, dict) and "role" in d:
-                    del d["role"]
-                    if (
-                        not d.get("content")
-                        and not ch.get("finish_reason")
-                        and not d.get("tool_calls")
-                    ):
-                        continue
-                keep.append(ch)
-            if not keep and not obj.get("usage"):
-                return None
-            obj["choices"] = keep
-        u = obj.get("usage")
-        if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int):
-            # The client's usage: its own prompt, every token it was sent on every leg.
-            b = self.leg_base
-            pt = self.prompt_tokens if self.prompt_tokens is not None else u["prompt_tokens"] - b
-            ct = (u.get("completion_tokens") or 0) + b
-            obj["usage"] = {
-                **u,
-                "prompt_tokens": pt,
-                "completion_tokens": ct,
-                "total_tokens": pt + ct,
-            }
-        return encode_json(obj)
-
-    def _usage_chunk(self) -> bytes:
-        t = self.tracker
-        assert self.prompt_tokens is not None
-        return encode_json(
-            {
-                "id": t.id,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": t.created,
-                "model": t.model,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": self.prompt_tokens,
-                    "total_tokens": self.prompt_tokens + self.sent,
-                    "completion_tokens": self.sent,
-                },
-            }
-        )
-
-    def _finish_chunk(self) -> bytes:
-        t = self.tracker
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": "length",
-            }
-            kind = "chat.completion.chunk"
-        else:
-            choice = {
-                "index": 0,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-            }
-            kind = "text_completion"
-        t.finish[0] = "length"
-        return encode_json(
-            {
-                "id": t.id,
-                "object": kind,
-                "created": t.created,
-                "model": t.model,
-                "choices": [choice],
-            }
-        )
-
     async def _give_up(self, reason: str, why: str) -> None:
         """End the stream explicitly: an error event the client can see, then [DONE]."""
         m = self.p.metrics
@@ -1183,9 +780,9 @@ class StreamRelay:
         m.dropped.labels(pool, reason).inc()
         m.unmigratable.labels(why).inc()
         log.warning(
-            "stream %s broke (%s) and cannot be continued (%s)", self.tracker.id, reason, why
+            "stream %s broke (%s) and cannot be continued (%s)", self.x.tracker.id, reason, why
         )
-        err = self.tracker.error or {
+        err = self.x.tracker.error or {
             "message": f"the upstream stream broke ({reason}) and cannot be continued "
             f"elsewhere ({why})",
             "type": "upstream_error",

@@ -1,0 +1,465 @@
+"""What a stream's events become for its client, and what a continuation is built from.
+
+Pure: no I/O, no clock, no metrics. A relay (`_stream.StreamRelay`) hands each upstream read's
+events to `Transform.take` and writes what comes out; the transform counts tokens as the
+engine does (usage on every chunk, or token ids), keeps the token ids and text so far, strips
+what the gateway asked the engine for and the client did not (usage, token ids: see
+`_continuation.augment`), and on a continuation leg (`rewrite`) makes each event look like the
+original stream's: its id and created time, no second role chunk, usage added up over legs.
+A token-path leg of a chat stream (`wrap_chat`) is a /v1/completions stream turned into chat
+chunks here.
+
+The usual event, one choice on a first leg, is accounted inline (`_fast`); everything else
+goes through `_event`. `tests/test_relay_events.py` holds the two to the same result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from orjson import JSONDecodeError as _JSONDecodeError
+from orjson import loads as _loads
+
+from unbroken.gateway._relay import StreamTracker
+from unbroken.wire.sse import SSEEvent, encode_json
+
+__all__ = ["PROTOCOL", "Transform"]
+
+# The break of a leg whose engine violated the protocol (not SSE, an event that is not a
+# completion chunk, an event past the size bound): none of its bytes reach the client.
+PROTOCOL = "protocol"
+_COMMENT = b": \n\n"  # an upstream comment (keep-alive), forwarded without its text
+
+
+def _has_text(obj: dict[str, Any]) -> bool:
+    for ch in obj.get("choices") or ():
+        if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
+            return True
+    return False
+
+
+def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
+    """Is `obj` a completion (or chat) chunk the relay and a client can read? Cheap: one
+    look at each choice, which carries at most a few tokens."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for ch in choices:
+        if not isinstance(ch, dict) or not isinstance(ch.get("index", 0), int):
+            return False
+        if chat:
+            d = ch.get("delta")
+            if d is not None and not (
+                isinstance(d, dict) and isinstance(d.get("content") or "", str)
+            ):
+                return False
+        elif not isinstance(ch.get("text") or "", str):
+            return False
+    return True
+
+
+class Transform:
+    """One client stream's event transform and accounting, across all its legs."""
+
+    __slots__ = (
+        "augmented",
+        "chat",
+        "detail",
+        "exact",
+        "gen_ids",
+        "ids_ok",
+        "leg_base",
+        "leg_count",
+        "legs",
+        "prompt_ids",
+        "prompt_tokens",
+        "rewrite",
+        "sent",
+        "split_back",
+        "tracker",
+        "want_cont",
+        "want_ids",
+        "want_usage",
+        "wrap_chat",
+    )
+
+    def __init__(self, chat: bool, *, augmented: bool, wants: tuple[bool, bool, bool]) -> None:
+        self.chat = chat
+        # Leg 0 went out with `augment`: what the client did not ask for is stripped here.
+        self.augmented = augmented
+        self.want_usage, self.want_cont, self.want_ids = wants
+        self.tracker = StreamTracker(chat)
+        # Tokens as the engine counts them (usage on every chunk, or token ids; events only
+        # when an engine gives neither, `exact` then False).
+        self.sent = 0
+        self.leg_base = 0
+        self.leg_count = 0
+        self.exact = True
+        self.prompt_tokens: int | None = None
+        self.prompt_ids: list[int] | None = None
+        self.gen_ids: list[int] = []
+        self.ids_ok = True
+        self.split_back = 0  # tokens regenerated to keep splits outside a character
+        self.legs = 0
+        self.rewrite = False  # this leg continues another: events are made the original's
+        self.wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
+        self.detail: str | None = None  # why the leg broke, when the transform saw it
+
+    def new_leg(self, *, rewrite: bool, wrap_chat: bool = False) -> None:
+        self.legs += 1
+        self.leg_base, self.leg_count = self.sent, 0
+        self.rewrite, self.wrap_chat = rewrite, wrap_chat
+        self.detail = None
+
+    def take(self, events: list[SSEEvent], out: list[bytes]) -> tuple[int, str | None]:
+        """A batch of events: what the client gets is appended to `out`; (tokens, verdict),
+        the verdict "done" at a proper end, a reason at a break, None otherwise."""
+        tokens = 0
+        rewrite = self.rewrite
+        fast = not rewrite and not self.wrap_chat
+        for ev in events:
+            if fast and ev.plain:
+                got = self._fast(ev)
+                if got is not None:
+                    tokens += got[0]
+                    if got[1] is not None:
+                        out.append(got[1])
+                    continue
+            verdict, n = self._event(ev, rewrite, out)
+            tokens += n
+            if verdict is not None:
+                return tokens, verdict
+        return tokens, None
+
+    def _fast(self, ev: SSEEvent) -> tuple[int, bytes | None] | None:
+        """The usual event of a first leg, accounted as `_account` and `observe_obj` would:
+        (tokens, bytes for the client or None to drop it), or None when `_event` must take
+        it (not a one-choice chunk, prompt ids, an abort, an error, not JSON)."""
+        data = ev.data
+        if data is None or data[:1] != b"{":
+            return None
+        try:
+            obj = _loads(data)
+        except _JSONDecodeError:
+            return None
+        if type(obj) is not dict or "error" in obj or obj.get("prompt_token_ids") is not None:
+            return None
+        choices = obj.get("choices")
+        if type(choices) is not list or len(choices) != 1:
+            return None
+        ch = choices[0]
+        if (
+            type(ch) is not dict
+            or ch.get("index", 0) != 0
+            or ch.get("prompt_token_ids") is not None
+        ):
+            return None
+        fr = ch.get("finish_reason")
+        if fr == "abort":
+            return None
+        tracker = self.tracker
+        if self.chat:
+            d = ch.get("delta")
+            if type(d) is not dict:
+                return None
+            text = d.get("content")
+            if "role" in d:
+                tracker.role_sent.add(0)
+        else:
+            text = ch.get("text")
+        if text is not None and type(text) is not str:
+            return None  # not a chunk: `_event` says so
+        ids = ch.get("token_ids")
+        if ids is not None and type(ids) is not list:
+            ids = None
+        u = obj.get("usage")
+        if type(u) is dict and type(ct := u.get("completion_tokens")) is int:
+            n = ct - self.leg_count if ct > self.leg_count else 0
+            self.leg_count = ct
+            if self.prompt_tokens is None and self.legs == 1:
+                pt = u.get("prompt_tokens")
+                self.prompt_tokens = pt if type(pt) is int else None
+        elif ids is not None:
+            n = len(ids)
+            self.leg_count += n
+        else:
+            n = 1 if text else 0
+            self.leg_count += n
+            if n:
+                self.exact = False  # events, not tokens: this engine gives no counts
+        if n:
+            if ids is not None and len(ids) == n:
+                self.gen_ids.extend(ids)
+            else:
+                self.ids_ok = False
+        self.sent = self.leg_base + self.leg_count
+        if tracker.id is None:
+            tracker.id = obj.get("id")
+            tracker.created = obj.get("created")
+            tracker.model = obj.get("model")
+        if text:
+            t = tracker.texts.get(0)
+            if t is None:
+                tracker.texts[0] = [text]
+            else:
+                t.append(text)
+            tracker.token_events += 1
+        if fr:
+            tracker.finish[0] = fr
+        if self.augmented:
+            changed = False
+            if ids is not None and not self.want_ids:
+                ch["token_ids"] = None
+                changed = True
+            if u is not None and not self.want_cont:
+                del obj["usage"]
+                changed = True
+            if changed:
+                return n, encode_json(obj)
+        return n, ev.raw
+
+    def _event(self, ev: SSEEvent, rewrite: bool, out: list[bytes]) -> tuple[str | None, int]:
+        """Any event, in full: (verdict or None, tokens); what the client gets goes to
+        `out`."""
+        tracker = self.tracker
+        if ev.data is None:
+            if ev.raw.startswith(b":"):
+                out.append(_COMMENT)
+            return None, 0  # `event:`, `id:`, `retry:` alone: nothing an OpenAI client reads
+        if ev.is_done:
+            if tracker.finished:
+                tracker.done = True
+                out.append(ev.raw)
+                return "done", 0
+            return "truncated", 0
+        try:
+            obj = orjson.loads(ev.data)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict) or not (
+            "error" in obj or _is_chunk(obj, self.chat and not self.wrap_chat)
+        ):
+            # Not JSON, or not a completion chunk (events run together for want of the
+            # blank line between them are this too): the leg is broken, its bytes dropped.
+            self.detail = f"an event that is not a completion chunk: {ev.data[:120]!r}"
+            return PROTOCOL, 0
+        if "error" in obj:
+            tracker.observe_obj(obj)
+            return "error_event", 0
+        if self.wrap_chat:
+            obj = self._as_chat(obj)
+        n, aborted, changed = self._account(obj, rewrite)
+        if aborted:
+            # vLLM ended the request itself (shutdown): a break, not a finish. Its text
+            # so far goes to the client; the rest comes from another engine.
+            if n or _has_text(obj):
+                raw = self._rewrite(obj) if rewrite else encode_json(obj)
+                if raw is not None:
+                    tracker.observe_obj(obj)
+                    out.append(raw)
+            return "abort", n
+        if changed is None:  # a chunk only the gateway asked for
+            return None, n
+        raw = ev.raw
+        if rewrite:
+            r = self._rewrite(obj)
+            if r is None:
+                return None, n
+            raw = r
+        elif changed or not ev.plain:
+            raw = encode_json(obj)
+        tracker.observe_obj(obj)
+        out.append(raw)
+        return None, n
+
+    def _account(self, obj: dict[str, Any], rewrite: bool) -> tuple[int, bool, bool | None]:
+        """Count the event's tokens as the engine does, note its token ids, take out what the
+        client did not ask for. (tokens, aborted, changed); changed None: drop the event.
+        One pass over the choices: this runs for every event relayed."""
+        changed: bool | None = False
+        aborted = False
+        choices = obj.get("choices") or ()
+        u = obj.get("usage")
+        text_events = 0
+        ids: list[int] | None = None
+        first_leg = self.legs == 1
+        strip = self.augmented or rewrite
+        strip_prompt = rewrite or not self.want_ids
+        for ch in choices:
+            if not isinstance(ch, dict):
+                continue
+            if ch.get("finish_reason") == "abort":
+                ch["finish_reason"] = None
+                aborted = changed = True
+            if ch.get("index", 0) == 0:
+                t = ch.get("token_ids")
+                if isinstance(t, list):
+                    ids = t
+                if first_leg and isinstance(pids := ch.get("prompt_token_ids"), list):
+                    self.prompt_ids = pids
+                txt = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
+                if txt:
+                    text_events += 1
+            if strip:
+                # vLLM keeps these keys, null, when they were not asked for: so does the relay.
+                if strip_prompt and ch.get("prompt_token_ids") is not None:
+                    ch["prompt_token_ids"] = None
+                    changed = True
+                if not self.want_ids and ch.get("token_ids") is not None:
+                    ch["token_ids"] = None
+                    changed = True
+        if first_leg and isinstance(pids := obj.get("prompt_token_ids"), list):
+            self.prompt_ids = pids
+        if isinstance(u, dict) and isinstance(ct := u.get("completion_tokens"), int):
+            n = max(0, ct - self.leg_count)
+            self.leg_count = ct
+            if first_leg and self.prompt_tokens is None:
+                pt = u.get("prompt_tokens")
+                self.prompt_tokens = pt if isinstance(pt, int) else None
+        elif ids is not None:
+            n = len(ids)
+            self.leg_count += n
+        else:
+            n = text_events
+            self.leg_count += n
+            if n:
+                self.exact = False  # events, not tokens: this engine gives no counts
+        if n:
+            if ids is not None and len(ids) == n:
+                self.gen_ids.extend(ids)
+            else:
+                self.ids_ok = False
+        self.sent = self.leg_base + self.leg_count
+        if strip:
+            if strip_prompt and obj.get("prompt_token_ids") is not None:
+                obj["prompt_token_ids"] = None
+                changed = True
+            if self.augmented and u is not None:
+                if choices and not self.want_cont:
+                    del obj["usage"]
+                    changed = True
+                elif not choices and not self.want_usage:
+                    changed = None
+        return n, aborted, changed
+
+    def _as_chat(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A /v1/completions chunk of a token-path leg, as the chat stream's chunk."""
+        choices = []
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            c: dict[str, Any] = {
+                "index": ch.get("index", 0),
+                "delta": {"content": ch.get("text") or ""},
+                "logprobs": None,
+                "finish_reason": ch.get("finish_reason"),
+            }
+            for k in ("stop_reason", "token_ids"):
+                if k in ch:
+                    c[k] = ch[k]
+            choices.append(c)
+        out: dict[str, Any] = {
+            "id": obj.get("id"),
+            "object": "chat.completion.chunk",
+            "created": obj.get("created"),
+            "model": obj.get("model"),
+            "choices": choices,
+        }
+        if "usage" in obj:
+            out["usage"] = obj["usage"]
+        return out
+
+    def _rewrite(self, obj: dict[str, Any]) -> bytes | None:
+        """An event of a continuation leg, as the original stream would have sent it."""
+        t = self.tracker
+        if t.id is not None:
+            obj["id"] = t.id
+            obj["created"] = t.created
+        choices = obj.get("choices")
+        if self.chat and choices:
+            keep = []
+            for ch in choices:
+                d = ch.get("delta")
+                if isinstance(d, dict) and "role" in d:
+                    del d["role"]
+                    if (
+                        not d.get("content")
+                        and not ch.get("finish_reason")
+                        and not d.get("tool_calls")
+                    ):
+                        continue
+                keep.append(ch)
+            if not keep and not obj.get("usage"):
+                return None
+            obj["choices"] = keep
+        u = obj.get("usage")
+        if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int):
+            # The client's usage: its own prompt, every token it was sent on every leg.
+            b = self.leg_base
+            pt = self.prompt_tokens if self.prompt_tokens is not None else u["prompt_tokens"] - b
+            ct = (u.get("completion_tokens") or 0) + b
+            obj["usage"] = {
+                **u,
+                "prompt_tokens": pt,
+                "completion_tokens": ct,
+                "total_tokens": pt + ct,
+            }
+        return encode_json(obj)
+
+    def usage_chunk(self) -> bytes:
+        t = self.tracker
+        assert self.prompt_tokens is not None
+        return encode_json(
+            {
+                "id": t.id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": t.created,
+                "model": t.model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": self.prompt_tokens,
+                    "total_tokens": self.prompt_tokens + self.sent,
+                    "completion_tokens": self.sent,
+                },
+            }
+        )
+
+    def finish_chunk(self) -> bytes:
+        t = self.tracker
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+            kind = "chat.completion.chunk"
+        else:
+            choice = {
+                "index": 0,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+            kind = "text_completion"
+        t.finish[0] = "length"
+        return encode_json(
+            {
+                "id": t.id,
+                "object": kind,
+                "created": t.created,
+                "model": t.model,
+                "choices": [choice],
+            }
+        )
+
+    def token_path(self) -> bool:
+        """Can this stream continue from token ids (prompt ids and every generated id)?"""
+        return (
+            self.ids_ok
+            and self.exact
+            and self.prompt_ids is not None
+            and len(self.gen_ids) == self.sent
+        )
