@@ -404,6 +404,9 @@ class Proxy:
             wants = _wants(view.raw) if streaming else None
             tokens = None if streaming else _max_tokens(view.raw)
             hint = self._hint(request, view.raw, chat, model)
+            # The body asking the engine for what continuation needs, from the dict parsed
+            # already (not a second parse of the body per request).
+            plus = orjson.dumps(augment(view.raw)) if streaming else None
             del view  # a waiter keeps its body's bytes, nothing bigger
             if weight > self.cfg.max_sequences_per_request:
                 raise ApiError(
@@ -447,6 +450,7 @@ class Proxy:
                 wants,
                 tokens,
                 hint,
+                plus,
             )
             status = resp.status
             return resp
@@ -692,6 +696,7 @@ class Proxy:
         wants: tuple[bool, bool, bool] | None = None,
         tokens: int | None = None,
         hint: RouteHint | None = None,
+        augmented: bytes | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Send the request to an endpoint, trying others (at most `max_attempts`) while
         nothing was sent to the client. A non-streaming request (`tokens`: its max_tokens)
@@ -701,7 +706,7 @@ class Proxy:
         # an engine that refuses them (4xx) gets the client's own body, and is remembered.
         forms = [Form("plain", path, body)]
         if streaming and wants is not None:
-            plus = orjson.dumps(augment(orjson.loads(body)))
+            plus = augmented or orjson.dumps(augment(orjson.loads(body)))
             forms.insert(0, Form("augmented", path, plus, sticky=True))
         tried: list[Endpoint] = []
         last: tuple[int, bytes] | None = None
