@@ -22,6 +22,11 @@ cache_aware and round_robin. One table per workload; `--json` saves everything.
     python benchmarks/routing.py [--duration 20] [--users 24] [--engines 3] [--no-peer]
         [--routers latency,least_load,prefix,session,vllm-router:round_robin,...]
         [--workloads shared-prefix,multi-turn] [--json /tmp/routing.json]
+        [--gateway-workers 1] [--gateway-replicas 1]
+
+`--gateway-workers N` runs each unbroken gateway with N worker processes (one port);
+`--gateway-replicas N` runs N gateways side by side, user i on gateway i mod N (what a
+Kubernetes Service in front of N gateway pods does with the clients' connections).
 
 Without the gateway's --routing flag (before issue 23's policies landed), the latency row runs
 the gateway's default policy and any other gateway policy is refused with a message.
@@ -39,13 +44,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import Service, engine_service, gateway_service, install_peer, table, wait_http
-from unbroken.bench.load import LoadConfig, LoadRun
+from unbroken.bench.load import LoadConfig, LoadRun, base_url
 from unbroken.bench.stats import percentile
 from unbroken.bench.workloads import EngineWatch, MultiTurn, SharedPrefix, WorkloadSpec
 from unbroken.clients import GatewayAdmin
@@ -178,15 +185,45 @@ async def healthy(svc: Service, log: Path, timeout: float = 60.0) -> None:
 
 async def start_router(
     router: str, urls: list[str], logs: Path, args: argparse.Namespace, peer: str | None
-) -> Service:
-    """The router in front of `urls`, serving; stopped again if it does not get there."""
+) -> list[Service]:
+    """The router in front of `urls`, serving (`--gateway-replicas` gateways for unbroken's
+    rows); stopped again if it does not get there."""
     started: list[Service] = []
     try:
-        return await _start_router(router, urls, logs, args, peer, started)
+        n = 1 if router.startswith("vllm-router:") else args.gateway_replicas
+        for i in range(n):
+            name = router if n == 1 else f"{router}-replica{i}"
+            await _start_router(router, urls, logs, args, peer, started, name)
+        return started
     except BaseException:
         for s in started:
             s.stop()
         raise
+
+
+_REPLICA: ContextVar[int] = ContextVar("replica", default=0)
+
+
+class SpreadRun(LoadRun):
+    """The load over several gateway replicas, each user on one of them (user i on replica
+    i mod N), as a Kubernetes Service spreads clients' connections over a Deployment's pods:
+    no replica sees every request of a system prompt."""
+
+    def __init__(self, cfg: LoadConfig, urls: list[str]) -> None:
+        self._urls = [base_url(u) for u in urls]
+        super().__init__(cfg)
+
+    @property  # type: ignore[override]
+    def base(self) -> str:
+        return self._urls[_REPLICA.get()]
+
+    @base.setter
+    def base(self, _url: str) -> None:
+        pass  # LoadRun sets one; the user's task picks its own
+
+    async def _user(self, session: Any, user: int) -> None:
+        _REPLICA.set(user % len(self._urls))  # this user's task only
+        await super()._user(session, user)
 
 
 async def _start_router(
@@ -196,8 +233,9 @@ async def _start_router(
     args: argparse.Namespace,
     peer: str | None,
     started: list[Service],
+    name: str,
 ) -> Service:
-    name = router.replace(":", "-")
+    name = name.replace(":", "-")
     if router.startswith("vllm-router:"):
         assert peer is not None
         port = free_port()
@@ -241,19 +279,19 @@ async def one_pass(
     engines = [
         engine_service(*ENGINE_ARGS).start(logs / tag, f"engine-{i}") for i in range(args.engines)
     ]
-    svc: Service | None = None
+    svcs: list[Service] = []
     try:
         for e in engines:
             await wait_http(e.url + "/health")
         urls = [e.url for e in engines]
         try:
-            svc = await start_router(router, urls, logs / tag, args, peer)
+            svcs = await start_router(router, urls, logs / tag, args, peer)
         except (TimeoutError, OSError, RuntimeError) as e:
             res.why = f"did not start: {e} (logs: {logs / tag})"
             return res
         spec = WORKLOADS[workload]
         cfg = LoadConfig(
-            url=svc.url,
+            url=svcs[0].url,
             users=args.users,
             spawn_rate=args.users / args.ramp if args.ramp > 0 else 0,
             duration=args.duration,
@@ -262,7 +300,7 @@ async def one_pass(
         )
         watch = EngineWatch(urls)
         await watch.start()
-        run = LoadRun(cfg)
+        run = LoadRun(cfg) if len(svcs) == 1 else SpreadRun(cfg, [s.url for s in svcs])
         await run.run()
         eng = await watch.stop()
         recs = run.records
@@ -284,8 +322,8 @@ async def one_pass(
         return res
     finally:
         res.seconds = time.monotonic() - t0
-        if svc is not None:
-            svc.stop()
+        for s in svcs:
+            s.stop()
         for e in engines:
             e.stop()
         print(f"  {workload:<14} {router:<24} {summary(res)}", file=sys.stderr)
@@ -390,6 +428,13 @@ async def main() -> None:
     ap.add_argument("--routers", default=",".join(DEFAULT_ROUTERS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--gateway-workers", type=int, default=1, help="unbroken gateway --workers")
+    ap.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=1,
+        help="unbroken gateways side by side in front of the same engines, the users spread "
+        "over them (as pods behind a Kubernetes Service), each with --gateway-workers",
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument("--json", type=Path, help="also save the passes as JSON here")
     args = ap.parse_args()
@@ -427,7 +472,8 @@ async def main() -> None:
         f"{len(os.sched_getaffinity(0))} cpus, load average {load0[0]:.2f} at the start, "
         f"{la[0]:.2f} at the end; {args.engines} engines ({' '.join(ENGINE_ARGS)}), fresh for "
         f"every pass; {args.users} users, {args.duration:g} s per pass ({args.ramp:g} s ramp), "
-        f"seed {args.seed}; unbroken gateway --workers {args.gateway_workers}; {peer_line}; "
+        f"seed {args.seed}; unbroken gateway --workers {args.gateway_workers} x "
+        f"{args.gateway_replicas} replica(s); {peer_line}; "
         f"{time.monotonic() - t_start:.0f} s in all; logs in {logs}"
     )
     for w in workloads:

@@ -5,7 +5,8 @@ latency policy's (queue and decode, `_latency`) plus the prefill of the part of 
 it does not hold, and candidates are ranked by `(load + 1) x that`, so cache affinity and
 load trade off continuously. What a candidate holds:
 
-- **Prefix** (`PrefixIndex`): the leading blocks of this prompt that were routed there.
+- **Prefix** (`PrefixIndex`): the leading blocks of this prompt that were routed there, by
+  any worker of this gateway (the index's table is shared by them, `_prefix_table.py`).
 - **Session**: a request with a session key (the `session_header`, else the body's `user`)
   credits its whole prompt to the key's home: the candidate with the highest rendezvous
   hash of (key, endpoint) among those with room. Rendezvous hashing is consistent: adding
@@ -37,6 +38,7 @@ from unbroken.gateway._prefix import CHARS_PER_TOKEN, PrefixIndex
 
 if TYPE_CHECKING:
     from unbroken.gateway._pool import Endpoint, PickRequest
+    from unbroken.gateway._prefix_table import PrefixTable
 
 __all__ = ["AffinitySettings", "CacheAware", "home"]
 
@@ -74,10 +76,18 @@ class CacheAware(LatencyAware):
         self,
         settings: LatencySettings | None = None,
         affinity: AffinitySettings | None = None,
+        table: PrefixTable | None = None,
     ) -> None:
+        """`table`: the gateway's shared prefix table (workers); None: this process's own."""
         super().__init__(settings)
         self.a = affinity or AffinitySettings()
-        self.index = PrefixIndex(self.a.blocks_per_endpoint)
+        self.index = PrefixIndex(self.a.blocks_per_endpoint, table)
+
+    def _col(self, e: Endpoint) -> int | None:
+        """`e`'s column in a shared table: its admission column (`_shared.SharedSlot`),
+        which the main process gives each endpoint and clears in the prefix table when it
+        gives it to another."""
+        return getattr(e.slot, "col", None) if self.index.shared else None
 
     def _held(self, candidates: Sequence[Endpoint], request: PickRequest) -> list[int]:
         """Per candidate, the characters of the prompt credited to it."""
@@ -87,7 +97,8 @@ class CacheAware(LatencyAware):
             return [0] * n
         blocks, bc = hint.blocks, hint.block_chars
         if self.a.use_prefix:
-            held = [self.index.cached(e.name, blocks) * bc for e in candidates]
+            cached, col = self.index.cached, self._col
+            held = [cached(e.name, blocks, col(e)) * bc for e in candidates]
         else:
             held = [0] * n
         if self.a.use_session and hint.session:
@@ -126,7 +137,7 @@ class CacheAware(LatencyAware):
 
     def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
         if request.hint is not None and self.a.use_prefix:
-            self.index.record(ep.name, request.hint.blocks)
+            self.index.record(ep.name, request.hint.blocks, self._col(ep))
 
     def forget(self, name: str) -> None:
         self.index.forget(name)

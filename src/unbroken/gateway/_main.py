@@ -54,6 +54,7 @@ from unbroken.gateway._admin import admin_app
 from unbroken.gateway._handover import take_listener
 from unbroken.gateway._metrics import merge_expositions, retire
 from unbroken.gateway._pool import Endpoint, State
+from unbroken.gateway._prefix_table import PrefixTable, table_entries
 from unbroken.gateway._server import (
     READINESS_LEAD_S,
     UNREADY_WARNING_S,
@@ -137,9 +138,11 @@ class MainGateway(Gateway):
         listen: socket.socket,
         tmp: Path,
         n_workers: int,
+        prefix_table: PrefixTable | None = None,
     ) -> None:
         super().__init__(cfg, token, shared)
         self.shared = shared
+        self.prefix_table = prefix_table  # the workers' prefix index; its columns are ours
         self.listen = listen
         self.tmp = tmp
         self.n_workers = n_workers
@@ -168,7 +171,11 @@ class MainGateway(Gateway):
             self._reclaim()
         if not self._free_cols:
             raise RuntimeError(f"more than {MAX_ENDPOINTS} endpoints")
-        ep.slot = SharedSlot(self.shared, self._free_cols.pop())
+        col = self._free_cols.pop()
+        if self.prefix_table is not None:
+            # A reused column must not credit the new endpoint with the old one's prefixes.
+            self.prefix_table.clear(col)
+        ep.slot = SharedSlot(self.shared, col)
 
     def _reclaim(self) -> None:
         still = []
@@ -312,6 +319,7 @@ class MainGateway(Gateway):
         spec = {
             "cfg": str(cfg_path),
             "shm": str(self.shared.path),
+            "prefix": None if self.prefix_table is None else str(self.prefix_table.path),
             "row": row,
             "ctl_fd": child.fileno(),
             "listen_fd": self.listen.fileno(),
@@ -634,8 +642,10 @@ async def serve_main(
     token = resolve_token(admin_token)
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-gateway-"))
     shared = SharedCounters(tmp / "admission", create=True)
+    # Sized at start from the index bound; a reload keeps it (and its contents).
+    prefix = PrefixTable(table_entries(cfg.prefix_index_blocks), path=tmp / "prefix", create=True)
     listen, orphans = _take_or_listen(cfg.host, cfg.port)
-    gw = MainGateway(cfg, token, shared, listen, tmp, workers)
+    gw = MainGateway(cfg, token, shared, listen, tmp, workers, prefix)
     gw.took_over = bool(orphans)
     gw.shutdown_timeout = shutdown_timeout
     loop = asyncio.get_running_loop()
@@ -674,4 +684,5 @@ async def serve_main(
         with contextlib.suppress(OSError):
             listen.close()
         shared.close()
+        prefix.close()
         shutil.rmtree(tmp, ignore_errors=True)

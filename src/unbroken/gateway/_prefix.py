@@ -14,14 +14,17 @@ KV cache holds). Because a block's name includes its whole prefix, the blocks of
 held by an endpoint form a leading run, and the cached length is found by binary search:
 O(log blocks) lookups per candidate. It is approximate both ways: the engine may have
 evicted what the index still lists, and it caches the generated text too, which the index
-learns only from the next turn's prompt.
+learns only from the next turn's prompt. Its storage is a fixed-size `PrefixTable`
+(`_prefix_table.py`), which every worker of a gateway shares, so each knows what all of
+them sent.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
 from typing import Any
+
+from unbroken.gateway._prefix_table import MAX_COLUMNS, PrefixTable, table_entries
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -105,51 +108,53 @@ def hint_of(
 
 
 class PrefixIndex:
-    """Per endpoint, the block names of the prompts routed there (module doc)."""
+    """Per endpoint, the block names of the prompts routed there (module doc), kept in a
+    `PrefixTable`: this process's own (anonymous memory), or the one every worker of the
+    gateway maps (`shared`), whose columns are the admission table's endpoint columns."""
 
-    __slots__ = ("blocks_per_endpoint", "by_endpoint")
+    __slots__ = ("_cols", "_free", "blocks_per_endpoint", "shared", "table")
 
-    def __init__(self, blocks_per_endpoint: int = 16384) -> None:
+    def __init__(self, blocks_per_endpoint: int = 16384, table: PrefixTable | None = None) -> None:
         self.blocks_per_endpoint = blocks_per_endpoint
-        self.by_endpoint: dict[str, OrderedDict[int, None]] = {}
+        self.shared = table is not None
+        self.table = table if table is not None else PrefixTable(table_entries(blocks_per_endpoint))
+        self._cols: dict[str, int] = {}  # own table: endpoint -> column
+        self._free = list(range(MAX_COLUMNS - 1, -1, -1))
 
-    def record(self, endpoint: str, blocks: list[int]) -> None:
-        """`blocks` were sent to `endpoint`: most recently used, the oldest evicted. Recorded
-        last block first, so a prompt's tail is evicted before its head (as vLLM frees a
-        request's blocks) and what stays is still a leading run."""
-        if not blocks:
-            return
-        od = self.by_endpoint.get(endpoint)
-        if od is None:
-            od = self.by_endpoint[endpoint] = OrderedDict()
-        move = od.move_to_end
-        for b in reversed(blocks):
-            od[b] = None
-            move(b)
-        over = len(od) - self.blocks_per_endpoint
-        pop = od.popitem
-        for _ in range(max(0, over)):
-            pop(last=False)
+    def _col(self, endpoint: str, col: int | None, new: bool) -> int | None:
+        """The table column of `endpoint`. Shared: `col`, the one the main process gave it
+        (None: not known, nothing recorded). Own table: assigned here on its first record."""
+        if self.shared:
+            return col
+        c = self._cols.get(endpoint)
+        if c is None and new and self._free:
+            c = self._cols[endpoint] = self._free.pop()
+        return c
 
-    def cached(self, endpoint: str, blocks: list[int]) -> int:
+    def record(self, endpoint: str, blocks: list[int], col: int | None = None) -> None:
+        """`blocks` were sent to `endpoint`: most recently used, each endpoint's oldest
+        beyond `blocks_per_endpoint` no longer counted. Stamped head newest, so a prompt's
+        tail ages before its head (as vLLM frees a request's blocks) and what counts is
+        still a leading run."""
+        c = self._col(endpoint, col, True) if blocks else None
+        if c is not None:
+            self.table.record(c, blocks[: self.blocks_per_endpoint], self.blocks_per_endpoint)
+
+    def cached(self, endpoint: str, blocks: list[int], col: int | None = None) -> int:
         """How many leading blocks of `blocks` `endpoint` holds (binary search: they form a
         leading run, see the module doc)."""
-        od = self.by_endpoint.get(endpoint)
-        if not od or not blocks:
-            return 0
-        if blocks[-1] in od:
-            return len(blocks)
-        lo, hi = 0, len(blocks) - 1  # blocks[:lo] held; blocks[hi] not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if blocks[mid] in od:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        c = self._col(endpoint, col, False)
+        return 0 if c is None else self.table.cached(c, blocks, self.blocks_per_endpoint)
 
     def forget(self, endpoint: str) -> None:
-        self.by_endpoint.pop(endpoint, None)
+        """`endpoint` is gone. Own table: its column is cleared and free again. Shared: the
+        main process clears a column when it gives it to another endpoint (a worker's
+        forget could race a record of the new one)."""
+        c = self._cols.pop(endpoint, None)
+        if c is not None:
+            self.table.clear(c)
+            self._free.append(c)
 
-    def size(self) -> int:
-        return sum(len(od) for od in self.by_endpoint.values())
+    def size(self, col: int | None = None) -> int:
+        """Blocks that count: in column `col`, or in all (a scan of the table: tests)."""
+        return self.table.live(self.blocks_per_endpoint, col)

@@ -26,6 +26,7 @@ from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, RoutingPoli
 
 if TYPE_CHECKING:
     from unbroken.config.spec import GatewaySettings
+    from unbroken.gateway._prefix_table import PrefixTable
 
 __all__ = ["POLICIES", "RoundRobin", "make_policy"]
 
@@ -60,18 +61,21 @@ def _affinity(cfg: GatewaySettings, *, prefix: bool) -> AffinitySettings:
     )
 
 
-POLICIES: dict[str, Callable[[GatewaySettings], RoutingPolicy]] = {
-    "prefix": lambda c: CacheAware(_latency(c), _affinity(c, prefix=True)),
-    "session": lambda c: CacheAware(_latency(c), _affinity(c, prefix=False)),
-    "latency": lambda c: LatencyAware(_latency(c)),
-    "least_load": lambda _c: LeastLoad(),
-    "round_robin": lambda _c: RoundRobin(),
+# (settings, the gateway's shared prefix table or None) -> policy
+POLICIES: dict[str, Callable[[GatewaySettings, PrefixTable | None], RoutingPolicy]] = {
+    "prefix": lambda c, t: CacheAware(_latency(c), _affinity(c, prefix=True), t),
+    "session": lambda c, _t: CacheAware(_latency(c), _affinity(c, prefix=False)),
+    "latency": lambda c, _t: LatencyAware(_latency(c)),
+    "least_load": lambda _c, _t: LeastLoad(),
+    "round_robin": lambda _c, _t: RoundRobin(),
 }
 
 
-def make_policy(cfg: GatewaySettings) -> RoutingPolicy:
+def make_policy(cfg: GatewaySettings, prefix_table: PrefixTable | None = None) -> RoutingPolicy:
+    """`prefix_table`: the prefix index every worker of this gateway shares (`_main.py`
+    makes it); None: the policy keeps its own (a single-process gateway)."""
     try:
-        return POLICIES[cfg.routing](cfg)
+        return POLICIES[cfg.routing](cfg, prefix_table)
     except KeyError:
         raise ValueError(
             f"unknown routing policy {cfg.routing!r}; choose one of {', '.join(POLICIES)}"

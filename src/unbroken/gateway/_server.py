@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from unbroken.gateway._discovery import Discovery, K8sSettings
+    from unbroken.gateway._prefix_table import PrefixTable
     from unbroken.gateway._shared import SharedCounters
 
 __all__ = ["Gateway", "GatewayConfig", "StaticEndpoint", "default_workers", "run_gateway"]
@@ -59,11 +60,15 @@ class StaticEndpoint:
 
 class Gateway:
     def __init__(
-        self, cfg: GatewayConfig, admin_token: str, shared: SharedCounters | None = None
+        self,
+        cfg: GatewayConfig,
+        admin_token: str,
+        shared: SharedCounters | None = None,
+        prefix_table: PrefixTable | None = None,
     ) -> None:
         self.cfg = cfg
         self.admin_token = admin_token
-        self.pool = Pool(cfg.default_cap, make_policy(cfg))
+        self.pool = Pool(cfg.default_cap, make_policy(cfg, prefix_table))
         self.pool.routes = {k: list(v) for k, v in cfg.routes.items()}
         self.admission = Admission(
             self.pool,

@@ -45,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._handover import Inbound, Outbound, offer_listener
 from unbroken.gateway._pool import Endpoint, State
+from unbroken.gateway._prefix_table import PrefixTable
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
 from unbroken.wire.errors import ApiError
@@ -60,8 +61,14 @@ log = logging.getLogger("unbroken.gateway.worker")
 
 
 class WorkerGateway(Gateway):
-    def __init__(self, cfg: GatewaySettings, shared: SharedCounters, writer: Any) -> None:
-        super().__init__(cfg, "", shared)
+    def __init__(
+        self,
+        cfg: GatewaySettings,
+        shared: SharedCounters,
+        writer: Any,
+        prefix_table: PrefixTable | None = None,
+    ) -> None:
+        super().__init__(cfg, "", shared, prefix_table)
         self.shared = shared
         self.writer: asyncio.StreamWriter = writer
         self._ids = itertools.count()
@@ -268,9 +275,11 @@ class WorkerGateway(Gateway):
 async def _run(spec: dict[str, Any]) -> None:
     cfg = GatewaySettings.model_validate_json(Path(spec["cfg"]).read_text())
     shared = SharedCounters(Path(spec["shm"]), row=spec["row"])
+    # The prefix index all workers share (its columns are the admission table's).
+    prefix = PrefixTable(path=Path(spec["prefix"])) if spec.get("prefix") else None
     ctl = socket.socket(fileno=spec["ctl_fd"])
     reader, writer = await asyncio.open_unix_connection(sock=ctl, limit=64 * 2**20)
-    gw = WorkerGateway(cfg, shared, writer)
+    gw = WorkerGateway(cfg, shared, writer, prefix)
     gw.shutdown_timeout = spec["shutdown_timeout"]
     listen = socket.socket(fileno=spec["listen_fd"])
     gw.listen = listen
