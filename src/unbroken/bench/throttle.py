@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from unbroken.pipeline.cpucap import remove_cgroup
 
 __all__ = ["IoThrottle", "ThrottleUnavailable", "block_device", "drop_page_cache"]
 
@@ -132,17 +133,4 @@ class IoThrottle:
     def remove(self, timeout: float = 5.0) -> None:
         """Delete the cgroup once its processes have left (children that outlive the demo are
         moved to the parent first)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                for pid in (self.path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        (self.path.parent / "cgroup.procs").write_text(pid)
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        remove_cgroup(self.path, timeout)

@@ -140,7 +140,7 @@ class MainGateway(Gateway):
         n_workers: int,
         prefix_table: PrefixTable | None = None,
     ) -> None:
-        super().__init__(cfg, token, shared)
+        super().__init__(cfg, token, shared, prefix_table)
         self.shared = shared
         self.prefix_table = prefix_table  # the workers' prefix index; its columns are ours
         self.listen = listen

@@ -404,8 +404,8 @@ class Proxy:
             wants = _wants(view.raw) if streaming else None
             tokens = None if streaming else _max_tokens(view.raw)
             hint = self._hint(request, view.raw, chat, model)
-            # The body asking the engine for what continuation needs, from the dict parsed
-            # already (not a second parse of the body per request).
+            # The body asking the engine for what continuation needs (`augment`), made from
+            # the dict parsed above.
             plus = orjson.dumps(augment(view.raw)) if streaming else None
             del view  # a waiter keeps its body's bytes, nothing bigger
             if weight > self.cfg.max_sequences_per_request:
@@ -705,9 +705,8 @@ class Proxy:
         # A stream asks the engine for exact token counts and ids (see `_continuation.augment`);
         # an engine that refuses them (4xx) gets the client's own body, and is remembered.
         forms = [Form("plain", path, body)]
-        if streaming and wants is not None:
-            plus = augmented or orjson.dumps(augment(orjson.loads(body)))
-            forms.insert(0, Form("augmented", path, plus, sticky=True))
+        if augmented is not None:
+            forms.insert(0, Form("augmented", path, augmented, sticky=True))
         tried: list[Endpoint] = []
         last: tuple[int, bytes] | None = None
         deadline = t0 + self.cfg.request_timeout_s  # non-streaming requests, all attempts

@@ -122,22 +122,11 @@ class ClientSink:
     def send_nowait(self, data: bytes) -> bool:
         """Send or queue `data` without waiting; False when only `send` can (the first write,
         which carries the response's headers, or a client aiohttp must frame itself)."""
-        t = self.transport
-        if (
-            self._framed
-            and not self._pending
-            and self._evicted is None
-            and self._error is None
-            and t is not None
-            and not t.is_closing()
-            and t.get_write_buffer_size() + len(data) < _DIRECT_LIMIT
-        ):
-            t.write(b"%x\r\n%b\r\n" % (len(data), data))  # the usual case: see below
-            return True
         if self._evicted is not None:
             raise SlowClient(self._evicted)
         if self._error is not None:
             raise ClientGone() from self._error
+        t = self.transport
         if t is None or t.is_closing():
             raise ClientGone()
         if not self._pending and t.get_write_buffer_size() + len(data) < _DIRECT_LIMIT:

@@ -131,7 +131,6 @@ class StreamRelay:
         "_tmo",
         "_verdict",
         "_wake",
-        "augmented",
         "body",
         "chat",
         "ep",
@@ -190,8 +189,6 @@ class StreamRelay:
         self.interrupted: str | None = None
         self.failed: list[Endpoint] = []
         self.migrations = 0
-        # Leg 0 went out with `augment`: what the client did not ask for is stripped here.
-        self.augmented = augmented
         self._tmo: asyncio.Timeout | None = None
         self._last_event = 0.0
         self._rearm_at = 0.0
@@ -273,7 +270,7 @@ class StreamRelay:
             "headers": {str(k): str(v) for k, v in self.headers.items()},  # not istr keys
             "t0": self.t0,  # CLOCK_MONOTONIC: the same clock in every process of the host
             "weight": self.weight,
-            "augmented": self.augmented,
+            "augmented": x.augmented,
             "wants": [x.want_usage, x.want_cont, x.want_ids],
             "migrations": self.migrations,
             "failed": [e.name for e in self.failed],
@@ -483,7 +480,7 @@ class StreamRelay:
             return []
         if tokens and not_migratable(self.raw, self.chat) is not None:
             return out  # a token-id prompt, or other forms only the token path continues
-        out.append(Form("text", self.path, orjson.dumps(augment(b) if self.augmented else b)))
+        out.append(Form("text", self.path, orjson.dumps(augment(b) if self.x.augmented else b)))
         return out
 
     async def _open(self, forms: list[Form]) -> Leg | None:
@@ -716,7 +713,7 @@ class StreamRelay:
             self.ep.observe_first(self, now - self._started)  # type: ignore[union-attr]
         elif self._last_event:
             gap = now - self._last_event
-            self.ep.latency.gap(gap)  # type: ignore[union-attr]
+            self.ep.observe_gap(gap)  # type: ignore[union-attr]
             self._gaps += 1
             if gap > self._gap_max:
                 self._gap_max = gap

@@ -174,26 +174,7 @@ class Transform:
         if ids is not None and type(ids) is not list:
             ids = None
         u = obj.get("usage")
-        if type(u) is dict and type(ct := u.get("completion_tokens")) is int:
-            n = ct - self.leg_count if ct > self.leg_count else 0
-            self.leg_count = ct
-            if self.prompt_tokens is None and self.legs == 1:
-                pt = u.get("prompt_tokens")
-                self.prompt_tokens = pt if type(pt) is int else None
-        elif ids is not None:
-            n = len(ids)
-            self.leg_count += n
-        else:
-            n = 1 if text else 0
-            self.leg_count += n
-            if n:
-                self.exact = False  # events, not tokens: this engine gives no counts
-        if n:
-            if ids is not None and len(ids) == n:
-                self.gen_ids.extend(ids)
-            else:
-                self.ids_ok = False
-        self.sent = self.leg_base + self.leg_count
+        n = self._count(u, ids, 1 if text else 0)
         if tracker.id is None:
             tracker.id = obj.get("id")
             tracker.created = obj.get("created")
@@ -218,6 +199,32 @@ class Transform:
             if changed:
                 return n, encode_json(obj)
         return n, ev.raw
+
+    def _count(self, u: Any, ids: list[int] | None, text_events: int) -> int:
+        """An event's tokens as the engine counts them: from its usage (cumulative per leg),
+        else its token ids, else its events with text (`exact` then False); the ids kept
+        while they account for every token."""
+        if isinstance(u, dict) and isinstance(ct := u.get("completion_tokens"), int):
+            n = max(0, ct - self.leg_count)
+            self.leg_count = ct
+            if self.legs == 1 and self.prompt_tokens is None:
+                pt = u.get("prompt_tokens")
+                self.prompt_tokens = pt if isinstance(pt, int) else None
+        elif ids is not None:
+            n = len(ids)
+            self.leg_count += n
+        else:
+            n = text_events
+            self.leg_count += n
+            if n:
+                self.exact = False  # events, not tokens: this engine gives no counts
+        if n:
+            if ids is not None and len(ids) == n:
+                self.gen_ids.extend(ids)
+            else:
+                self.ids_ok = False
+        self.sent = self.leg_base + self.leg_count
+        return n
 
     def _event(self, ev: SSEEvent, rewrite: bool, out: list[bytes]) -> tuple[str | None, int]:
         """Any event, in full: (verdict or None, tokens); what the client gets goes to
@@ -311,26 +318,7 @@ class Transform:
                     changed = True
         if first_leg and isinstance(pids := obj.get("prompt_token_ids"), list):
             self.prompt_ids = pids
-        if isinstance(u, dict) and isinstance(ct := u.get("completion_tokens"), int):
-            n = max(0, ct - self.leg_count)
-            self.leg_count = ct
-            if first_leg and self.prompt_tokens is None:
-                pt = u.get("prompt_tokens")
-                self.prompt_tokens = pt if isinstance(pt, int) else None
-        elif ids is not None:
-            n = len(ids)
-            self.leg_count += n
-        else:
-            n = text_events
-            self.leg_count += n
-            if n:
-                self.exact = False  # events, not tokens: this engine gives no counts
-        if n:
-            if ids is not None and len(ids) == n:
-                self.gen_ids.extend(ids)
-            else:
-                self.ids_ok = False
-        self.sent = self.leg_base + self.leg_count
+        n = self._count(u, ids, text_events)
         if strip:
             if strip_prompt and obj.get("prompt_token_ids") is not None:
                 obj["prompt_token_ids"] = None

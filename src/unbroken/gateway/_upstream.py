@@ -137,15 +137,12 @@ class UpstreamResponse:
         self._release_timer: asyncio.TimerHandle | None = None
 
     # -- fed by the connection ------------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        cb = self._on_body
-        if cb is not None:
-            cb(data)
-        else:
-            self._body.append(data)
-            if len(self._body) > 4096 and sum(map(len, self._body)) > _MAX_BODY:
-                self._end(UpstreamClosed("upstream answer larger than 64 MiB"))
-                self.close()
+    def _keep(self, data: bytes) -> None:
+        """Body bytes before (or without) `stream`: kept for `read` or a later `stream`."""
+        self._body.append(data)
+        if len(self._body) > 4096 and sum(map(len, self._body)) > _MAX_BODY:
+            self._end(UpstreamClosed("upstream answer larger than 64 MiB"))
+            self.close()
 
     def _end(self, exc: BaseException | None) -> None:
         if self.complete or self.error is not None:
@@ -312,11 +309,11 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         r = self._resp
         if r is not None:
-            cb = r._on_body  # streamed: straight to the consumer (one call less per chunk)
+            cb = r._on_body
             if cb is not None:
-                cb(body)
+                cb(body)  # streamed: straight to the consumer, inside this read callback
             else:
-                r._feed(body)
+                r._keep(body)
 
     def on_message_complete(self) -> None:
         if self._interim:

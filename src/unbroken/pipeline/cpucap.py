@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PERIOD_US", "CpuCap", "CpuCapUnavailable"]
+__all__ = ["PERIOD_US", "CpuCap", "CpuCapUnavailable", "remove_cgroup"]
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -90,9 +90,6 @@ class CpuCap:
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
 
-    def pids(self) -> list[int]:
-        return [int(p) for p in _read(self.path / "cgroup.procs").split()]
-
     def throttled_s(self) -> float:
         """Seconds the cgroup's threads were held back by the quota so far."""
         for line in _read(self.path / "cpu.stat").splitlines():
@@ -105,20 +102,26 @@ class CpuCap:
 
     def release(self, timeout: float = 5.0) -> None:
         """Every process back to the parent cgroup (no quota), then the cgroup removed."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                for pid in self.pids():
-                    with contextlib.suppress(OSError):  # exited meanwhile
-                        (self.path.parent / "cgroup.procs").write_text(str(pid))
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:  # a process forked while we moved the others: again
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        remove_cgroup(self.path, timeout)
+
+
+def remove_cgroup(path: Path, timeout: float = 5.0) -> None:
+    """Move every process of the cgroup at `path` to its parent, then remove it (v1 or v2;
+    also `bench.throttle`'s). Retried while processes fork into it meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for pid in _read(path / "cgroup.procs").split():
+                with contextlib.suppress(OSError):  # exited meanwhile
+                    (path.parent / "cgroup.procs").write_text(pid)
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # a process forked while we moved the others: again
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _read(path: Path) -> str:
