@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -50,6 +51,8 @@ FIELDS = [
     "response_format",
     "tool_choice",
     "ignore_eos",
+    "user",
+    "return_token_ids",
 ]
 bodies = st.one_of(
     st.binary(max_size=200),
@@ -110,3 +113,32 @@ def test_still_serving_afterwards(targets: tuple[Proc, Proc]) -> None:
         )
         assert r.status_code == 200
         assert httpx.get(p.url + "/health").status_code == 200
+
+
+@given(body=bodies, chat=st.booleans())
+@settings(max_examples=1500, deadline=None)
+def test_gateway_reads_any_body_without_raising(body: bytes, chat: bool) -> None:
+    """What the gateway reads of a body before the engine sees it (model, stream, fan-out,
+    token limit, the prefix hint, the augmented body, whether it could migrate) must answer
+    any JSON with a value or an ApiError: a TypeError there is a 500 (CI found
+    `"messages": true` reaching the prefix hint through the HTTP test above; this in-process
+    copy tries many more shapes in a second)."""
+    from unbroken.gateway._continuation import augment, not_migratable
+    from unbroken.gateway._prefix import hint_of
+    from unbroken.gateway._proxy import _max_tokens, _wants
+    from unbroken.wire.openai import ApiError, gateway_view
+
+    try:
+        view = gateway_view(body, chat)
+    except ApiError as e:
+        assert 400 <= e.status < 500
+        return
+    raw = view.raw
+    _wants(raw)
+    _max_tokens(raw)
+    hint = hint_of(raw, chat, view.model or "m", block_chars=16, session=None)
+    assert hint.session is None or isinstance(hint.session, str)
+    orjson.dumps(augment(raw))
+    for tokens in (False, True):
+        why = not_migratable(raw, chat, tokens=tokens)
+        assert why is None or isinstance(why, str)

@@ -73,8 +73,11 @@ def prompt_text(raw: dict[str, Any], chat: bool) -> str:
         if isinstance(p, list):  # token ids
             return " ".join(map(str, p))
         return ""
+    messages = raw.get("messages")
+    if not isinstance(messages, list):
+        return ""  # the engine refuses it; routing must not fail first (any JSON may come)
     parts: list[str] = []
-    for m in raw.get("messages") or ():
+    for m in messages:
         if not isinstance(m, dict):
             continue
         content = m.get("content")
