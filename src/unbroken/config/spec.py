@@ -9,13 +9,18 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from unbroken.config.tenants import RateLimitSettings, TenantSpec, check_tenants
+
 __all__ = [
+    "AdapterSpec",
     "AgentSettings",
     "ControllerSettings",
     "EngineSpec",
     "GatewaySettings",
     "PipelineSpec",
     "PoolSpec",
+    "ReplicaRange",
+    "ScalingSpec",
     "SpecError",
     "default_spec",
     "load_spec",
@@ -117,6 +122,17 @@ class GatewaySettings(_Spec):
         description="at a reload, hand open streams with their client connections to the new "
         "workers (continued by continuation), so old workers exit in seconds",
     )
+
+    # Filled from the spec's top-level `tenants:` and `rate_limit:` (render_gateway_settings);
+    # a standalone gateway's config file may set them here directly.
+    tenants: list[TenantSpec] | None = None
+    rate_limit: RateLimitSettings = Field(default_factory=RateLimitSettings)
+
+    @model_validator(mode="after")
+    def _tenants(self) -> GatewaySettings:
+        if self.tenants:
+            check_tenants(self.tenants)
+        return self
 
 
 class ControllerSettings(_Spec):
@@ -241,10 +257,67 @@ class EngineSpec(_Spec):
         return self
 
 
+class ReplicaRange(_Spec):
+    min: Annotated[int, Field(ge=0, le=64)] = 1
+    max: Annotated[int, Field(ge=1, le=64)]
+
+    @model_validator(mode="after")
+    def _order(self) -> ReplicaRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class ScalingSpec(_Spec):
+    """How an autoscaled pool (`replicas: {min, max}`) sizes itself (pipeline/autoscale.py).
+    The signal is the gateway's own view, read every `interval_s`: the pool's demand, its
+    streams in flight plus those queued for it (`unbroken_pool_demand`), per replica,
+    against `target`, as Kubernetes' HPA does: desired = ceil(demand / target)."""
+
+    target: Annotated[float, Field(gt=0)] = 48.0
+    interval_s: Annotated[float, Field(gt=0, le=10)] = 0.25
+    # Ignore a ratio within this much of 1 (the HPA's tolerance): no flapping at the target.
+    tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    # Scale up at most this often (each step may add several replicas, in proportion).
+    up_cooldown_s: Annotated[float, Field(ge=0)] = 2.0
+    # Scale down only after demand has wanted fewer replicas for this long, one at a time,
+    # at most every `down_cooldown_s`.
+    down_quiet_s: Annotated[float, Field(ge=0)] = 30.0
+    down_cooldown_s: Annotated[float, Field(ge=0)] = 10.0
+    # A scale-down drains the replica for up to this long, then migrates what is left.
+    drain_deadline_s: Annotated[float, Field(ge=0)] = 10.0
+
+
+class AdapterSpec(_Spec):
+    """A LoRA adapter a pool serves: vLLM's `--lora-modules name=path`."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    path: str | None = None
+    base: str | None = None  # the model it applies to; the pool's by default
+
+
+def _adapters(v: Any) -> Any:
+    """`adapters:` as a list of names or {name, path}, or a mapping of name to path."""
+    if isinstance(v, dict):
+        return [{"name": k, "path": p} for k, p in v.items()]
+    if isinstance(v, list):
+        return [{"name": a} if isinstance(a, str) else a for a in v]
+    return v
+
+
 class PoolSpec(_Spec):
     name: Name
     precision: Literal["fp16", "bf16", "fp8", "int8", "int4", "awq"] = "fp16"
+    # A number: that many replicas. {min, max}: autoscaled (`scaling:`), starting at min;
+    # after validation `replicas` is the count wanted now and `autoscale` the range.
     replicas: Annotated[int, Field(ge=0, le=64)] = 1
+    autoscale: ReplicaRange | None = None
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    # The model this pool serves (the spec's top-level `model` when unset), the other names
+    # it answers to (vLLM's --served-model-name), and its LoRA adapters.
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    aliases: list[str] = Field(default_factory=list)
+    adapters: list[AdapterSpec] = Field(default_factory=list)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     weights: Path | None = Field(
         default=None, description="weights directory; generated if absent for simulator pools"
@@ -256,6 +329,48 @@ class PoolSpec(_Spec):
     api_key: str | None = Field(default=None, repr=False)
     api_key_env: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _range(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "adapters" in data:
+            data["adapters"] = _adapters(data["adapters"])
+        r = data.get("replicas")
+        if isinstance(r, dict):
+            if data.get("autoscale") is not None:
+                raise ValueError("give the range as replicas: {min, max} or autoscale, not both")
+            data["autoscale"] = r
+            data["replicas"] = r.get("min", 1) if isinstance(r.get("min", 1), int) else r
+        return data
+
+    @model_validator(mode="after")
+    def _within(self) -> PoolSpec:
+        a = self.autoscale
+        if a is not None and not a.min <= self.replicas <= a.max:
+            raise ValueError(f"replicas ({self.replicas}) must lie in [{a.min}, {a.max}]")
+        names = [a.name for a in self.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"adapter names must be unique: {', '.join(dup)}")
+        return self
+
+    @property
+    def min_replicas(self) -> int:
+        return self.autoscale.min if self.autoscale else self.replicas
+
+    @property
+    def max_replicas(self) -> int:
+        return self.autoscale.max if self.autoscale else self.replicas
+
+    def model_of(self, spec: PipelineSpec) -> str:
+        return self.model or spec.model
+
+    def served_names(self, spec: PipelineSpec) -> list[str]:
+        """Every model name this pool answers to: its model, its aliases, its adapters."""
+        return [self.model_of(spec), *self.aliases, *(a.name for a in self.adapters)]
+
 
 class PipelineSpec(_Spec):
     model: str = "unbroken-sim"
@@ -263,6 +378,8 @@ class PipelineSpec(_Spec):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     controller: ControllerSettings = Field(default_factory=ControllerSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
+    tenants: list[TenantSpec] | None = None
+    rate_limit: RateLimitSettings = Field(default_factory=RateLimitSettings)
 
     @model_validator(mode="after")
     def _unique(self) -> PipelineSpec:
@@ -270,6 +387,16 @@ class PipelineSpec(_Spec):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"pool names must be unique: {', '.join(sorted(dup))}")
+        if self.tenants:
+            check_tenants(self.tenants)
+        # A name (model, alias or adapter) means one model: two pools may both serve it
+        # (primary and fallback of the same model) only as the same kind of name.
+        base: dict[str, str] = {}
+        for p in self.pools:
+            for a in p.adapters:
+                b = a.base or p.model_of(self)
+                if base.setdefault(a.name, b) != b:
+                    raise ValueError(f"adapter {a.name} is given two base models")
         for field_name in ("full_pools", "degraded_pools"):
             unknown = [p for p in getattr(self.controller, field_name) if p not in names]
             if unknown:

@@ -1293,6 +1293,10 @@ def render_gateway_settings(spec: PipelineSpec) -> GatewaySettings:
     for pool in spec.pools:
         if _pool_key(pool) is not None:  # the key itself travels in the environment
             settings.upstream_key_env[pool.name] = _key_var(pool.name)
+    if spec.tenants is not None:
+        settings.tenants = [t.model_copy(deep=True) for t in spec.tenants]
+    if "rate_limit" in spec.model_fields_set:
+        settings.rate_limit = spec.rate_limit.model_copy(deep=True)
     return settings
 
 
@@ -1319,7 +1323,9 @@ def _change(key: str, old: Any, new: Any) -> dict[str, Any]:
     """One line of a reload's report; never a secret: API keys (`priority_keys`' keys are
     API keys too) and engine environment values are hidden."""
     parts = key.split(".")
-    if parts[-1] in ("api_key", "priority_keys") or (len(parts) > 1 and parts[-2] == "env"):
+    if parts[-1] in ("api_key", "priority_keys", "api_keys") or (
+        len(parts) > 1 and parts[-2] == "env"
+    ):
         old, new = _hidden(old), _hidden(new)
     return {"key": key, "old": old, "new": new}
 
