@@ -1205,6 +1205,26 @@ def render_k8s(
     _console().print(f"wrote {len(paths)} object(s) to {out} (Prometheus Operator: monitoring/)")
 
 
+@app.command("key-hash")
+def key_hash(
+    key: Annotated[
+        str | None,
+        typer.Argument(
+            help="the API key; read from standard input when omitted (keeps it "
+            "out of the shell's history)"
+        ),
+    ] = None,
+) -> None:
+    """Print an API key's `sha256:<hex>` form, the only form a spec's tenants.api_keys take."""
+    from unbroken.config.tenants import key_digest
+
+    if key is None:
+        key = sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        _fail("no key given")
+    print(key_digest(key))
+
+
 @app.command()
 def ready(
     url: Annotated[str, typer.Option(help="Engine base URL.")] = "http://127.0.0.1:8000",

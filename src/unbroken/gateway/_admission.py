@@ -58,6 +58,7 @@ class _Waiter:
     size: int = field(compare=False, default=0)
     deferred: float | None = field(compare=False, default=None)
     hint: RouteHint | None = field(compare=False, default=None)
+    want: str | None = field(compare=False, default=None)  # the pool it counts toward
 
 
 class Admission:
@@ -83,12 +84,35 @@ class Admission:
         self._seq = itertools.count()
         self.depth = dict.fromkeys(PRIORITIES, 0)
         self.queued_bytes = 0
+        # This process's demand by pool (the autoscaling signal, `demand()`): slots it holds
+        # on each pool's endpoints, and its waiters by the pool each would go to first.
+        self.held: dict[str, int] = {}
+        self.waiting: dict[str, int] = {}
 
     def _take(self, ep: Endpoint, weight: int) -> tuple[Endpoint, int]:
         n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
         ep.slot.add(n)
         ep.served += 1
+        self.held[ep.pool] = self.held.get(ep.pool, 0) + n
         return ep, n
+
+    def _wants(self, model: str, priority: str) -> str | None:
+        """The pool a queued request counts toward: the first of its priority's route that
+        has an endpoint of its model in any state (a full pool is the one to grow)."""
+        eps = list(self.pool.endpoints.values())
+        for name in self.pool.pools_for(priority):
+            if any(e.pool == name and model in e.models for e in eps):
+                return name
+        return None
+
+    def demand(self) -> dict[str, int]:
+        """Per pool, the sequences this process runs on it plus the requests it queues for
+        it: what an autoscaler sizes the pool for (ceil(demand / target) replicas)."""
+        out = {p: n for p, n in self.held.items() if n > 0}
+        for p, n in self.waiting.items():
+            if n > 0:
+                out[p] = out.get(p, 0) + n
+        return out
 
     def _pick_take(
         self,
@@ -193,9 +217,12 @@ class Admission:
             weight,
             size,
             hint=hint,
+            want=self._wants(model, priority),
         )
         heapq.heappush(self._heap, w)
         self.depth[priority] += 1
+        if w.want is not None:
+            self.waiting[w.want] = self.waiting.get(w.want, 0) + 1
         self.queued_bytes += size
         self._publish()
         if self.shared is not None and (self._poller is None or self._poller.done()):
@@ -227,12 +254,15 @@ class Admission:
             heapq.heapify(self._heap)
             self.depth[w.priority] -= 1
             self.queued_bytes -= w.size
+            if w.want is not None:
+                self.waiting[w.want] -= 1
             self._publish()
         except ValueError:
             pass
 
     def release(self, ep: Endpoint, n: int = 1) -> None:
         ep.slot.add(-n)
+        self.held[ep.pool] = self.held.get(ep.pool, 0) - n
         if self._heap:
             self.wake()
 

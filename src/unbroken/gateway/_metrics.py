@@ -151,7 +151,29 @@ class _PoolCollector(Collector):
         buffered.add_metric([], sum(s.buffered for s in list(self.sinks or ())))
         streams = GaugeMetricFamily("unbroken_gateway_active_streams", "Streams being relayed.")
         streams.add_metric([], len(self.sinks or ()))
-        yield from (inflight, cap, load, state, healthy, condition, slow, depth, buffered, streams)
+        demand = GaugeMetricFamily(
+            "unbroken_gateway_pool_demand",
+            "Per pool, sequences running on its endpoints plus requests queued for it (the "
+            "first pool of their priority's route serving their model): the autoscaling "
+            "signal, desired replicas = ceil(demand / target).",
+            labels=["pool"],
+        )
+        want = self.admission.demand()
+        for name in {*self.pool.pool_order, *want}:
+            demand.add_metric([name], want.get(name, 0))
+        yield from (
+            inflight,
+            cap,
+            load,
+            state,
+            healthy,
+            condition,
+            slow,
+            depth,
+            buffered,
+            streams,
+            demand,
+        )
 
 
 class _PoolLabels(Collector):
@@ -397,6 +419,7 @@ PER_WORKER_GAUGES = frozenset(
         "unbroken_gateway_active_streams",
         "unbroken_gateway_stream_buffered_bytes",
         "unbroken_gateway_endpoint_slow_clients",
+        "unbroken_gateway_pool_demand",
     }
 )
 
