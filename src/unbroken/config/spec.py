@@ -275,7 +275,7 @@ class ScalingSpec(_Spec):
     against `target`, as Kubernetes' HPA does: desired = ceil(demand / target)."""
 
     target: Annotated[float, Field(gt=0)] = 48.0
-    interval_s: Annotated[float, Field(gt=0, le=10)] = 0.25
+    interval_s: Annotated[float, Field(gt=0, le=10)] = 0.5
     # Ignore a ratio within this much of 1 (the HPA's tolerance): no flapping at the target.
     tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.1
     # Scale up at most this often (each step may add several replicas, in proportion).

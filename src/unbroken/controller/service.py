@@ -33,6 +33,7 @@ from unbroken.config.spec import ControllerSettings
 from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
 from unbroken.controller.precision import Converter, PrecisionState, plan
+from unbroken.controller.scaling import ScalingLoop
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
 from unbroken.controller.sources import Sources
 from unbroken.wire.metrics import register_standard_metrics
@@ -200,6 +201,29 @@ class Controller:
             if cfg.supervisor_socket and self.s.convert_after_s is not None
             else None
         )
+        # Autoscaling of `replicas: {min, max}` pools (controller/scaling.py): under
+        # `unbroken up` only; on Kubernetes KEDA or the HPA scale on the same signal.
+        self.scaling = (
+            ScalingLoop(
+                cfg.supervisor_socket,
+                lambda: self.sources.gateways,
+                cfg.admin_token,
+                self.metrics.registry,
+                self._record,
+                self._contended_by_pool,
+                lambda pool: self.s.min_full_replicas if pool in cfg.tiers.full else 0,
+            )
+            if cfg.supervisor_socket
+            else None
+        )
+
+    def _contended_by_pool(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, d in self.detectors.items():
+            v = self.views.get(name)
+            if v is not None and d.condition == "contended":
+                out[v.pool] = out.get(v.pool, 0) + 1
+        return out
 
     # -- reading ------------------------------------------------------------------------------
     async def _get(self, url: str) -> str:
@@ -717,6 +741,10 @@ class Controller:
         if not self.sources.has_agents:
             log.warning("no agent configured: judging endpoints by engine and gateway signals")
         self.sources.start()
+        if self.scaling is not None:
+            t = asyncio.create_task(self.scaling.run(self._stop), name="autoscaler")
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
         try:
             next_t = time.monotonic()
             while not self._stop.is_set():
@@ -763,6 +791,7 @@ class Controller:
             }
         return {
             "agent": self.agent_state,
+            "autoscale": self.scaling.last if self.scaling is not None else None,
             "interval_s": self.s.interval_s,
             "polls": self.polls,
             "routes_override": self._routes_wanted or {},

@@ -364,6 +364,7 @@ class Supervisor:
         self.engine_token: str | None = None
         self.stopped = asyncio.Event()  # set when the pipeline should end (gateway exit 0)
         self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
+        self.scaling: str | None = None  # the resize under way ("pool -> n"), if any
         # Called with the pid of each process that reads weights (engines, the pre-warm) as
         # it starts: `unbroken demo` puts these, and only these, behind its storage throttle.
         self.weight_readers: Callable[[int], None] | None = None
@@ -898,6 +899,12 @@ class Supervisor:
                 await self.wait_health(r)
                 await self.register(r)
             self.watch(r)
+        for p in list(self.spec.pools):
+            if p.autoscale is not None:  # the autoscaler's count survives the supervisor
+                n = len(self.replicas_of(p.name))
+                self.set_pool(
+                    p.model_copy(update={"replicas": max(p.autoscale.min, min(p.autoscale.max, n))})
+                )
         self.save_plane()
         self.record("adopted", gateway_pid=gw.pid, replicas=adopted)
         log.info("adopted the running data plane: gateway pid %d, %s", gw.pid, adopted)
@@ -1004,6 +1011,11 @@ class Supervisor:
                 p.name: {
                     "declared": p.replicas,
                     "live": sum(1 for r in self.replicas_of(p.name) if r.serving),
+                    **(
+                        {"min": p.autoscale.min, "max": p.autoscale.max, "scaling": self.scaling}
+                        if p.autoscale
+                        else {}
+                    ),
                 }
                 for p in self.spec.pools
             },
@@ -1229,6 +1241,60 @@ class Supervisor:
                     summary = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             return web.json_response(summary)
 
+        async def scale(request: web.Request) -> web.Response:
+            """Resize an autoscaled pool (the controller's autoscaler); answers when done."""
+            from pydantic import ValidationError
+
+            from unbroken.pipeline.scale import ScaleRequest, run_scale
+
+            try:
+                req = ScaleRequest.model_validate_json(await request.read())
+            except ValidationError as e:
+                return web.json_response({"error": {"message": str(e)}}, status=400)
+            if self._rollout_lock.locked():
+                msg = "a rollout, conversion, scaling or reload is already running"
+                return web.json_response({"error": {"message": msg}}, status=409)
+
+            async def progress(ev: dict[str, Any]) -> None:
+                if ev["event"] in ("started", "finished", "rollback", "drain_failed"):
+                    log.info("scale %s: %s %s", req.pool, ev["event"], _brief(ev))
+
+            async with self._rollout_lock:
+                self.scaling = f"{req.pool} -> {req.replicas}"
+                try:
+                    summary = await run_scale(self, req, progress)
+                except RolloutError as e:
+                    return web.json_response({"error": {"message": str(e)}}, status=400)
+                except Exception as e:
+                    log.exception("scaling of %s failed", req.pool)
+                    summary = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                finally:
+                    self.scaling = None
+                self.save_plane()
+            return web.json_response(summary)
+
+        async def pools(request: web.Request) -> web.Response:
+            """The pools as the autoscaler needs them, without asking the gateway: cheap
+            enough to read every scaling interval."""
+            return web.json_response(
+                {
+                    "busy": self._rollout_lock.locked(),
+                    "scaling": self.scaling,
+                    "pools": [
+                        {
+                            "name": p.name,
+                            "model": p.model_of(self.spec),
+                            "precision": p.precision,
+                            "declared": p.replicas,
+                            "live": sum(1 for r in self.replicas_of(p.name) if r.serving),
+                            "autoscale": p.autoscale.model_dump() if p.autoscale else None,
+                            "scaling": p.scaling.model_dump(),
+                        }
+                        for p in self.spec.pools
+                    ],
+                }
+            )
+
         async def events(request: web.Request) -> web.Response:
             return web.json_response({"events": self.events})
 
@@ -1247,6 +1313,8 @@ class Supervisor:
         app.router.add_get("/events", events)
         app.router.add_post("/rollout", rollout)
         app.router.add_post("/convert", convert)
+        app.router.add_post("/scale", scale)
+        app.router.add_get("/pools", pools)
         app.router.add_post("/reload", reload)
         self._control = web.AppRunner(app, access_log=None)
         await self._control.setup()
@@ -1279,6 +1347,10 @@ class Supervisor:
                     (self.state / name).unlink()
         await self.admin.close()
         self.unlock()
+
+
+def _brief(ev: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "t"))
 
 
 def render_gateway_settings(spec: PipelineSpec) -> GatewaySettings:
@@ -1356,6 +1428,9 @@ def _not_applied(running: PipelineSpec, new: PipelineSpec) -> list[dict[str, Any
             out.append({"key": f"pools.{name}", "old": _MISSING, "new": "(new pool)"})
         else:
             pa[name].pop("cap"), pb[name].pop("cap")  # applied
+            if pa[name].get("autoscale") and pb[name].get("autoscale"):
+                # The autoscaler's count, not the spec's starting one: not a change.
+                pa[name].pop("replicas"), pb[name].pop("replicas")
             out += _diff(_flatten(pa[name], f"pools.{name}."), _flatten(pb[name], f"pools.{name}."))
     if list(pa) != list(pb) and pa.keys() == pb.keys():  # the default routes' order
         out.append(_change("pools (order)", list(pa), list(pb)))

@@ -52,7 +52,8 @@ def run_up(
         "agent": agent,
     }
     _apply_flags(spec, **flags)
-    empty = [p.name for p in spec.pools if p.replicas == 0]
+    # A pool that may sleep (replicas: {min: 0, ...}) wakes on demand: not a warning.
+    empty = [p.name for p in spec.pools if p.replicas == 0 and p.autoscale is None]
     if empty and len(empty) == len(spec.pools):
         console.print(
             "warning: every pool has 0 replicas: the gateway will answer 503 to every "

@@ -1,0 +1,145 @@
+"""The autoscaler's decisions: how many replicas each autoscaled pool wants, from the
+gateway's demand signal (`unbroken_gateway_pool_demand`: sequences running on the pool plus
+requests queued for it). Pure logic; `controller/scaling.py` reads the signal and asks the
+supervisor to resize.
+
+The rule is the HPA's, with its guards:
+- desired = ceil(demand / target), clamped to [min, max] and never below the controller's
+  floor of full-precision replicas for critical work; a ratio within `tolerance` of 1 keeps
+  the current count (no flapping at the target);
+- up at once and in proportion (a burst that needs three replicas gets three), at most every
+  `up_cooldown_s`; a pool at 0 with any demand wakes to at least one;
+- down only after demand has wanted fewer replicas for `down_quiet_s` without a break, one
+  replica at a time, at most every `down_cooldown_s`;
+- demand a pool at `max` cannot hold spills to the next pool of the same model (a sleeping
+  fallback tier wakes when the primary is full), as the gateway's routes spill requests;
+- contention is not load: while a replica of the pool is contended (the controller caps and
+  routes around it), scaling holds, so the pool is not grown on the same node because its
+  cap was lowered, nor shrunk while it recovers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Autoscaler", "PoolScaling", "ScaleDecision"]
+
+
+@dataclass(frozen=True)
+class PoolScaling:
+    name: str
+    min: int
+    max: int
+    target: float
+    tolerance: float = 0.1
+    up_cooldown_s: float = 2.0
+    down_quiet_s: float = 30.0
+    down_cooldown_s: float = 10.0
+    floor: int = 0  # the controller's min_full_replicas for a full-precision pool
+    spill_to: str | None = None  # the next pool of the same model in route order
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    pool: str
+    current: int
+    desired: int
+    demand: float
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.desired > self.current else "down"
+
+
+@dataclass
+class _PoolState:
+    desired: int = 0
+    last_up: float = -math.inf
+    last_down: float = -math.inf
+    below_since: float | None = None
+    held: str | None = None  # why scaling holds, said once per episode
+
+
+@dataclass
+class Autoscaler:
+    pools: list[PoolScaling]
+    state: dict[str, _PoolState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for p in self.pools:
+            self.state.setdefault(p.name, _PoolState(desired=p.min))
+
+    def desired(self, name: str) -> int:
+        return self.state[name].desired
+
+    def wanted(self, demand: dict[str, float]) -> dict[str, tuple[int, float]]:
+        """Per pool, (replicas its demand wants before guards, the demand counted), with
+        what a pool at `max` cannot hold spilled down its chain."""
+        demand = dict(demand)
+        out: dict[str, tuple[int, float]] = {}
+        for p in self.pools:  # spec order: a primary before its fallback
+            d = max(0.0, demand.get(p.name, 0.0))
+            raw = math.ceil(d / p.target - 1e-9) if d > 0 else 0
+            if raw > p.max and p.spill_to is not None:
+                demand[p.spill_to] = demand.get(p.spill_to, 0.0) + d - p.max * p.target
+            out[p.name] = (raw, d)
+        return out
+
+    def step(
+        self,
+        now: float,
+        demand: dict[str, float],
+        current: dict[str, int],
+        contended: dict[str, int] | None = None,
+        busy: set[str] | frozenset[str] = frozenset(),
+    ) -> list[ScaleDecision]:
+        """The resizes to ask for now. `current`: live replicas per pool; `busy`: pools with
+        a resize (or rollout) under way, left alone until it ends."""
+        contended = contended or {}
+        wanted = self.wanted(demand)
+        out: list[ScaleDecision] = []
+        for p in self.pools:
+            st = self.state[p.name]
+            cur = current.get(p.name, 0)
+            raw, d = wanted[p.name]
+            lo = max(p.min, min(p.floor, p.max))
+            want = max(lo, min(p.max, raw))
+            if cur > 0 and d > 0 and want != cur and abs(d / (cur * p.target) - 1) <= p.tolerance:
+                want = cur  # within tolerance of the target: keep
+            if d > 0 and cur == 0:
+                want = max(want, 1)
+            if p.name in busy:
+                st.below_since = None
+                continue
+            if contended.get(p.name, 0) > 0 and want != cur:
+                if st.held is None:
+                    st.held = "contended"
+                st.below_since = None
+                continue
+            st.held = None
+            if want > cur:
+                st.below_since = None
+                if now - st.last_up < p.up_cooldown_s:
+                    continue
+                st.last_up = now
+                st.desired = want
+                why = f"demand {d:g} over {cur} replica(s) at target {p.target:g}"
+                if cur == 0:
+                    why = f"waking: demand {d:g} at 0 replicas"
+                out.append(ScaleDecision(p.name, cur, want, d, why))
+            elif want < cur:
+                if st.below_since is None:
+                    st.below_since = now
+                if now - st.below_since < p.down_quiet_s or now - st.last_down < p.down_cooldown_s:
+                    continue
+                st.last_down = now
+                st.desired = cur - 1
+                quiet = now - st.below_since
+                why = f"demand {d:g} wants {want} for {quiet:.1f} s (quiet {p.down_quiet_s:g} s)"
+                out.append(ScaleDecision(p.name, cur, cur - 1, d, why))
+            else:
+                st.below_since = None
+                st.desired = cur
+        return out

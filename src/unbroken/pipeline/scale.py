@@ -1,0 +1,136 @@
+"""Resize one pool (autoscaling), with the rollout's own steps.
+
+Up: `k` replicas brought in together through the surge path (page-cache pre-warm, stage 1
+`/health`, stage 2 a warm-up completion, registered, ready in the gateway), the pool's
+declared size raised as each one serves; a replica that fails its stages is torn down and the
+summary says so. Down: one replica, the one holding the fewest streams in the gateway's view
+(the newest on a tie), leaves through the drain path: the declared size drops first (so the
+supervisor does not replace it), the gateway drains it with a deadline and migrates what is
+left by continuation, then it is stopped. Never outside the pool's [min, max].
+
+The controller's autoscaler (controller/autoscale.py) decides; nothing here knows why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from unbroken.clients import AdminError
+from unbroken.config.spec import PoolSpec
+from unbroken.pipeline.backend import Backend, ReplicaHandle
+from unbroken.pipeline.rollout import Progress, RolloutError, _retire, _wait_state, surge
+
+__all__ = ["ScaleRequest", "run_scale"]
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str = Field(min_length=1, max_length=63)
+    replicas: int = Field(ge=0, le=64)
+    reason: str = Field(default="", max_length=500)
+    # None: the pool's scaling.drain_deadline_s.
+    drain_deadline_s: float | None = Field(default=None, ge=0)
+    warmup_budget_s: float = Field(default=10.0, gt=0)
+    health_timeout_s: float = Field(default=120.0, gt=0)
+    ready_timeout_s: float = Field(default=30.0, gt=0)
+
+
+def _current(sup: Backend, name: str) -> PoolSpec | None:
+    return next((p for p in sup.spec.pools if p.name == name), None)
+
+
+async def _victim(sup: Backend, pool: str) -> ReplicaHandle | None:
+    """The replica that costs least to retire: fewest streams in the gateway, newest on a
+    tie (its page cache and prefix cache are the coldest)."""
+    live = [r for r in sup.replicas_of(pool) if r.serving]
+    if not live:
+        return None
+    try:
+        inflight = {e["name"]: int(e.get("inflight", 0)) for e in await sup.admin.endpoints()}
+    except AdminError:
+        inflight = {}
+    order = {r.name: i for i, r in enumerate(live)}  # replicas_of is oldest first
+    return min(live, key=lambda r: (inflight.get(r.name, 0), -order[r.name]))
+
+
+async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict[str, Any]:
+    pool = next((p for p in sup.spec.pools if p.name == req.pool), None)
+    if pool is None:
+        raise RolloutError(
+            f"no pool named {req.pool!r} (pools: {', '.join(p.name for p in sup.spec.pools)})"
+        )
+    lo, hi = pool.min_replicas, pool.max_replicas
+    if not lo <= req.replicas <= hi:
+        raise RolloutError(
+            f"pool {pool.name} may have {lo} to {hi} replicas, not {req.replicas}"
+            + ("" if pool.autoscale else " (it declares no replicas: {min, max} range)")
+        )
+    t_start = time.monotonic()
+    before = pool.replicas
+
+    async def say(kind: str, **data: Any) -> None:
+        sup.record(f"scale_{kind}", pool=pool.name, **data)
+        await progress({"event": kind, "t": time.time(), **data})
+
+    await say("started", replicas=before, to=req.replicas, reason=req.reason)
+    added: list[str] = []
+    removed: list[str] = []
+    errors: list[str] = []
+    if req.replicas > before:
+
+        async def one() -> None:
+            try:
+                new = await surge(sup, pool, req, say)
+            except RolloutError as e:
+                errors.append(str(e))
+                return
+            added.append(new.name)
+            base = _current(sup, pool.name) or pool
+            sup.set_pool(base.model_copy(update={"replicas": min(hi, base.replicas + 1)}))
+
+        await asyncio.gather(*(one() for _ in range(req.replicas - before)))
+    elif req.replicas < before:
+        deadline = (
+            req.drain_deadline_s
+            if req.drain_deadline_s is not None
+            else pool.scaling.drain_deadline_s
+        )
+        old = await _victim(sup, pool.name)
+        if old is None:
+            sup.set_pool(pool.model_copy(update={"replicas": before - 1}))
+        else:
+            sup.set_pool(pool.model_copy(update={"replicas": before - 1}))
+            t0 = time.monotonic()
+            try:
+                await _retire(sup, old, deadline)
+                await say("draining", old=old.name, deadline_s=deadline)
+                if not await _wait_state(sup, old.name, lambda e: e is None, deadline + 15.0):
+                    with contextlib.suppress(AdminError):
+                        await sup.admin.remove(name=old.name)
+            except AdminError as e:
+                await say("drain_failed", old=old.name, reason=str(e))
+            code = await sup.stop_replica(old, timeout=15)
+            removed.append(old.name)
+            await say(
+                "removed", old=old.name, drain_s=round(time.monotonic() - t0, 3), exit_code=code
+            )
+    now = _current(sup, pool.name)
+    summary = {
+        "ok": not errors,
+        "pool": pool.name,
+        "from": before,
+        "to": req.replicas,
+        "replicas": (now or pool).replicas,
+        "added": added,
+        "removed": removed,
+        "errors": errors,
+        "seconds": round(time.monotonic() - t_start, 3),
+    }
+    await say("finished", **{k: v for k, v in summary.items() if k != "pool"})
+    return summary
