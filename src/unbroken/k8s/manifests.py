@@ -7,6 +7,7 @@ gateway's drain deadline, the gateway's per-engine caps follow the pool caps.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
@@ -15,6 +16,13 @@ from typing import Any
 import yaml
 
 from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.k8s.autoscale import (
+    adapter_rules,
+    autoscaled,
+    drain_deadline,
+    horizontal_pod_autoscaler,
+    scaled_object,
+)
 from unbroken.k8s.monitoring import dashboard, prometheus_rule
 
 __all__ = [
@@ -54,6 +62,9 @@ CONTROLLER_PORT = 8082
 AGENT_PORT = 9101
 HOOKS_DIR = "/opt/unbroken"
 MODELS_DIR = "/models"
+# The PodMonitors' scrape interval; KEDA polls the demand signal no faster (it would read the
+# same sample again).
+SCRAPE_S = 5
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,12 @@ class RenderOptions:
     agent_old_kernel: bool = False
     admin_token: str | None = None  # None: a fresh random token per render
     prefix: str = "unbroken"
+    # Pools with a replica range: "keda" (a ScaledObject each), "hpa" (an autoscaling/v2
+    # HorizontalPodAutoscaler on prometheus-adapter's External metric) or "none" (fixed).
+    autoscaler: str = "keda"
+    # Where KEDA's Prometheus trigger reads the demand signal: the Prometheus Operator's
+    # `prometheus-operated` Service in the namespace Prometheus runs in.
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
 
     @property
     def agent_ns(self) -> str:
@@ -143,13 +160,38 @@ def _admin_host(o: RenderOptions) -> str:
 
 
 # -- engines ---------------------------------------------------------------------------------
+def _lora_module(
+    spec: PipelineSpec, pool: PoolSpec, name: str, path: str | None, base: str | None
+) -> str:
+    """One `--lora-modules` entry. `name=path` as vLLM's CLI takes it (no path: the name is
+    the path, which vLLM resolves as a Hugging Face repository id); with a `base` other
+    than the pool's model, vLLM's JSON form, whose `base_model_name` /v1/models shows."""
+    path = path or name
+    if base is None or base == pool.model_of(spec):
+        return f"{name}={path}"
+    return json.dumps({"name": name, "path": path, "base_model_name": base})
+
+
+def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
+    """The names the pool answers to and its LoRA adapters, in vLLM's flags (the simulator
+    takes the same ones): the first served name is the one responses carry."""
+    args = ["--served-model-name", pool.model_of(spec), *pool.aliases]
+    if pool.adapters:
+        args.append("--lora-modules")
+        args += [_lora_module(spec, pool, a.name, a.path, a.base) for a in pool.adapters]
+    return args
+
+
 def _engine_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
     """vLLM's own flags from the pool; the pool's simulator overrides map onto the vLLM flags
     of the same name where vLLM has one."""
     e = pool.engine
-    model = str(pool.weights) if pool.weights else spec.model
+    model = str(pool.weights) if pool.weights else pool.model_of(spec)
     args = ["serve", model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
-    args += ["--served-model-name", spec.model]
+    if pool.adapters:
+        # --max-loras (adapters in one batch) stays at vLLM's default; --max-lora-rank too.
+        args.append("--enable-lora")
+    args += _model_args(spec, pool)
     if pool.precision == "fp8":
         args += ["--quantization", "fp8"]
     if e.overrides.max_num_seqs is not None:
@@ -170,8 +212,7 @@ def _simulator_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
         "0.0.0.0",
         "--port",
         str(ENGINE_PORT),
-        "--model",
-        spec.model,
+        *_model_args(spec, pool),
         "--profile",
         e.profile,
         "--seed",
@@ -188,7 +229,8 @@ def _simulator_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
 def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list[Obj]:
     name = f"{o.prefix}-{pool.name}"
     sim = o.engine == "simulator"
-    drain_s = spec.gateway.drain_deadline_s
+    scaled = autoscaled(pool, o.autoscaler)
+    drain_s = drain_deadline(spec, pool)
     grace = grace_period(drain_s, pool.engine.shutdown_timeout_s)
     hook = ["python3", f"{HOOKS_DIR}/hooks.py"]
     pool_labels = {"unbroken.dev/pool": pool.name}
@@ -230,7 +272,9 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
         },
     ]
     ready_cmd = [*hook, "ready", "--url", f"http://127.0.0.1:{ENGINE_PORT}"]
-    ready_cmd += ["--budget-ms", str(o.ready_budget_ms)]
+    # The pool's own model: /v1/models also lists aliases and adapters, and the warm-up is
+    # for the base model.
+    ready_cmd += ["--budget-ms", str(o.ready_budget_ms), "--model", pool.model_of(spec)]
     drain_cmd = [*hook, "drain", "--admin", _admin_host(o), "--every-address"]
     drain_cmd += ["--deadline", f"{drain_s:g}", "--timeout", f"{drain_s + HOOK_MARGIN_S:g}"]
     container: Obj = {
@@ -342,7 +386,38 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http"}],
         },
     }
-    return [deployment, service]
+    objs = [deployment, service]
+    if pool.autoscale is not None:
+        a = pool.autoscale
+        notes = deployment["metadata"]["annotations"]
+        if scaled:
+            # No `replicas`: the autoscaler owns the count. With it, every `kubectl apply`
+            # would set the pool back to one number (scaling a grown pool in, through drains,
+            # until the autoscaler grows it again); without it, apply leaves the field to
+            # whoever set it last, and a new Deployment starts at 1 until the autoscaler acts.
+            del deployment["spec"]["replicas"]
+            low = a.min if o.autoscaler == "keda" else max(1, a.min)  # an HPA cannot sleep
+            notes["unbroken.dev/replicas"] = f"{low}-{a.max}, set by {o.autoscaler}"
+            meta = _meta(o, name, "engine", **pool_labels)
+            if o.autoscaler == "keda":
+                objs.append(
+                    scaled_object(
+                        meta,
+                        spec,
+                        pool,
+                        target=name,
+                        namespace=o.namespace,
+                        prometheus_url=o.prometheus_url,
+                        scrape_s=SCRAPE_S,
+                    )
+                )
+            else:
+                objs.append(horizontal_pod_autoscaler(meta, pool, target=name))
+        else:
+            # Nothing scales it: a fixed count, at least 1 (nothing would wake a pool of 0).
+            deployment["spec"]["replicas"] = max(1, pool.replicas)
+            notes["unbroken.dev/replicas"] = f"{a.min}-{a.max}, not autoscaled (autoscaler none)"
+    return objs
 
 
 def model_cache(o: RenderOptions) -> Obj:
@@ -726,7 +801,9 @@ def monitoring_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                 "selector": {"matchLabels": _selector(o, component)},
                 # The agent's histograms are cumulative in-kernel; the controller reads them
                 # every 250 ms itself. 5 s here is for dashboards.
-                "podMetricsEndpoints": [{"port": port, "path": "/metrics", "interval": "5s"}],
+                "podMetricsEndpoints": [
+                    {"port": port, "path": "/metrics", "interval": f"{SCRAPE_S}s"}
+                ],
             },
         }
 
@@ -780,11 +857,14 @@ def build(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
         raise ValueError(f"engine must be vllm or simulator, not {o.engine!r}")
     if o.gateway_replicas < 2:
         raise ValueError("the gateway needs 2 or more replicas (its PodDisruptionBudget keeps 1)")
+    hpa = any(autoscaled(p, o.autoscaler) for p in spec.pools) and o.autoscaler == "hpa"
     objs = namespaces(o)
     if o.engine == "vllm":
         objs.append(model_cache(o))
     for pool in spec.pools:
         objs += engine_objects(spec, pool, o)
+    if hpa:
+        objs.append(adapter_rules(_meta(o, f"{o.prefix}-prometheus-adapter-rules", "monitoring")))
     objs += gateway_objects(spec, o)
     objs += controller_objects(spec, o)
     objs += agent_objects(o)

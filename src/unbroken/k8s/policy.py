@@ -14,6 +14,7 @@ __all__ = ["check"]
 
 Obj = dict[str, Any]
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+AUTOSCALERS = ("ScaledObject", "HorizontalPodAutoscaler")
 AGENT_ALLOWED = {*AGENT_CAPABILITIES, "SYS_RESOURCE"}
 
 
@@ -60,7 +61,36 @@ def check(objs: list[Obj]) -> list[str]:
     for (kind, name), o in kinds.items():
         if kind == "Deployment" and _component(o) == "engine" and ("Service", name) not in kinds:
             bad.append(f"Deployment/{name}: no Service (the gateway discovers engines by it)")
+    bad += _autoscalers(objs, kinds)
     return bad
+
+
+def _autoscalers(objs: list[Obj], kinds: dict[tuple[str, str], Obj]) -> Iterator[str]:
+    """An autoscaler scales an engine Deployment of this set, alone, and that Deployment
+    leaves `replicas` to it: with `replicas` set, every `kubectl apply` would reset the
+    count the autoscaler chose (a grown pool drained back to one number, then grown again)."""
+    owners: dict[str, str] = {}
+    for o in objs:
+        if o["kind"] not in AUTOSCALERS:
+            continue
+        where = f"{o['kind']}/{o['metadata']['name']}"
+        ref = o["spec"].get("scaleTargetRef", {})
+        target = kinds.get(("Deployment", ref.get("name", "")))
+        if ref.get("kind", "Deployment") != "Deployment" or target is None:
+            yield f"{where}: scales {ref.get('kind')}/{ref.get('name')}, not a Deployment here"
+            continue
+        if _component(target) != "engine":
+            yield f"{where}: scales a Deployment that is not an engine pool"
+        if "replicas" in target["spec"]:
+            yield f"{where}: Deployment/{ref['name']} sets replicas (apply would fight it)"
+        if ref["name"] in owners:
+            yield f"{where}: Deployment/{ref['name']} already scaled by {owners[ref['name']]}"
+        owners[ref["name"]] = where
+        s = o["spec"]
+        lo = s.get("minReplicaCount", s.get("minReplicas", 1))
+        hi = s.get("maxReplicaCount", s.get("maxReplicas", 100))
+        if lo > hi:
+            yield f"{where}: min {lo} > max {hi}"
 
 
 def _workload(o: Obj) -> Iterator[str]:

@@ -1,6 +1,7 @@
 """`unbroken render k8s`: write a pipeline's objects as plain YAML, one file per object,
-numbered so that `kubectl apply -f DIR` creates namespaces first. Objects of the Prometheus
-Operator's kinds go to `DIR/monitoring/`, to apply once the operator's CRDs exist."""
+numbered so that `kubectl apply -f DIR` creates namespaces first. Objects of custom kinds go
+to their own directories, to apply once their CRDs exist: the Prometheus Operator's to
+`DIR/monitoring/`, KEDA's ScaledObjects to `DIR/keda/`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from unbroken.k8s.policy import check
 
 __all__ = ["PolicyError", "render", "write"]
 
-CRD_GROUPS = ("monitoring.coreos.com/",)
+# Custom kinds by API group, and the directory each goes to.
+CRD_DIRS = {"monitoring.coreos.com/": "monitoring", "keda.sh/": "keda"}
 
 
 class PolicyError(ValueError):
@@ -39,7 +41,8 @@ def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, o in enumerate(objs):
-        sub = out / "monitoring" if o["apiVersion"].startswith(CRD_GROUPS) else out
+        dirs = [d for g, d in CRD_DIRS.items() if o["apiVersion"].startswith(g)]
+        sub = out / dirs[0] if dirs else out
         sub.mkdir(exist_ok=True)
         path = sub / f"{i:02d}-{_slug(o['kind'])}-{_slug(o['metadata']['name'])}.yaml"
         path.write_text(yaml.safe_dump(o, sort_keys=False, width=100))
