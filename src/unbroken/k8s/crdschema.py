@@ -147,5 +147,6 @@ def validate(obj: Obj, crd_path: Path) -> list[str]:
     for e in sorted(_validator(strict_schema(schema)).iter_errors(obj), key=str):
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
         errors.append(f"{where or '.'}: {e.message}")
-    errors += _rules(schema, obj, "")
+    if not errors:  # CEL rules see typed values: only once the schema holds
+        errors += _rules(schema, obj, "")
     return errors

@@ -177,7 +177,8 @@ def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
     takes the same ones): the first served name is the one responses carry."""
     args = ["--served-model-name", pool.model_of(spec), *pool.aliases]
     if pool.adapters:
-        args.append("--lora-modules")
+        # --max-loras (adapters in one batch) and --max-lora-rank stay at vLLM's defaults.
+        args += ["--enable-lora", "--lora-modules"]
         args += [_lora_module(spec, pool, a.name, a.path, a.base) for a in pool.adapters]
     return args
 
@@ -188,9 +189,6 @@ def _engine_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
     e = pool.engine
     model = str(pool.weights) if pool.weights else pool.model_of(spec)
     args = ["serve", model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
-    if pool.adapters:
-        # --max-loras (adapters in one batch) stays at vLLM's default; --max-lora-rank too.
-        args.append("--enable-lora")
     args += _model_args(spec, pool)
     if pool.precision == "fp8":
         args += ["--quantization", "fp8"]
