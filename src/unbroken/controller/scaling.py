@@ -213,8 +213,10 @@ class ScalingLoop:
         current = {p["name"]: int(p["live"]) for p in pools}
         declared = {p["name"]: int(p["declared"]) for p in pools}
         busy = set(self._running)
-        if sup.get("busy"):
-            busy |= {p.name for p in a.pools}  # a rollout, conversion or reload holds them
+        if sup.get("busy") or self._running:
+            # The supervisor resizes one pool at a time (and never during a rollout,
+            # conversion or reload): wait for it rather than be refused.
+            busy |= {p.name for p in a.pools}
         # A pool whose declared size differs from its live count is mid-change (a replica
         # being replaced): judge it by what it will be.
         now_count = {n: max(current[n], declared[n]) for n in current}
@@ -229,56 +231,62 @@ class ScalingLoop:
             "desired": {p.name: a.desired(p.name) for p in a.pools},
             "busy": sorted(busy),
         }
-        for d in decisions:
-            self._start(d)
+        if decisions:
+            self._start(decisions)
 
-    def _start(self, d: ScaleDecision) -> None:
-        self._running.add(d.pool)
-        self.record(
-            [
-                Decision(
-                    time.time(),
-                    d.pool,
-                    f"scale {d.direction} to {d.desired}",
-                    d.reason,
-                    {"from": d.current, "to": d.desired, "demand": d.demand},
-                )
-            ]
-        )
+    def _start(self, decisions: list[ScaleDecision]) -> None:
+        """Send the resizes one after the other (the supervisor runs one at a time)."""
+        for d in decisions:
+            self._running.add(d.pool)
+            self.record(
+                [
+                    Decision(
+                        time.time(),
+                        d.pool,
+                        f"scale {d.direction} to {d.desired}",
+                        d.reason,
+                        {"from": d.current, "to": d.desired, "demand": d.demand},
+                    )
+                ]
+            )
 
         async def go() -> None:
-            try:
-                async with (
-                    self._sup(600) as s,
-                    s.post(
-                        "http://supervisor/scale",
-                        json={"pool": d.pool, "replicas": d.desired, "reason": d.reason},
-                    ) as r,
-                ):
-                    body = await r.json(content_type=None)
-                    if r.status != 200:
-                        err = body.get("error") if isinstance(body, dict) else body
-                        msg = err.get("message") if isinstance(err, dict) else str(err)
-                        res = {"ok": False, "error": f"HTTP {r.status}: {msg}"}
-                    else:
-                        res = body
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                res = {"ok": False, "error": f"supervisor unreachable: {e}"}
-            finally:
-                self._running.discard(d.pool)
-            ok = bool(res.get("ok"))
-            self.metrics.decisions.labels(d.pool, d.direction, "done" if ok else "failed").inc()
-            what = f"scale {d.direction} {'done' if ok else 'failed'}"
-            why = (
-                f"{d.current} -> {res.get('replicas')} in {res.get('seconds')} s"
-                if ok
-                else str(res.get("error") or res.get("errors"))
-            )
-            self.record([Decision(time.time(), d.pool, what, why, {"result": res})])
+            for d in decisions:
+                await self._send(d)
 
         t = asyncio.create_task(go())
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    async def _send(self, d: ScaleDecision) -> None:
+        try:
+            async with (
+                self._sup(600) as s,
+                s.post(
+                    "http://supervisor/scale",
+                    json={"pool": d.pool, "replicas": d.desired, "reason": d.reason},
+                ) as r,
+            ):
+                body = await r.json(content_type=None)
+                if r.status != 200:
+                    err = body.get("error") if isinstance(body, dict) else body
+                    msg = err.get("message") if isinstance(err, dict) else str(err)
+                    res = {"ok": False, "error": f"HTTP {r.status}: {msg}"}
+                else:
+                    res = body
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            res = {"ok": False, "error": f"supervisor unreachable: {e}"}
+        finally:
+            self._running.discard(d.pool)
+        ok = bool(res.get("ok"))
+        self.metrics.decisions.labels(d.pool, d.direction, "done" if ok else "failed").inc()
+        what = f"scale {d.direction} {'done' if ok else 'failed'}"
+        why = (
+            f"{d.current} -> {res.get('replicas')} in {res.get('seconds')} s"
+            if ok
+            else str(res.get("error") or res.get("errors"))
+        )
+        self.record([Decision(time.time(), d.pool, what, why, {"result": res})])
 
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:

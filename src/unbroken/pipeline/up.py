@@ -8,6 +8,7 @@ import json
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,31 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     ]
     if gw.get("error"):
         out.append(f"gateway admin API: {gw['error']}")
+    events = status.get("events") or []
+    for name, p in (status.get("pools") or {}).items():
+        if "min" not in p:
+            continue
+        line = (
+            f"autoscale {name}: {p['live']} live, {p['declared']} wanted, "
+            f"in [{p['min']}, {p['max']}]"
+        )
+        if p.get("scaling"):
+            line += f"; resizing {p['scaling']}"
+        last = next(
+            (
+                e
+                for e in reversed(events)
+                if e.get("event") == "scale_started" and e.get("pool") == name
+            ),
+            None,
+        )
+        if last is not None:
+            ago = max(0.0, time.time() - float(last.get("t", 0)))
+            line += (
+                f"; last {last.get('replicas')} -> {last.get('to')} {ago:.0f} s ago "
+                f"({last.get('reason')})"
+            )
+        out.append(line)
     for part in ("agent", "controller"):
         info = status.get(part)
         if info is not None:

@@ -1,0 +1,269 @@
+"""Autoscaling (issue 24): the autoscaler's rule in-process, then a real `unbroken up` whose
+pools grow under a burst (in proportion, the sleeping fallback woken by what the full primary
+cannot hold) and shrink after a quiet period, one replica at a time through drain and
+migration, with every stream byte-exact."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers import MODEL, Up, wait_for
+from test_migration import check_one_stream, read_stream, text_of
+from unbroken.config.spec import SpecError, parse_spec
+from unbroken.controller.autoscale import Autoscaler, PoolScaling
+from unbroken.controller.scaling import parse_demand
+from unbroken.engine.textmodel import expected_completion
+
+
+def _scaler(**kw: Any) -> Autoscaler:
+    base: dict[str, Any] = dict(
+        name="p", min=1, max=6, target=10.0, up_cooldown_s=2.0, down_quiet_s=5.0,
+        down_cooldown_s=1.0,
+    )  # fmt: skip
+    base.update(kw)
+    return Autoscaler([PoolScaling(**base)])
+
+
+def test_scale_up_is_proportional_and_bounded() -> None:
+    a = _scaler()
+    (d,) = a.step(0.0, {"p": 35.0}, {"p": 1})
+    assert (d.current, d.desired, d.direction) == (1, 4, "up")  # ceil(35/10), in one step
+    (d,) = a.step(10.0, {"p": 500.0}, {"p": 4})
+    assert d.desired == 6  # max
+
+
+def test_up_cooldown_then_more() -> None:
+    a = _scaler()
+    assert a.step(0.0, {"p": 25.0}, {"p": 1})[0].desired == 3
+    assert a.step(1.0, {"p": 45.0}, {"p": 3}) == []  # within the 2 s cool-down
+    assert a.step(2.0, {"p": 45.0}, {"p": 3})[0].desired == 5
+
+
+def test_tolerance_keeps_the_count_at_the_target() -> None:
+    a = _scaler()
+    for t in range(20):  # demand hovering within 10 % of 3 replicas' target
+        assert a.step(float(t), {"p": 30.0 + (2.5 if t % 2 else -2.5)}, {"p": 3}) == []
+
+
+def test_down_after_quiet_one_at_a_time_never_below_min() -> None:
+    a = _scaler(min=2)
+    cur = 5
+    downs: list[float] = []
+    t = 0.0
+    while t < 30:
+        for d in a.step(t, {"p": 0.0}, {"p": cur}):
+            assert d.direction == "down" and d.desired == cur - 1
+            cur = d.desired
+            downs.append(t)
+        t += 0.25
+    assert cur == 2
+    assert downs[0] >= 5.0  # the quiet period
+    assert all(b - a_ >= 1.0 for a_, b in itertools.pairwise(downs))  # cool-down
+
+
+def test_a_burst_during_the_quiet_period_restarts_it() -> None:
+    a = _scaler()
+    assert a.step(0.0, {"p": 0.0}, {"p": 3}) == []
+    assert a.step(4.0, {"p": 30.0}, {"p": 3}) == []  # back at the target: quiet broken
+    assert a.step(6.0, {"p": 0.0}, {"p": 3}) == []
+    assert a.step(10.5, {"p": 0.0}, {"p": 3}) == []  # 4.5 s of quiet: not yet
+    assert a.step(11.0, {"p": 0.0}, {"p": 3})[0].desired == 2
+
+
+def test_no_flapping_under_load_that_crosses_the_threshold() -> None:
+    """Demand swinging between 1.3 and 0.7 replicas' worth every second for a minute: one
+    scale-up, and no scale-down (the quiet period never completes)."""
+    a = _scaler(down_quiet_s=5.0)
+    cur, moves = 1, []
+    for i in range(240):
+        t = i * 0.25
+        for d in a.step(t, {"p": 13.0 if int(t) % 2 == 0 else 7.0}, {"p": cur}):
+            moves.append(d.direction)
+            cur = d.desired
+    assert moves == ["up"]
+
+
+def test_floor_spill_wake_contention_and_busy() -> None:
+    primary = PoolScaling("primary", 1, 2, 10.0, floor=2, spill_to="fallback")
+    fallback = PoolScaling("fallback", 0, 2, 10.0)
+    a = Autoscaler([primary, fallback])
+    # The controller's floor of full replicas holds primary at 2 even with no demand.
+    (d,) = a.step(0.0, {}, {"primary": 1, "fallback": 0})
+    assert (d.pool, d.desired) == ("primary", 2)
+    # 35 streams: primary holds 20 at its max, 15 spill: the sleeping fallback wakes to 2.
+    (d,) = a.step(10.0, {"primary": 35.0}, {"primary": 2, "fallback": 0})
+    assert (d.pool, d.current, d.desired) == ("fallback", 0, 2)
+    assert "waking" in d.reason
+    # Contended: the lowered cap queues requests, which is not load: hold.
+    b = Autoscaler([PoolScaling("primary", 1, 4, 10.0)])
+    assert b.step(0.0, {"primary": 40.0}, {"primary": 1}, {"primary": 1}) == []
+    assert b.step(0.5, {"primary": 40.0}, {"primary": 1}, {}, busy={"primary"}) == []
+    assert b.step(1.0, {"primary": 40.0}, {"primary": 1})[0].desired == 4
+
+
+def test_spec_ranges() -> None:
+    s = parse_spec({"pools": [{"name": "a", "replicas": {"min": 0, "max": 3}}]})
+    p = s.pools[0]
+    assert (p.replicas, p.min_replicas, p.max_replicas) == (0, 0, 3)
+    again = parse_spec(s.model_dump(mode="json"))  # what a reload's diff reads back
+    assert again.pools[0].autoscale == p.autoscale
+    for bad, says in (
+        ({"min": 3, "max": 1}, "must not exceed"),
+        ({"min": 0, "max": 0}, "greater than or equal to 1"),
+        ({"min": 1, "max": 99}, "less than or equal to 64"),
+    ):
+        with pytest.raises(SpecError, match=says):
+            parse_spec({"pools": [{"name": "a", "replicas": bad}]})
+
+
+def test_parse_demand_reads_only_the_signal() -> None:
+    text = (
+        "# HELP unbroken_gateway_pool_demand x\n# TYPE unbroken_gateway_pool_demand gauge\n"
+        'unbroken_gateway_pool_demand{pool="primary"} 12.0\n'
+        'unbroken_gateway_pool_demand{pool="fallback"} 0.0\n'
+        'unbroken_gateway_pool_demand_other{pool="primary"} 99.0\n'
+        'unbroken_gateway_inflight{endpoint="a",pool="primary"} 7.0\n'
+    )
+    assert parse_demand(text) == {"primary": 12.0, "fallback": 0.0}
+
+
+SPEC = f"""
+model: {MODEL}
+pools:
+  - name: primary
+    replicas: {{min: 1, max: 3}}
+    scaling: {{target: 4, interval_s: 0.25, up_cooldown_s: 0.5, down_quiet_s: 3,
+               down_cooldown_s: 0.5, drain_deadline_s: 1}}
+    weights_size: 8MiB
+    engine: {{profile: fp16, overrides: {{decode_base_s: 0.02, decode_per_seq_s: 0.0001}}}}
+  - name: fallback
+    replicas: {{min: 0, max: 1}}
+    scaling: {{target: 4, interval_s: 0.25, up_cooldown_s: 0.5, down_quiet_s: 3,
+               down_cooldown_s: 0.5, drain_deadline_s: 1}}
+    weights_size: 8MiB
+    engine: {{profile: fp8, overrides: {{decode_base_s: 0.02, decode_per_seq_s: 0.0001}}}}
+gateway: {{routes: {{standard: [primary, fallback]}}, default_cap: 4}}
+controller:
+  # Contention detection would hold scaling; on this shared machine it must not judge.
+  itl_enter_ratio: 1000
+  itl_exit_ratio: 999
+  cuda_enter_ratio: 1000
+  cuda_exit_ratio: 999
+  cuda_strong_ratio: null
+  convert_after_s: null
+  min_full_replicas: 0
+"""
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp: Path = tmp_path_factory.mktemp("autoscale")
+    spec = tmp / "spec.yaml"
+    spec.write_text(SPEC)
+    u = Up(tmp, spec)
+    yield u
+    u.stop()
+
+
+def _pools(u: Up) -> dict[str, Any]:
+    return dict(u.status()["pools"])
+
+
+def _decisions(u: Up) -> list[dict[str, Any]]:
+    r = httpx.get(f"http://127.0.0.1:{u.controller_port}/decisions", timeout=10)
+    return list(r.json()["decisions"])
+
+
+def test_pipeline_grows_wakes_and_shrinks_without_a_dropped_byte(up: Up) -> None:
+    pools = _pools(up)
+    assert (pools["primary"]["live"], pools["fallback"]["live"]) == (1, 0)
+    assert (pools["primary"]["min"], pools["primary"]["max"]) == (1, 3)
+
+    n, max_tokens = 16, 250
+    results: list[tuple[str, list[Any], int]] = [("", [], 0)] * n
+    long_ones = {0, 1, 2}  # still running when the pools shrink
+
+    def client(i: int) -> None:
+        prompt = f"burst {i}"
+        toks = 1500 if i in long_ones else max_tokens
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": toks, "temperature": 0}
+        events, r = read_stream(up.url, "/v1/completions", body)
+        results[i] = (prompt, events, toks if r.status_code == 200 else -r.status_code)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    # 16 streams at 4 per replica: primary to its max of 3, the 4 more it cannot hold
+    # wake the fallback.
+    wait_for(
+        lambda: (p := _pools(up))["primary"]["live"] == 3 and p["fallback"]["live"] == 1,
+        timeout=60,
+        interval=0.2,
+        what=lambda: f"scale-up: {json.dumps(_pools(up))}",
+    )
+    grew_s = time.monotonic() - t0
+    for i, t in enumerate(threads):
+        if i not in long_ones:
+            t.join(120)
+    # Only the long streams remain: demand 3 wants 1 primary and no fallback; after the
+    # 3 s quiet period the pools shrink one replica at a time, draining with streams on them.
+    wait_for(
+        lambda: (p := _pools(up))["primary"]["live"] == 1 and p["fallback"]["live"] == 0,
+        timeout=90,
+        interval=0.2,
+        what=lambda: f"scale-down: {json.dumps(_pools(up))}",
+    )
+    for i in long_ones:
+        threads[i].join(120)
+    for prompt, events, toks in results:
+        assert toks > 0, f"{prompt}: HTTP {-toks}"
+        check_one_stream(events, chat=False)
+        assert text_of(events, chat=False) == expected_completion(prompt, toks).text, prompt
+
+    decisions = [d for d in _decisions(up) if d["action"].startswith("scale")]
+    ups = [d for d in decisions if d["action"].startswith("scale up to")]
+    downs = [d for d in decisions if d["action"].startswith("scale down to")]
+    done = [d for d in decisions if d["action"].endswith("done")]
+    assert {(d["endpoint"], d["to"]) for d in ups} >= {("primary", 3), ("fallback", 1)}
+    # Proportional: primary went 1 -> 3 in one decision, not one replica per interval.
+    assert any(d["endpoint"] == "primary" and d["from"] == 1 and d["to"] == 3 for d in ups), ups
+    assert [d["to"] for d in downs if d["endpoint"] == "primary"] == [2, 1]
+    assert all(d["result"]["ok"] for d in done), done
+    assert not [d for d in decisions if d["action"].endswith("failed")], decisions
+    assert grew_s < 60
+    # The drained replicas held streams: migration, not luck, kept them whole.
+    events = up.status()["events"]
+    assert any(e["event"] == "scale_removed" for e in events)
+    shown = up.run("status").stdout
+    assert "autoscale primary: 1 live, 1 wanted, in [1, 3]" in shown, shown
+    assert "autoscale fallback: 0 live, 0 wanted, in [0, 1]" in shown, shown
+
+
+def test_scale_endpoint_refuses_outside_the_range(up: Up) -> None:
+    import asyncio
+
+    import aiohttp
+
+    async def post(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        sock = str(up.state / "supervisor.sock")
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock)) as s,
+            s.post("http://supervisor/scale", json=body) as r,
+        ):
+            return r.status, await r.json()
+
+    status, body = asyncio.run(post({"pool": "primary", "replicas": 4}))
+    assert status == 400 and "1 to 3" in body["error"]["message"]
+    status, body = asyncio.run(post({"pool": "nope", "replicas": 1}))
+    assert status == 400 and "no pool named" in body["error"]["message"]
+    status, body = asyncio.run(post({"pool": "primary", "replicas": "x"}))
+    assert status == 400
