@@ -7,7 +7,10 @@ more token (they are recomputed on re-admission, as vLLM does), spends the step'
 time inside the stand-in CUDA calls, then produces one token per running sequence and hands
 the batch to the event loop in a single thread-safe callback. The KV cache is vLLM v1's block
 pool with prefix caching (`kvcache.KVCache`): an admitted sequence prefills only the tokens
-its cached prefix blocks do not hold.
+its cached prefix blocks do not hold. With LoRA enabled (`max_loras`), at most that many
+distinct adapters run at once: a waiting sequence of another adapter is skipped, keeping its
+place, while later ones of a running adapter (or of the base model) are admitted, as vLLM v1's
+scheduler does.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Seq:
     blocks: list[Block] = field(default_factory=list)
     num_cached_blocks: int = 0
     cached_tokens: int = 0  # prompt tokens found in the cache at first admission
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    cache_root: int = 0  # the parent hash of its first block (0: the cache's own root)
 
     @property
     def num_tokens(self) -> int:
@@ -83,9 +88,12 @@ class EngineCore:
         faults: Faults | None = None,
         on_step: Callable[[EngineCore, int, int], None] | None = None,
         cache_root: int = 0,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: distinct adapters that may run at once (None: LoRA disabled)."""
         self.profile = profile
         self.max_num_seqs = profile.max_num_seqs
+        self.max_loras = max_loras
         self._deliver = deliver
         self._cuda = cuda
         self.faults = faults or Faults()
@@ -140,6 +148,19 @@ class EngineCore:
     def kv_usage(self) -> float:
         return self.kv.usage
 
+    def lora_stats(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter, running and waiting (vLLM's SchedulerStats
+        running_lora_adapters / waiting_lora_adapters), in first-seen order. Engine thread."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for s in self.running:
+            if s.lora is not None:
+                running[s.lora] = running.get(s.lora, 0) + 1
+        for s in self.waiting:
+            if s.lora is not None:
+                waiting[s.lora] = waiting.get(s.lora, 0) + 1
+        return running, waiting
+
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -181,9 +202,20 @@ class EngineCore:
         prefill = 0
         outputs: list[Output] = []
         # Admit (FCFS) while slots and KV allow. A sequence needs blocks for its tokens plus
-        # the one this step produces; its cached prefix blocks need no prefill.
+        # the one this step produces; its cached prefix blocks need no prefill. A sequence of
+        # an adapter that would exceed max_loras is set aside and keeps its place.
+        loras = None if self.max_loras is None else {s.lora for s in self.running if s.lora}
+        skipped: list[Seq] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
+            if (
+                loras is not None
+                and s.lora is not None
+                and s.lora not in loras
+                and len(loras) >= self.max_loras  # type: ignore[operator]
+            ):
+                skipped.append(self.waiting.popleft())
+                continue
             ntok = s.num_tokens
             need = kv.blocks_for(ntok + 1)
             hit = kv.lookup(s, ntok)
@@ -203,6 +235,10 @@ class EngineCore:
             kv.cache_full(s, ntok)  # registered now, so a sibling admitted next can hit it
             prefill += ntok - len(hit) * kv.block_size
             self.running.append(s)
+            if loras is not None and s.lora is not None:
+                loras.add(s.lora)
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
         # Every running sequence needs room for one more token; preempt the newest until the
         # blocks that takes fit (vLLM frees a preempted request's blocks; cached ones stay).
         grow = sum(1 for s in self.running if kv.blocks_for(s.num_tokens + 1) > len(s.blocks))

@@ -84,7 +84,7 @@ class KVCache:
         hashes = s.block_hashes
         bs = self.block_size
         ids = s.token_ids
-        parent = hashes[-1] if hashes else self.root
+        parent = hashes[-1] if hashes else (getattr(s, "cache_root", 0) or self.root)
         for i in range(len(hashes), num_blocks):
             parent = hash((parent, tuple(ids[i * bs : (i + 1) * bs])))
             hashes.append(parent)

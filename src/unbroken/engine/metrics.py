@@ -7,11 +7,14 @@ from what it measures (step times, CUDA call latency), as it would on a GPU node
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from unbroken.wire.metrics import register_standard_metrics
 
-__all__ = ["EngineMetrics", "FinishedSeq"]
+__all__ = ["EngineMetrics", "FinishedSeq", "LoraInfo"]
 
 disable_created_metrics()
 
@@ -115,8 +118,40 @@ class FinishedSeq:
         self.finish, self.prompt, self.generated = finish, prompt, generated
 
 
+class LoraInfo:
+    """`vllm:lora_requests_info`, as vLLM's PrometheusStatLogger records it each step: a gauge
+    labelled `max_lora`, `running_lora_adapters` and `waiting_lora_adapters` (adapter names,
+    comma-joined) whose value is the wall-clock time it was last set. vLLM never removes a
+    label set, so a scrape shows every combination seen and readers take the sample with the
+    latest time; the simulator keeps the `keep` most recent ones (vLLM's grows unbounded)."""
+
+    def __init__(self, registry: CollectorRegistry, max_lora: int, keep: int = 64) -> None:
+        self.gauge = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=registry,
+        )
+        self.max_lora = str(max_lora)
+        self.keep = keep
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def record(self, running: dict[str, int], waiting: dict[str, int]) -> None:
+        key = (",".join(waiting), ",".join(running))
+        self.gauge.labels(self.max_lora, *key).set(time.time())
+        seen = self._seen
+        seen[key] = None
+        seen.move_to_end(key)
+        while len(seen) > self.keep:
+            old, _ = seen.popitem(last=False)
+            self.gauge.remove(self.max_lora, *old)
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 16_384) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int = 16_384, max_loras: int | None = None
+    ) -> None:
+        """`max_loras`: None when LoRA is disabled (vLLM then has no lora_requests_info)."""
         r = self.registry = CollectorRegistry()
         register_standard_metrics(r, "engine")
         labels = ["model_name", "engine"]
@@ -241,6 +276,7 @@ class EngineMetrics:
             "1 when steps run inside the stand-in CUDA library.",
             registry=r,
         )
+        self.lora: LoraInfo | None = None if max_loras is None else LoraInfo(r, max_loras)
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(*self._lv, finished_reason).inc()

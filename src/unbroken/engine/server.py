@@ -1,7 +1,9 @@
 """The engine simulator's HTTP server: vLLM's OpenAI-compatible API over the EngineCore.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, and a bearer-protected /admin/* (faults, runtime config, state).
+GET /metrics, and a bearer-protected /admin/* (faults, runtime config, state); with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter. Several served names and LoRA adapters as vLLM (`lora.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from unbroken.engine import cuda as cuda_mod
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
 from unbroken.engine.kvcache import root_hash
+from unbroken.engine.lora import LoadedAdapter, LoRAModule, LoRARegistry, runtime_lora_updating
 from unbroken.engine.metrics import EngineMetrics, FinishedSeq
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.render import ChatFormat, CompletionFormat
@@ -70,6 +73,33 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 16 * 2**20
     use_cuda_stub: bool = True
+    # vLLM's `--served-model-name A B ...`: `model_name` is A (responses, metrics); these
+    # further names are accepted in requests too.
+    aliases: tuple[str, ...] = ()
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter; None: VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+    runtime_lora_updating: bool | None = None
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return [self.model_name, *(a for a in self.aliases if a != self.model_name)]
+
+    def validate(self) -> None:
+        """ValueError for what vLLM refuses at start."""
+        if not self.model_name:
+            raise ValueError("--served-model-name: a name must not be empty")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be at least 1")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError("--lora-modules: an adapter name appears twice")
 
 
 def _process_start_time() -> float:
@@ -85,9 +115,26 @@ def _process_start_time() -> float:
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
+        cfg.validate()
         self.cfg = cfg
         self.model = TextModel(cfg.seed, cfg.eos_rate)
-        self.metrics = EngineMetrics(cfg.model_name, cfg.profile.max_model_len)
+        self.names = cfg.served_model_names
+        self._base_names = frozenset(self.names)
+        self.metrics = EngineMetrics(
+            cfg.model_name, cfg.profile.max_model_len, cfg.max_loras if cfg.enable_lora else None
+        )
+        self.loras: LoRARegistry | None = None
+        self._adapter_models: dict[str, TextModel] = {}
+        if cfg.enable_lora:
+            self.loras = LoRARegistry(self.names)
+            for m in cfg.lora_modules:
+                a = self.loras.load(m.name, m.path, m.base_model_name)
+                log.info("Loaded new LoRA adapter: name '%s', path '%s'", a.name, a.path)
+        self.runtime_lora = (
+            runtime_lora_updating()
+            if cfg.runtime_lora_updating is None
+            else cfg.runtime_lora_updating
+        )
         self.faults = Faults()
         self.cuda: cuda_mod.CudaStub | None = None
         self.core: EngineCore | None = None
@@ -146,6 +193,8 @@ class Engine:
                 m.prefix_queries.inc(queries - self._prefix_seen[0])
                 m.prefix_hits.inc(hits - self._prefix_seen[1])
                 self._prefix_seen = (queries, hits)
+            if m.lora is not None:
+                m.lora.record(*core.lora_stats())
 
         self.core = EngineCore(
             self.cfg.profile,
@@ -154,6 +203,7 @@ class Engine:
             faults=self.faults,
             on_step=on_step,
             cache_root=root_hash(self.cfg.model_name),
+            max_loras=self.cfg.max_loras if self.cfg.enable_lora else None,
         )
         self.core.start()
 
@@ -206,6 +256,13 @@ class Engine:
 
         app.on_response_prepare.append(say_profile)
         app.router.add_get("/v1/models", self.models)
+        if self.runtime_lora:
+            log.warning(
+                "LoRA dynamic loading & unloading is enabled in the API server. "
+                "This should ONLY be used for local development!"
+            )
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/version", self.version)
@@ -239,19 +296,92 @@ class Engine:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        name = self.cfg.model_name
-        card = {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "unbroken",
-            "root": name,
-            "parent": None,
-            "max_model_len": self.cfg.profile.max_model_len,
-        }
+        """One card per served name, then one per adapter (`root` its path, `parent` its
+        base), as vLLM's show_available_models."""
+        cards: list[dict[str, Any]] = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "unbroken",
+                "root": self.cfg.model_name,  # vLLM: the one model's path, for every name
+                "parent": None,
+                "max_model_len": self.cfg.profile.max_model_len,
+            }
+            for name in self.names
+        ]
+        if self.loras is not None:
+            cards += [
+                {
+                    "id": a.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "unbroken",
+                    "root": a.path,
+                    "parent": a.base_model_name,
+                    "max_model_len": None,
+                }
+                for a in self.loras.adapters.values()
+            ]
         return web.json_response(
-            {"object": "list", "data": [card]}, dumps=lambda o: orjson.dumps(o).decode()
+            {"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(o).decode()
         )
+
+    # -- runtime LoRA (VLLM_ALLOW_RUNTIME_LORA_UPDATING) -------------------------------------
+    @staticmethod
+    def _lora_error(status: int, message: str, type_: str) -> web.Response:
+        """vLLM's ErrorResponse for these routes: its own type names, the status as code."""
+        body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+        return web.json_response(body, status=status)
+
+    async def _lora_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return self._lora_error(400, f"invalid JSON body: {e}", "BadRequestError")
+        if not isinstance(body, dict):
+            return self._lora_error(400, "the body must be a JSON object", "BadRequestError")
+        return body
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._lora_body(request)
+        if isinstance(body, web.Response):
+            return body
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+            return self._lora_error(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+            )
+        if self.loras is None:
+            return self._lora_error(
+                400, "LoRA is not enabled. Use --enable-lora to enable LoRA.", "BadRequestError"
+            )
+        if self.loras.get(name) is not None and not body.get("load_inplace"):
+            return self._lora_error(
+                400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+            )
+        a = self.loras.load(name, path)
+        log.info("Loaded new LoRA adapter: name '%s', path '%s'", a.name, a.path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._lora_body(request)
+        if isinstance(body, web.Response):
+            return body
+        name = body.get("lora_name")
+        if not name and not body.get("lora_int_id"):
+            return self._lora_error(
+                400,
+                "either 'lora_name' and 'lora_int_id' needs to be provided.",
+                "InvalidUserInput",
+            )
+        if not isinstance(name, str) or self.loras is None or self.loras.unload(name) is None:
+            return self._lora_error(
+                404, f"The lora adapter '{name}' cannot be found.", "NotFoundError"
+            )
+        self._adapter_models.pop(name, None)
+        log.info("Removed LoRA adapter: name '%s'", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # -- admission ------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -267,11 +397,26 @@ class Engine:
                 503, "the engine is starting", code="starting", headers={"Retry-After": "1"}
             )
 
-    def _check_model(self, model: str) -> None:
-        if model != self.cfg.model_name:
-            raise ApiError(
-                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    def _resolve(self, model: str) -> LoadedAdapter | None:
+        """The adapter a request's `model` names (None: a served name of the base model);
+        404 as vLLM for anything else."""
+        if model in self._base_names:
+            return None
+        if self.loras is not None and (a := self.loras.get(model)) is not None:
+            return a
+        raise ApiError(
+            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+    def _text_model(self, adapter: LoadedAdapter | None) -> TextModel:
+        if adapter is None:
+            return self.model
+        m = self._adapter_models.get(adapter.name)
+        if m is None:
+            m = self._adapter_models[adapter.name] = TextModel(
+                self.cfg.seed, self.cfg.eos_rate, adapter.name
             )
+        return m
 
     def _limit(self, prompt_tokens: int, requested: int | None, what: str) -> int:
         max_len = self.cfg.profile.max_model_len
@@ -329,9 +474,15 @@ class Engine:
         state: RequestState,
         contexts: list[tuple[str, int]],
         max_tokens: list[int],
+        adapter: LoadedAdapter | None = None,
     ) -> list[Seq]:
         seqs = []
         caching = self.cfg.profile.enable_prefix_caching
+        model = self._text_model(adapter)
+        lora = adapter.name if adapter is not None else None
+        # An adapter's blocks never serve the base or another adapter (vLLM's block hashes
+        # carry the LoRA id).
+        root = root_hash(adapter.name) if adapter is not None else 0
         for p, (ctx, ptoks) in enumerate(contexts):
             ids = token_ids(ctx) if caching else []
             for j in range(req.n):
@@ -342,13 +493,15 @@ class Engine:
                         index=idx,
                         prompt_tokens=ptoks,
                         max_tokens=max_tokens[p],
-                        cursor=self.model.cursor(ctx, salt=self._salt(req, idx)),
+                        cursor=model.cursor(ctx, salt=self._salt(req, idx)),
                         stop=StopChecker(req.stop_list),
                         sink=state,
                         min_tokens=req.min_tokens,
                         ignore_eos=req.ignore_eos,
                         want_logprobs=bool(req.logprobs is not None and req.logprobs is not False),
                         token_ids=ids if j == 0 else list(ids),  # each grows by its output
+                        lora=lora,
+                        cache_root=root,
                     )
                 )
         return seqs
@@ -375,7 +528,7 @@ class Engine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._admit()
         req, _ = parse_request(CompletionRequest, await request.read())
-        self._check_model(req.model)
+        adapter = self._resolve(req.model)
         self._check_seed(req)
         prompts = self._prompts(req.prompt)
         if req.max_tokens == 0 and not req.echo:
@@ -389,14 +542,18 @@ class Engine:
         rid = f"cmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, len(prompts) * req.n)
         self._maybe_fail(state)
-        seqs = self._seqs(req, state, contexts, limits)
+        seqs = self._seqs(req, state, contexts, limits, adapter)
         if all(m == 0 for m in limits):
             for s in seqs:
                 state.push(Output(s, "", "length", 0))
         else:
             self._submit(state, seqs)
         fmt = CompletionFormat(
-            req, state, self.cfg.model_name, prompts, sum(t for _, t in contexts) * req.n
+            req,
+            state,
+            self.cfg.model_name if adapter is None else adapter.name,
+            prompts,
+            sum(t for _, t in contexts) * req.n,
         )
         try:
             if req.stream:
@@ -420,7 +577,7 @@ class Engine:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self._admit()
         req, _ = parse_request(ChatRequest, await request.read())
-        self._check_model(req.model)
+        adapter = self._resolve(req.model)
         self._check_seed(req)
         if req.response_format and req.response_format.get("type") not in (None, "text"):
             raise ApiError(
@@ -451,8 +608,10 @@ class Engine:
         rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, req.n)
         self._maybe_fail(state)
-        self._submit(state, self._seqs(req, state, [(ctx, ptoks)], [max_tokens]))
-        fmt = ChatFormat(req, state, self.cfg.model_name, ptoks)
+        self._submit(state, self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter))
+        fmt = ChatFormat(
+            req, state, self.cfg.model_name if adapter is None else adapter.name, ptoks
+        )
         try:
             if req.stream:
                 return await self._stream(request, state, fmt)
@@ -575,6 +734,17 @@ class Engine:
             {
                 "pid": os.getpid(),
                 "model": self.cfg.model_name,
+                "served_model_names": self.names,
+                "lora": None
+                if self.loras is None
+                else {
+                    "max_loras": self.cfg.max_loras,
+                    "max_lora_rank": self.cfg.max_lora_rank,
+                    "runtime_updating": self.runtime_lora,
+                    "adapters": {a.name: a.path for a in self.loras.adapters.values()},
+                    "running": core.lora_stats()[0],
+                    "waiting": core.lora_stats()[1],
+                },
                 "profile": self.cfg.profile.as_dict(),
                 "running": len(core.running),
                 "waiting": len(core.waiting),

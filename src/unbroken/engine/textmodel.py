@@ -1,8 +1,9 @@
 """The simulator's deterministic "language model".
 
-The next token is a pure function of (model seed, sampling salt, whole context text): the
-context is hashed incrementally (a keyed BLAKE2b state extended by every emitted piece), so any
-prefix of an output, appended to its prompt, continues exactly as the uninterrupted run would.
+The next token is a pure function of (model seed, LoRA adapter, sampling salt, whole context
+text): the context is hashed incrementally (a keyed BLAKE2b state extended by every emitted
+piece), so any prefix of an output, appended to its prompt, continues exactly as the
+uninterrupted run would, on any replica serving the same seed and adapter.
 Tokens are vocabulary words; a piece is the word preceded by one space unless the context is
 empty or already ends in whitespace. Tests and the verifier call `expected_completion` /
 `expected_chat` to know the exact text an engine must produce.
@@ -24,6 +25,7 @@ __all__ = [
     "count_tokens",
     "expected_chat",
     "expected_completion",
+    "model_key",
     "piece_id",
     "render_chat",
     "token_ids",
@@ -88,15 +90,24 @@ def count_tokens(text: str) -> int:
     return n if n or not text else 1
 
 
+def model_key(seed: int, adapter: str = "") -> bytes:
+    """The hash key of a model: its seed, and a LoRA adapter's name when one is applied, so
+    every adapter writes its own text (a request routed to the wrong adapter or to the base
+    differs byte for byte) while one adapter writes the same text on every replica."""
+    key = seed.to_bytes(8, "little", signed=True)
+    if adapter:
+        key += hashlib.blake2b(adapter.encode(), digest_size=32, person=b"lora").digest()
+    return key
+
+
 @dataclass(frozen=True, slots=True)
 class TextModel:
     seed: int = 0
     eos_rate: float = 0.0  # per-token probability of end-of-sequence (deterministic too)
+    adapter: str = ""  # a LoRA adapter's name ("" for the base model)
 
     def cursor(self, context: str, *, salt: bytes = b"") -> Cursor:
-        h = hashlib.blake2b(
-            digest_size=16, key=self.seed.to_bytes(8, "little", signed=True), salt=salt[:16]
-        )
+        h = hashlib.blake2b(digest_size=16, key=model_key(self.seed, self.adapter), salt=salt[:16])
         h.update(context.encode())
         return Cursor(h, not context or context[-1].isspace(), self.eos_rate)
 
@@ -222,10 +233,18 @@ def generate(
 
 
 def expected_completion(
-    prompt: str, max_tokens: int, *, seed: int = 0, eos_rate: float = 0.0, **kw: object
+    prompt: str,
+    max_tokens: int,
+    *,
+    seed: int = 0,
+    eos_rate: float = 0.0,
+    adapter: str = "",
+    **kw: object,
 ) -> Expected:
-    """What a greedy /v1/completions request returns from a simulator with this seed."""
-    return generate(TextModel(seed, eos_rate), prompt, max_tokens, **kw)  # type: ignore[arg-type]
+    """What a greedy /v1/completions request returns from a simulator with this seed (and,
+    with `adapter`, for a request naming that LoRA adapter)."""
+    model = TextModel(seed, eos_rate, adapter)
+    return generate(model, prompt, max_tokens, **kw)  # type: ignore[arg-type]
 
 
 def expected_chat(
@@ -234,6 +253,7 @@ def expected_chat(
     *,
     seed: int = 0,
     eos_rate: float = 0.0,
+    adapter: str = "",
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     **kw: object,
@@ -245,4 +265,4 @@ def expected_chat(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
     )
-    return generate(TextModel(seed, eos_rate), ctx, max_tokens, **kw)  # type: ignore[arg-type]
+    return generate(TextModel(seed, eos_rate, adapter), ctx, max_tokens, **kw)  # type: ignore[arg-type]
