@@ -24,7 +24,7 @@ import orjson
 import pytest
 import yaml
 
-from helpers import MODEL, TOKEN, admin, engine, gateway, metric, wait_endpoints, wait_for
+from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, metric, wait_endpoints, wait_for
 from unbroken.config.spec import PipelineSpec, parse_spec
 from unbroken.engine.textmodel import expected_completion
 from unbroken.k8s import RenderOptions, grace_period, hooks, render, write
@@ -38,6 +38,7 @@ from unbroken.k8s.crdschema import (
 )
 from unbroken.k8s.manifests import HOOK_MARGIN_S, SCRAPE_S, build
 from unbroken.k8s.policy import check
+from unbroken.wire.http import free_port
 from unbroken.wire.sse import SSEDecoder
 
 K8S = "1.30.0"
@@ -583,3 +584,35 @@ def _count(g: Any, name: str) -> float:
         return metric(g.url, name)
     except KeyError:
         return 0.0
+
+
+def test_rendered_simulator_pod_serves_its_names(tmp_path: Path) -> None:
+    """A multi-model simulator pool's rendered engine args, run: /v1/models lists the pool's
+    model, its aliases and its adapters (with the model as their parent), nothing else.
+    Run through `python -m unbroken.engine`, the simulator's vLLM-syntax entry point; the
+    container runs `unbroken engine` with the same args (the weights, which the prewarm
+    initContainer makes, are left out here)."""
+    spec = multi_model_spec()
+    objs = render(spec, RenderOptions(engine="simulator"))
+    pool = next(p for p in spec.pools if p.name == "qwen")
+    args = engine_container(by(objs, "Deployment", "unbroken-qwen")[0])["args"]
+    i = args.index("--weights")
+    args = args[1:i] + args[i + 2 :]
+    port = free_port()
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--host") + 1] = "127.0.0.1"
+    e = Proc([sys.executable, "-m", "unbroken.engine", *args], port, tmp_path / "e.log")
+    e.start()
+    try:
+        cards = httpx.get(e.url + "/v1/models", timeout=5).json()["data"]
+        assert sorted(c["id"] for c in cards) == sorted(pool.served_names(spec))
+        parents = {c["id"]: c["parent"] for c in cards}
+        assert parents["sql"] == parents["support"] == pool.model_of(spec)
+        r = httpx.post(
+            e.url + "/v1/completions",
+            json={"model": "sql", "prompt": "hi", "max_tokens": 3, "temperature": 0},
+            timeout=10,
+        )
+        assert r.status_code == 200 and r.json()["model"] == "sql", r.text
+    finally:
+        e.stop()
