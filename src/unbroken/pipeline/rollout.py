@@ -74,8 +74,13 @@ def new_engine(old: EngineSpec, update: dict[str, Any]) -> EngineSpec:
         raise RolloutError(f"invalid engine update: {e}") from None
 
 
-async def _warmup(sup: Backend, r: ReplicaHandle, budget: float) -> float:
-    body = {"model": sup.spec.model, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
+async def _warmup(sup: Backend, r: ReplicaHandle, budget: float, model: str | None = None) -> float:
+    body = {
+        "model": model or sup.spec.model,
+        "prompt": "warm up",
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     t0 = time.monotonic()
     try:
         async with (
@@ -216,7 +221,7 @@ async def surge(
             ) from None
         if on_stage is not None:
             await on_stage("stage1", new, 0.0)
-        took = await _warmup(sup, new, req.warmup_budget_s)
+        took = await _warmup(sup, new, req.warmup_budget_s, pool.model_of(sup.spec))
         if on_stage is not None:
             await on_stage("stage2", new, took)
         await sup.admin.add(url=new.url, name=new.name, pool=pool.name, cap=pool.cap, warmup=False)

@@ -513,10 +513,20 @@ class Supervisor:
 
     def engine_argv(self, pool: PoolSpec, host: str, port: int) -> list[str]:
         e = pool.engine
+        model = pool.model_of(self.spec)
+        lora = [f"{a.name}={a.path or a.name}" for a in pool.adapters]
         if e.kind == "command":
             assert e.command is not None
-            subst = {"port": str(port), "host": host, "model": self.spec.model}
-            return [part.format(**subst) for part in e.command]
+            subst = {"port": str(port), "host": host, "model": model}
+            argv = [part.format(**subst) for part in e.command]
+            if any("vllm" in part for part in argv[:3]):
+                # vLLM: the pool's other names and adapters, unless the command gives them.
+                if pool.aliases and "--served-model-name" not in argv:
+                    argv += ["--served-model-name", model, *pool.aliases]
+                if lora and "--lora-modules" not in argv:
+                    argv += ["--enable-lora", "--max-loras", str(len(lora))]
+                    argv += ["--lora-modules", *lora]
+            return argv
         argv = [
             sys.executable,
             "-m",
@@ -527,7 +537,8 @@ class Supervisor:
             "--port",
             str(port),
             "--served-model-name",
-            self.spec.model,
+            model,
+            *pool.aliases,
             "--profile",
             e.profile,
             "--seed",
@@ -538,6 +549,8 @@ class Supervisor:
             str(e.shutdown_timeout_s),
             *e.overrides.args(),
         ]
+        if lora:
+            argv += ["--enable-lora", "--max-loras", str(len(lora)), "--lora-modules", *lora]
         weights = self.weights_for(pool)
         if weights is not None:
             argv += ["--weights", str(weights)]
