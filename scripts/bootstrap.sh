@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-# chromium: the report's browser test; prometheus: promtool for the exporters' check.
-APT_PKGS=(gcc libc6-dev binutils util-linux vmtouch clang libbpf-dev bpftool bpftrace chromium prometheus)
+# chromium: the report's browser test; prometheus: promtool for the exporters' check;
+# redis-server: the tenants' shared rate-limit store in tests (rate_limit.store: redis).
+APT_PKGS=(gcc libc6-dev binutils util-linux vmtouch clang libbpf-dev bpftool bpftrace chromium prometheus redis-server)
 
 need=()
 if command -v dpkg-query >/dev/null 2>&1; then

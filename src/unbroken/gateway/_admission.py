@@ -4,9 +4,19 @@ shedding.
 A request takes slots on an endpoint (`acquire`) and gives them back (`release`): one slot
 per sequence it makes the engine run (prompts times max(n, best_of)), never more than the
 endpoint's cap, so a fan-out request weighs what it costs. When no endpoint allowed for its
-priority has room, critical and standard requests wait (critical first, FIFO within a class)
-up to the queue timeout; sheddable requests get 429 at once. The queue is bounded by count
-and by the request bytes its waiters hold: beyond either, 429 at once.
+priority has room, critical and standard requests wait (critical first) up to the queue
+timeout; sheddable requests get 429 at once.
+
+Within a priority, waiters are served by start-time fair queueing over tenants (issue 25):
+each tenant's waiter gets a virtual start tag, max(the class's virtual time, the tenant's
+previous tag + 1 / its weight), and the lowest tag goes first; the class's virtual time is
+the tag of the last waiter served. So tenants of one priority take turns in proportion to
+their weights, and a tenant arriving behind another's 500 waiters is next but one, not
+501st. Requests without a tenant are one flow (FIFO, as before tenants existed). A tenant
+whose waiters are all gone starts again at the class's virtual time (no credit, no debt).
+
+The queue is bounded by count and by the request bytes its waiters hold: beyond either, 429
+at once.
 
 With several worker processes (`shared`), slots live in the shared table: picking and taking
 run under its lock, so together the workers never exceed a cap. Each worker queues its own
@@ -49,6 +59,7 @@ _RANK = {p: i for i, p in enumerate(PRIORITIES)}
 @dataclass(order=True)
 class _Waiter:
     rank: int
+    vt: float  # virtual start tag within its priority (fair queueing over tenants)
     seq: int
     model: str = field(compare=False)
     priority: str = field(compare=False)
@@ -59,6 +70,7 @@ class _Waiter:
     deferred: float | None = field(compare=False, default=None)
     hint: RouteHint | None = field(compare=False, default=None)
     want: str | None = field(compare=False, default=None)  # the pool it counts toward
+    tenant: str | None = field(compare=False, default=None)
 
 
 class Admission:
@@ -88,6 +100,11 @@ class Admission:
         # on each pool's endpoints, and its waiters by the pool each would go to first.
         self.held: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
+        # Fair queueing (module doc): per priority the virtual time, per (priority, tenant)
+        # the next start tag and how many of its waiters are queued.
+        self._vtime = [0.0] * len(PRIORITIES)
+        self._next: dict[tuple[int, str | None], float] = {}
+        self._queued: dict[tuple[int, str | None], int] = {}
 
     def _take(self, ep: Endpoint, weight: int) -> tuple[Endpoint, int]:
         n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
@@ -177,10 +194,13 @@ class Admission:
         weight: int = 1,
         size: int = 0,
         hint: RouteHint | None = None,
+        tenant: str | None = None,
+        share: float = 1.0,
     ) -> tuple[Endpoint, int, float]:
         """Slots on an endpoint: (endpoint, slots taken, seconds spent queued). `size` is
         what the request holds in memory while it waits (its body); `hint` what a
-        cache-aware policy needs of its prompt."""
+        cache-aware policy needs of its prompt; `tenant` and its weight `share` its turn
+        among its priority's waiters (fair queueing)."""
         exclude = tuple(exclude)
         rank = _RANK[priority]
         if not any(w.rank <= rank for w in self._heap) and not self._others_waiting(rank):
@@ -207,8 +227,13 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after)},
             )
         loop = asyncio.get_running_loop()
+        flow = (rank, tenant)
+        start = max(self._vtime[rank], self._next.get(flow, 0.0))
+        self._next[flow] = start + 1.0 / max(share, 1e-9)
+        self._queued[flow] = self._queued.get(flow, 0) + 1
         w = _Waiter(
-            _RANK[priority],
+            rank,
+            start,
             next(self._seq),
             model,
             priority,
@@ -218,6 +243,7 @@ class Admission:
             size,
             hint=hint,
             want=self._wants(model, priority),
+            tenant=tenant,
         )
         heapq.heappush(self._heap, w)
         self.depth[priority] += 1
@@ -256,6 +282,11 @@ class Admission:
             self.queued_bytes -= w.size
             if w.want is not None:
                 self.waiting[w.want] -= 1
+            flow = (w.rank, w.tenant)
+            left = self._queued[flow] = self._queued[flow] - 1
+            if left <= 0:  # idle again: its next waiter starts at the class's time
+                del self._queued[flow]
+                self._next.pop(flow, None)
             self._publish()
         except ValueError:
             pass
@@ -300,6 +331,7 @@ class Admission:
                     full.add(key)
                 continue
             w.future.set_result(got)
+            self._vtime[w.rank] = max(self._vtime[w.rank], w.vt)
             served.append(w)
         for w in served:
             self._forget(w)

@@ -55,6 +55,7 @@ from unbroken.gateway._handover import take_listener
 from unbroken.gateway._metrics import merge_expositions, retire
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._prefix_table import PrefixTable, table_entries
+from unbroken.gateway._ratelimit import MAX_TENANTS, TenantTable
 from unbroken.gateway._server import (
     READINESS_LEAD_S,
     UNREADY_WARNING_S,
@@ -139,8 +140,14 @@ class MainGateway(Gateway):
         tmp: Path,
         n_workers: int,
         prefix_table: PrefixTable | None = None,
+        tenant_table: TenantTable | None = None,
     ) -> None:
-        super().__init__(cfg, token, shared, prefix_table)
+        # Tenants' slots in the shared tenant table, by name, kept across reloads (a tenant
+        # keeps its counts; a new one gets a cleared slot).
+        self.tenant_slots: dict[str, int] = {}
+        if tenant_table is not None:
+            self._assign_tenant_slots(cfg, tenant_table)
+        super().__init__(cfg, token, shared, prefix_table, tenant_table, self.tenant_slots)
         self.shared = shared
         self.prefix_table = prefix_table  # the workers' prefix index; its columns are ours
         self.listen = listen
@@ -164,6 +171,17 @@ class MainGateway(Gateway):
         self._reloading: asyncio.Task[None] | None = None
         self.took_over = False  # the listener came from orphaned workers of a dead main
         self.metrics.registry.register(_WorkerGauge(self))
+
+    def _assign_tenant_slots(self, cfg: GatewaySettings, table: TenantTable) -> None:
+        taken = set(self.tenant_slots.values())
+        free = (i for i in range(MAX_TENANTS) if i not in taken)
+        for t in cfg.tenants or ():
+            if t.name not in self.tenant_slots:
+                slot = next(free, None)
+                if slot is None:
+                    raise RuntimeError(f"more than {MAX_TENANTS} tenants")
+                table.clear_slot(slot)
+                self.tenant_slots[t.name] = slot
 
     # -- endpoints: columns of the shared table -------------------------------------------------
     def _attach(self, ep: Endpoint) -> None:
@@ -233,6 +251,10 @@ class MainGateway(Gateway):
             "routes_override": pool.routes_override,
             "pool_order": pool.pool_order,
             "closing": self.closing,
+            # How many gateway replicas share the tenants' limits, and this one's rank.
+            "replicas": [self.discovery.replicas, self.discovery.rank]
+            if self.discovery is not None
+            else [1, 0],
             "endpoints": [
                 {
                     "name": e.name,
@@ -311,6 +333,8 @@ class MainGateway(Gateway):
             raise RuntimeError(f"{MAX_WORKERS} workers are running or still draining")
         row = self._free_rows.pop()
         self.shared.clear_row(row)
+        if self.tenant_table is not None:
+            self.tenant_table.clear_row(row)
         cfg_path = self.tmp / f"settings-{generation}.json"
         if not cfg_path.exists():
             cfg_path.write_text(self.cfg.model_dump_json())
@@ -320,6 +344,9 @@ class MainGateway(Gateway):
             "cfg": str(cfg_path),
             "shm": str(self.shared.path),
             "prefix": None if self.prefix_table is None else str(self.prefix_table.path),
+            "tenants": None
+            if self.tenant_table is None
+            else {"path": str(self.tenant_table.path), "slots": self.tenant_slots},
             "row": row,
             "ctl_fd": child.fileno(),
             "listen_fd": self.listen.fileno(),
@@ -379,6 +406,8 @@ class MainGateway(Gateway):
         code = await w.proc.wait()
         self.workers.remove(w)
         self.shared.clear_row(w.row)  # what its streams held is free again
+        if self.tenant_table is not None:
+            self.tenant_table.clear_row(w.row)  # and the tenants' streams it had open
         self._free_rows.append(w.row)
         w.writer.close()
         # Its last word may still be unread in the control socket: read to the end first
@@ -447,6 +476,14 @@ class MainGateway(Gateway):
                 log.warning("reload: listen addresses cannot change without a restart; kept")
             prev = self.cfg
             self.cfg = new.model_copy(update={k: getattr(self.cfg, k) for k in fixed})
+            if self.tenant_table is not None:
+                try:
+                    self._assign_tenant_slots(self.cfg, self.tenant_table)
+                except RuntimeError as e:
+                    log.error("reload: %s; nothing changed", e)
+                    self.reload_error = str(e)
+                    self.cfg = prev
+                    return
             self.pool.default_cap = self.cfg.default_cap
             if self.cfg.routes != prev.routes:
                 # Only when the file's routes changed: an unrelated reload keeps what an
@@ -644,8 +681,10 @@ async def serve_main(
     shared = SharedCounters(tmp / "admission", create=True)
     # Sized at start from the index bound; a reload keeps it (and its contents).
     prefix = PrefixTable(table_entries(cfg.prefix_index_blocks), path=tmp / "prefix", create=True)
+    # The tenants' counts, shared by the workers (always made: a reload may add tenants).
+    tenants = TenantTable(tmp / "tenants", create=True)
     listen, orphans = _take_or_listen(cfg.host, cfg.port)
-    gw = MainGateway(cfg, token, shared, listen, tmp, workers, prefix)
+    gw = MainGateway(cfg, token, shared, listen, tmp, workers, prefix, tenants)
     gw.took_over = bool(orphans)
     gw.shutdown_timeout = shutdown_timeout
     loop = asyncio.get_running_loop()
@@ -685,4 +724,6 @@ async def serve_main(
             listen.close()
         shared.close()
         prefix.close()
+        if gw.proxy.limiter is None:  # else it lives as long as the limiter's views
+            tenants.close()
         shutil.rmtree(tmp, ignore_errors=True)

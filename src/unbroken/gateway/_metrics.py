@@ -83,6 +83,12 @@ UNMIGRATABLE = (
     "no_endpoint",
 )
 STATUSES = ("200", "429", "503")
+TENANT_REASONS = (
+    "requests_per_minute",
+    "prompt_tokens_per_minute",
+    "completion_tokens_per_minute",
+    "concurrent_streams",
+)
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 
 
@@ -355,6 +361,36 @@ class GatewayMetrics:
             ["method"],
             registry=r,
         )
+        # Tenants (issue 25): labelled by the spec's tenant names only (plus `none` for
+        # requests with no tenant), never by key.
+        self.tenant_requests = Counter(
+            "unbroken_gateway_tenant_requests",
+            "Requests answered, by tenant and status (429: a limit or capacity; 401 counts "
+            "under tenant none).",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "unbroken_gateway_tenant_tokens",
+            "Tokens charged to a tenant as the engines reported them (kind: prompt, "
+            "completion; a continued stream's tokens once).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            "unbroken_gateway_tenant_rejections",
+            "Requests refused by a tenant's limits (reason: the limit) or for want of a "
+            "valid key (invalid_api_key, tenant none).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_queue_wait = Histogram(
+            "unbroken_gateway_tenant_queue_wait_seconds",
+            "Time each request of a tenant waited for a slot (0 when it waited none).",
+            ["tenant"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
         register_standard_metrics(r, "gateway")
         self._init_labels()
 
@@ -381,6 +417,18 @@ class GatewayMetrics:
             self.handed_over.labels(direction)
         for m in METHODS:
             self.unknown_routes.labels(m)
+
+    def init_tenants(self, names: list[str]) -> None:
+        """Every tenant's series at 0 from the start (a bounded set: the spec's names)."""
+        for name in names:
+            for status in STATUSES:
+                self.tenant_requests.labels(name, status)
+            for kind in ("prompt", "completion"):
+                self.tenant_tokens.labels(name, kind)
+            for reason in TENANT_REASONS:
+                self.tenant_rejections.labels(name, reason)
+            self.tenant_queue_wait.labels(name)
+        self.tenant_rejections.labels("none", "invalid_api_key")
 
     def _init_pool(self, pool: str) -> None:
         for reason in BREAK_REASONS:

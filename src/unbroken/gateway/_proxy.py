@@ -27,8 +27,10 @@ from unbroken.gateway._admission import PRIORITIES, Admission
 from unbroken.gateway._continuation import augment
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prefix import RouteHint, hint_of
+from unbroken.gateway._ratelimit import Lease, Limiter, RateLimited
 from unbroken.gateway._relay import BufferBudget, ClientSink
 from unbroken.gateway._stream import StreamRelay
+from unbroken.gateway._tenants import NONE, Tenants, priority_for
 from unbroken.gateway._upstream import (
     UPSTREAM_ERRORS,
     Form,
@@ -41,6 +43,7 @@ from unbroken.wire.errors import ApiError
 from unbroken.wire.openai import gateway_view, lax_bool
 
 if TYPE_CHECKING:
+    from unbroken.config.tenants import TenantSpec
     from unbroken.gateway._metrics import GatewayMetrics
     from unbroken.gateway._server import GatewayConfig
 
@@ -110,6 +113,8 @@ _ANSWER_FACTOR = 4.0
 # answer seen), in tokens per sequence.
 _ANSWER_TOKENS_UNKNOWN = 256
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Live streams' tokens are charged to their tenant this often (and once more at their end).
+METER_S = 0.25
 
 
 class Proxy:
@@ -142,6 +147,14 @@ class Proxy:
         self.pool_keys = {
             pool: key for pool, env in cfg.upstream_key_env.items() if (key := os.environ.get(env))
         }
+        # Tenants (issue 25; set by the gateway when `tenants` is configured): who a request
+        # is, its limits, the x-ratelimit headers of each request (by its headers dict), and
+        # the live streams whose tokens are charged as they come.
+        self.tenants: Tenants | None = None
+        self.limiter: Limiter | None = None
+        self._rl_headers: dict[int, dict[str, str]] = {}
+        self._metered: dict[StreamRelay, Lease] = {}
+        self._meter: asyncio.Task[None] | None = None
 
     # -- routes -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -206,8 +219,10 @@ class Proxy:
         priority = self.cfg.default_priority
         status = 500
         pool_label = "none"
+        tenant: TenantSpec | None = None
+        lease: Lease | None = None
         try:
-            priority = self._priority(request)
+            priority, tenant = self._identify(request)
             body = await request.read()
             obj: Any = None
             if body and "json" in (request.content_type or ""):
@@ -239,18 +254,23 @@ class Proxy:
                 headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
             else:
                 del headers["Content-Type"]
-            resp, pool_label = await self._pass(request, model, priority, body, headers, stream, t0)
+            lease = await self._admit_tenant(tenant, headers)
+            resp, pool_label = await self._pass(
+                request, model, priority, body, headers, stream, t0, tenant, lease
+            )
             status = resp.status
             return resp
         except ApiError as e:
             status = e.status
             e.headers.setdefault("X-Request-ID", rid)
+            self._rate_headers(e, lease)
             raise
         except asyncio.CancelledError:
             status = 499
             raise
         finally:
             self.metrics.requests.labels(str(status), priority, pool_label).inc()
+            self._tenant_done(tenant, lease, status)
 
     async def _pass(
         self,
@@ -261,6 +281,8 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         t0: float,
+        tenant: TenantSpec | None = None,
+        lease: Lease | None = None,
     ) -> tuple[web.StreamResponse, str]:
         assert self.session is not None
         url_path = request.rel_url.raw_path_qs
@@ -269,7 +291,16 @@ class Proxy:
         for attempt in range(self.cfg.max_attempts):
             if attempt and not self.pool.could_serve(model, priority, tried):
                 break
-            ep, n, _ = await self.admission.acquire(model, priority, tried, size=len(body))
+            ep, n, waited = await self.admission.acquire(
+                model,
+                priority,
+                tried,
+                size=len(body),
+                tenant=None if tenant is None else tenant.name,
+                share=1.0 if tenant is None else tenant.weight,
+            )
+            if tenant is not None:
+                self.metrics.tenant_queue_wait.labels(tenant.name).observe(waited)
             try:
                 limit = self.ttfb_limit(ep) if stream else deadline - time.monotonic()
                 try:
@@ -305,6 +336,8 @@ class Proxy:
                     continue
                 if up.status < 400:
                     self.upstream_ok(ep)
+                if lease is not None and up.status == 200 and not sse:
+                    self._charge_body(lease, data)
                 if not sse or up.status != 200:
                     return web.Response(
                         status=up.status,
@@ -388,8 +421,10 @@ class Proxy:
         pool_label = "none"
         status = 500
         rid = _request_id(request)
+        tenant: TenantSpec | None = None
+        lease: Lease | None = None
         try:
-            priority = self._priority(request)
+            priority, tenant = self._identify(request)
             body = await request.read()
             view = gateway_view(body, chat)
             model, streaming, weight = view.model, view.stream, view.sequences
@@ -436,6 +471,8 @@ class Proxy:
                     param="model",
                     code="model_not_found",
                 )
+            headers = self._headers(request, rid)
+            lease = await self._admit_tenant(tenant, headers)
             resp, pool_label = await self._forward(
                 request,
                 path,
@@ -451,20 +488,26 @@ class Proxy:
                 tokens,
                 hint,
                 plus,
+                headers,
+                tenant,
+                lease,
             )
             status = resp.status
             return resp
         except ApiError as e:
             status = e.status
             e.headers.setdefault("X-Request-ID", rid)
-            if e.status == 429:
+            if e.status == 429 and not isinstance(e, RateLimited):
                 self.metrics.shed.labels(priority, e.code or "shed").inc()
+            self._rate_headers(e, lease)
             raise
         except asyncio.CancelledError:
             status = 499  # client closed the request (nginx's convention)
             raise
         finally:
             self.metrics.requests.labels(str(status), priority, pool_label).inc()
+            if tenant is not None:
+                self._tenant_done(tenant, lease, status)
 
     def _hint(
         self, request: web.Request, raw: dict[str, Any], chat: bool, model: str
@@ -495,7 +538,110 @@ class Proxy:
         h = {"X-Request-ID": base["X-Request-ID"]}
         if self.cfg.endpoint_header and ep is not None:
             h["X-Unbroken-Endpoint"] = ep.name
+        if self._rl_headers and (rl := self._rl_headers.get(id(base))) is not None:
+            h.update(rl)
         return h
+
+    # -- tenants ------------------------------------------------------------------------------
+    def _identify(self, request: web.Request) -> tuple[str, TenantSpec | None]:
+        """The request's priority and tenant. With tenants, the key names the tenant (or
+        401) and the tenant's priority is a ceiling the priority header may only lower;
+        without, the header, else `priority_keys`, else the default, as before tenants."""
+        if self.tenants is None:
+            return self._priority(request), None
+        try:
+            tenant = self.tenants.resolve(request.headers.get("Authorization"))
+        except ApiError:
+            self.metrics.tenant_rejections.labels(NONE, "invalid_api_key").inc()
+            raise
+        asked = request.headers.get(self.cfg.priority_header)
+        return priority_for(tenant, None if asked is None else self._asked(asked)), tenant
+
+    def _asked(self, value: str) -> str:
+        value = value.strip().lower()
+        if value not in PRIORITIES:
+            raise ApiError(
+                400,
+                f"{self.cfg.priority_header} must be one of {', '.join(PRIORITIES)}, got {value!r}",
+                param=self.cfg.priority_header,
+                code="invalid_priority",
+            )
+        return value
+
+    async def _admit_tenant(
+        self, tenant: TenantSpec | None, headers: dict[str, str]
+    ) -> Lease | None:
+        """Take the request from its tenant's limits (429 when over one); its x-ratelimit
+        headers go on every response it gets (`response_headers`)."""
+        if tenant is None or self.limiter is None:
+            return None
+        try:
+            lease = await self.limiter.admit(tenant.name)
+        except RateLimited as e:
+            self.metrics.tenant_rejections.labels(tenant.name, e.reason).inc()
+            raise
+        if lease.headers:
+            self._rl_headers[id(headers)] = lease.headers
+        return lease
+
+    def _rate_headers(self, e: ApiError, lease: Lease | None) -> None:
+        if lease is not None and lease.headers:
+            for k, v in lease.headers.items():
+                e.headers.setdefault(k, v)
+
+    def _charge(self, lease: Lease, prompt: int | None, completion: int | None) -> None:
+        """Charge a request's token totals so far (what is new of them) to its tenant."""
+        assert self.limiter is not None
+        p0, c0 = lease.prompt, lease.completion
+        self.limiter.charge(lease, prompt, completion)
+        if lease.prompt > p0:
+            self.metrics.tenant_tokens.labels(lease.tenant, "prompt").inc(lease.prompt - p0)
+        if lease.completion > c0:
+            self.metrics.tenant_tokens.labels(lease.tenant, "completion").inc(lease.completion - c0)
+
+    def _charge_body(self, lease: Lease, data: bytes | None) -> None:
+        """A whole answer's usage (non-streaming: one body, never continued)."""
+        if not data:
+            return
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        u = obj.get("usage") if isinstance(obj, dict) else None
+        if isinstance(u, dict):
+            pt, ct = u.get("prompt_tokens"), u.get("completion_tokens")
+            self._charge(
+                lease,
+                pt if isinstance(pt, int) else None,
+                ct if isinstance(ct, int) else None,
+            )
+
+    def _tenant_done(self, tenant: TenantSpec | None, lease: Lease | None, status: int) -> None:
+        if tenant is None:
+            return
+        self.metrics.tenant_requests.labels(tenant.name, str(status)).inc()
+        if lease is not None and self.limiter is not None:
+            self.limiter.finish(lease)
+
+    def _metering(self, relay: StreamRelay, lease: Lease | None) -> None:
+        """Charge a live stream's tokens as they come (every METER_S), not only at its end,
+        so a tenant's token limits see long streams while they run."""
+        if lease is None:
+            return
+        self._metered[relay] = lease
+        if self._meter is None or self._meter.done():
+            self._meter = asyncio.get_running_loop().create_task(self._meter_loop())
+
+    def _metered_end(self, relay: StreamRelay) -> None:
+        lease = self._metered.pop(relay, None)
+        if lease is not None:
+            self._charge(lease, relay.x.prompt_tokens, relay.x.sent)
+
+    async def _meter_loop(self) -> None:
+        while self._metered:
+            await asyncio.sleep(METER_S)
+            for relay, lease in list(self._metered.items()):
+                self._charge(lease, relay.x.prompt_tokens, relay.x.sent)
 
     # -- hang detection -----------------------------------------------------------------------
     def ttfb_limit(self, ep: Endpoint) -> float:
@@ -591,6 +737,7 @@ class Proxy:
         size: int = 0,
         headers: dict[str, str],
         hint: RouteHint | None = None,
+        tenant: TenantSpec | None = None,
     ) -> Leg:
         """One attempt: wait for slots on an endpoint not in `exclude` (admission), then send
         `forms` in order until the engine does not refuse one with a 4xx; an engine that
@@ -603,11 +750,20 @@ class Proxy:
         (monotonic): its limit firing before the deadline is a hang ("answer", tried
         elsewhere), at the deadline a timeout."""
         ep, n, waited = await self.admission.acquire(
-            model, priority, exclude, weight=weight, size=size, hint=hint
+            model,
+            priority,
+            exclude,
+            weight=weight,
+            size=size,
+            hint=hint,
+            tenant=None if tenant is None else tenant.name,
+            share=1.0 if tenant is None else tenant.weight,
         )
         self.pool.admitted(ep, model, priority, hint)
         if waited:
             self.metrics.queue_wait.labels(priority).observe(waited)
+        if tenant is not None:
+            self.metrics.tenant_queue_wait.labels(tenant.name).observe(waited)
         hdrs = self.upstream_headers(headers, ep)
         refused = self._refused.get(ep.name, ())
         todo = [f for f in forms if f.kind not in refused] or list(forms[-1:])
@@ -697,11 +853,59 @@ class Proxy:
         tokens: int | None = None,
         hint: RouteHint | None = None,
         augmented: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        tenant: TenantSpec | None = None,
+        lease: Lease | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Send the request to an endpoint, trying others (at most `max_attempts`) while
         nothing was sent to the client. A non-streaming request (`tokens`: its max_tokens)
-        has the learned `answer_limit` per attempt, all attempts within `request_timeout_s`."""
-        headers = self._headers(request, rid)
+        has the learned `answer_limit` per attempt, all attempts within `request_timeout_s`.
+        `tenant`'s turn in the queue is by its weight; `lease` is charged its tokens."""
+        if headers is None:
+            headers = self._headers(request, rid)
+        try:
+            return await self._attempts(
+                request,
+                path,
+                model,
+                streaming,
+                weight,
+                body,
+                priority,
+                t0,
+                chat,
+                rid,
+                wants,
+                tokens,
+                hint,
+                augmented,
+                headers,
+                tenant,
+                lease,
+            )
+        finally:
+            self._rl_headers.pop(id(headers), None)
+
+    async def _attempts(
+        self,
+        request: web.Request,
+        path: str,
+        model: str,
+        streaming: bool,
+        weight: int,
+        body: bytes,
+        priority: str,
+        t0: float,
+        chat: bool,
+        rid: str,
+        wants: tuple[bool, bool, bool] | None,
+        tokens: int | None,
+        hint: RouteHint | None,
+        augmented: bytes | None,
+        headers: dict[str, str],
+        tenant: TenantSpec | None,
+        lease: Lease | None,
+    ) -> tuple[web.StreamResponse, str]:
         # A stream asks the engine for exact token counts and ids (see `_continuation.augment`);
         # an engine that refuses them (4xx) gets the client's own body, and is remembered.
         forms = [Form("plain", path, body)]
@@ -737,6 +941,7 @@ class Proxy:
                     size=len(body),
                     headers=headers,
                     hint=hint,
+                    tenant=tenant,
                 )
             except Retry as r:
                 self.metrics.retries.labels(r.kind).inc()
@@ -751,6 +956,8 @@ class Proxy:
             if up.status != 200 or not streaming:
                 self.release(ep, leg.n)
                 data = leg.data or b""
+                if lease is not None and up.status == 200:
+                    self._charge_body(lease, data)
                 if up.status >= 500:
                     same = last is not None and (up.status, data) == last
                     last = (up.status, data)
@@ -788,11 +995,15 @@ class Proxy:
                 wants=wants or (False, False, False),
                 hint=hint,
             )
+            self._metering(relay, lease)
             try:
                 return await relay.run(up, ep, leg.n), ep.pool
             except Retry as r:  # the relay has recorded its own failure, released its slots
                 tried.append(ep)
                 self.metrics.retries.labels(r.kind).inc()
+            finally:
+                if lease is not None:
+                    self._metered_end(relay)
         if last is not None and _is_openai_error(last[1]):
             return web.Response(
                 status=last[0],

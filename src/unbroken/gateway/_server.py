@@ -27,7 +27,9 @@ from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
 from unbroken.gateway._proxy import PASSTHROUGH_ROUTES, Proxy
+from unbroken.gateway._ratelimit import Limiter, TenantTable
 from unbroken.gateway._routing import make_policy
+from unbroken.gateway._tenants import Tenants
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
     ServerLimits,
@@ -65,6 +67,8 @@ class Gateway:
         admin_token: str,
         shared: SharedCounters | None = None,
         prefix_table: PrefixTable | None = None,
+        tenant_table: TenantTable | None = None,
+        tenant_slots: dict[str, int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.admin_token = admin_token
@@ -80,6 +84,16 @@ class Gateway:
         self.proxy = Proxy(cfg, self.pool, self.admission, None, self._after_release)
         self.metrics = GatewayMetrics(self.pool, self.admission, self.proxy.sinks)
         self.proxy.metrics = self.metrics
+        self.tenant_table = tenant_table
+        if cfg.tenants:
+            # Tenants (issue 25): workers share the main process's table and its slots
+            # (by name); a single process has its own table in anonymous memory.
+            if self.tenant_table is None:
+                self.tenant_table = TenantTable()
+            slots = tenant_slots or {t.name: i for i, t in enumerate(cfg.tenants)}
+            self.proxy.tenants = Tenants(cfg.tenants)
+            self.proxy.limiter = Limiter(cfg.tenants, cfg.rate_limit, self.tenant_table, slots)
+            self.metrics.init_tenants([t.name for t in cfg.tenants])
         self.prober: Prober | None = None
         self.started = time.time()
         self.port = cfg.port
@@ -313,6 +327,9 @@ class Gateway:
 
             self.discovery = Discovery(self, k8s)
             self.discovery.start()
+            if self.proxy.limiter is not None:  # tenants' local shares split like the caps
+                d = self.discovery
+                self.proxy.limiter.peers = lambda: (d.replicas, d.rank)
 
     async def start(
         self,
@@ -411,6 +428,8 @@ class Gateway:
         if self.proxy.session is not None:
             await self.proxy.session.close()
         self.proxy.upstream.close()
+        if self.proxy.limiter is not None:
+            await self.proxy.limiter.close()
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

@@ -46,6 +46,7 @@ from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._handover import Inbound, Outbound, offer_listener
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._prefix_table import PrefixTable
+from unbroken.gateway._ratelimit import TenantTable
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
 from unbroken.wire.errors import ApiError
@@ -67,8 +68,10 @@ class WorkerGateway(Gateway):
         shared: SharedCounters,
         writer: Any,
         prefix_table: PrefixTable | None = None,
+        tenant_table: TenantTable | None = None,
+        tenant_slots: dict[str, int] | None = None,
     ) -> None:
-        super().__init__(cfg, "", shared, prefix_table)
+        super().__init__(cfg, "", shared, prefix_table, tenant_table, tenant_slots)
         self.shared = shared
         self.writer: asyncio.StreamWriter = writer
         self._ids = itertools.count()
@@ -99,6 +102,8 @@ class WorkerGateway(Gateway):
         pool.routes = snap["routes"]
         pool.routes_override = snap["routes_override"]
         pool.pool_order = snap["pool_order"]
+        if self.proxy.limiter is not None and "replicas" in snap:
+            self.proxy.limiter.replicas, self.proxy.limiter.rank = snap["replicas"]
         if snap.get("closing"):
             self.closing = snap["closing"]
         seen = set()
@@ -279,7 +284,10 @@ async def _run(spec: dict[str, Any]) -> None:
     prefix = PrefixTable(path=Path(spec["prefix"])) if spec.get("prefix") else None
     ctl = socket.socket(fileno=spec["ctl_fd"])
     reader, writer = await asyncio.open_unix_connection(sock=ctl, limit=64 * 2**20)
-    gw = WorkerGateway(cfg, shared, writer, prefix)
+    # The tenants' counts all workers share, and each tenant's slot in them (by name).
+    ten = spec.get("tenants")
+    table = TenantTable(Path(ten["path"]), row=spec["row"]) if ten else None
+    gw = WorkerGateway(cfg, shared, writer, prefix, table, ten["slots"] if ten else None)
     gw.shutdown_timeout = spec["shutdown_timeout"]
     listen = socket.socket(fileno=spec["listen_fd"])
     gw.listen = listen
