@@ -13,6 +13,9 @@ Picking walks the priority's pool preference list; within the first pool that ha
 policy is one object with `pick(candidates, request)`; a new policy (prefix or session
 affinity) is one class plus its test. A policy that also has `pick_route(pools, request,
 fresh=...)` is given every pool of the route that has candidates and may choose a later one.
+Whatever the policy, the pool wraps it in `AdapterAffinity` (`_adapters.py`): a request for
+a LoRA adapter is narrowed to the candidates that have it loaded (within load bounds) before
+the policy chooses; other requests reach the policy untouched.
 The default is `LatencyAware` (`_latency.py`): least load weighted by each endpoint's
 expected time to first token, as measured on the gateway's own streams (each endpoint's
 `latency`, fed by the relay through `observe_first` and `observe_gap`, and by its `relays`
@@ -36,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from unbroken.gateway._adapters import AdapterAffinity, LoraInfo
 from unbroken.gateway._latency import EndpointLatency, LatencyAware
 from unbroken.gateway._prefix import RouteHint
 
@@ -124,7 +128,9 @@ class Endpoint:
     state: State = State.STARTING
     warmup: bool = True
     slot: Slot = field(default_factory=LocalSlot, repr=False)
-    models: set[str] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)  # served names and adapters (/v1/models)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
+    lora: LoraInfo | None = None  # scraped vllm:lora_requests_info (None: LoRA off/unknown)
     waiting: float = 0.0  # scraped vllm:num_requests_waiting
     running: float = 0.0  # scraped vllm:num_requests_running
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
@@ -206,6 +212,8 @@ class Endpoint:
             "condition_since": self.condition_since,
             "slow_clients": self.slow_clients,
             "models": sorted(self.models),
+            "adapters": dict(sorted(self.adapters.items())),
+            "lora": None if self.lora is None else self.lora.as_dict(),
             "waiting": self.waiting,
             "running": self.running,
             "kv_usage": self.kv_usage,
@@ -280,7 +288,7 @@ class Pool:
         self.pool_order: list[str] = []
         self.routes: dict[str, list[str]] = {}
         self.routes_override: dict[str, list[str]] = {}
-        self.policy: RoutingPolicy = policy or LatencyAware()
+        self.policy: RoutingPolicy = AdapterAffinity(policy or LatencyAware())
 
     def add(self, ep: Endpoint) -> None:
         if ep.name in self.endpoints and self.endpoints[ep.name].state != State.GONE:
@@ -297,8 +305,9 @@ class Pool:
         return ep
 
     def admitted(self, ep: Endpoint, model: str, priority: str, hint: RouteHint | None) -> None:
-        """A leg was admitted to `ep`: the policy learns it (once per leg)."""
-        if hint is not None and (on_admit := getattr(self.policy, "on_admit", None)) is not None:
+        """A leg was admitted to `ep`: the policy learns it (once per leg; adapter affinity
+        learns where adapters went even without a hint)."""
+        if (on_admit := getattr(self.policy, "on_admit", None)) is not None:
             on_admit(ep, PickRequest(model, priority, hint))
 
     def get(self, name: str) -> Endpoint | None:

@@ -4,6 +4,10 @@ starting --/health 200--> warming --warm-up completion within budget--> ready.
 Ready endpoints keep being checked: consecutive failures take one out of rotation (it stays
 ready, marked unhealthy) until it answers again; `vllm:num_requests_waiting`,
 `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` feed the load score.
+An endpoint's models (served names and LoRA adapters, `/v1/models`) are read at warm-up, and
+again at every probe while its metrics show LoRA on (`vllm:lora_requests_info`, which also
+feeds adapter affinity, `_adapters.py`): adapters loaded or unloaded at runtime
+(`/v1/load_lora_adapter`) join or leave its models within a probe interval.
 An endpoint the proxy caught hanging (`suspect`: no first byte in time, a stalled stream, a
 request past its timeout) may well keep a green /health: it stays out of rotation until a
 real completion succeeds again, and not before a hold that doubles with each hang caught
@@ -23,6 +27,7 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
+from unbroken.gateway._adapters import parse_lora_info
 from unbroken.gateway._pool import Endpoint, State
 
 __all__ = ["Prober", "parse_load"]
@@ -199,9 +204,15 @@ class Prober:
         status, body = await self._get(ep, "/v1/models", 5.0)
         if status != 200:
             raise RuntimeError(f"/v1/models answered {status}")
-        ep.models = {m["id"] for m in orjson.loads(body).get("data", [])}
-        if not ep.models:
+        data = orjson.loads(body).get("data", [])
+        models = {m["id"] for m in data}
+        if not models:
             raise RuntimeError("/v1/models lists no model")
+        ep.models = models
+        # vLLM lists a LoRA adapter with its base as `parent` (base models: null).
+        ep.adapters = {
+            m["id"]: m["parent"] for m in data if isinstance(m.get("parent"), str) and m["parent"]
+        }
 
     async def _warm(self, ep: Endpoint) -> None:
         """Stage 2: a real completion must succeed within the warm-up budget."""
@@ -249,5 +260,33 @@ class Prober:
             status, body = await self._get(ep, "/metrics", 2.0)
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             return
-        if status == 200:
-            ep.waiting, ep.running, ep.kv_usage = parse_load(body.decode(errors="replace"))
+        if status != 200:
+            return
+        text = body.decode(errors="replace")
+        ep.waiting, ep.running, ep.kv_usage = parse_load(text)
+        ep.lora = parse_lora_info(text)
+        if ep.lora is not None:
+            await self._refresh_models(ep)
+
+    async def _refresh_models(self, ep: Endpoint) -> None:
+        """Re-read /v1/models (adapters come and go at runtime); a failed read keeps the
+        models known, and a change wakes whatever waits for an endpoint of a model."""
+        before = ep.models
+        try:
+            await self._models(ep)
+        except (
+            aiohttp.ClientError,
+            TimeoutError,
+            ConnectionError,
+            RuntimeError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            orjson.JSONDecodeError,
+        ) as e:
+            log.debug("%s: /v1/models: %s", ep.name, e)
+            return
+        if ep.models != before:
+            log.info("%s serves %s (was %s)", ep.name, sorted(ep.models), sorted(before))
+            self.on_change(ep)

@@ -12,6 +12,10 @@ endpoint is gone). A new policy is one class, one line in `POLICIES` and its tes
 - `latency`: `LatencyAware`, least load weighted by the measured expected first-token time;
 - `least_load`: `LeastLoad`, in-flight + engine queue + KV;
 - `round_robin`: `RoundRobin`, each candidate in turn (what a plain L4 balancer does).
+
+Whichever is configured, the pool wraps it in `AdapterAffinity` (`_adapters.py`): a request
+for a LoRA adapter is first narrowed to the candidates that have it loaded, or else have a
+free adapter slot, within a load bound; the configured policy then chooses among them.
 """
 
 from __future__ import annotations
