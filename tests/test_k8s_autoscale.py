@@ -378,7 +378,7 @@ def test_multi_model_vllm_args() -> None:
     qwen = args("qwen")
     assert qwen[:2] == ["serve", "Qwen/Qwen2.5-7B-Instruct"]
     assert served(qwen) == ["Qwen/Qwen2.5-7B-Instruct"]
-    assert "--enable-lora" in qwen
+    assert "--enable-lora" in qwen and qwen[qwen.index("--max-loras") + 1] == "2"
     i = qwen.index("--lora-modules")
     # No path: the name is the path (a Hugging Face repository id for vLLM).
     assert qwen[i + 1 : i + 3] == ["sql=/models/lora/sql", "support=support"]

@@ -177,8 +177,10 @@ def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
     takes the same ones): the first served name is the one responses carry."""
     args = ["--served-model-name", pool.model_of(spec), *pool.aliases]
     if pool.adapters:
-        # --max-loras (adapters in one batch) and --max-lora-rank stay at vLLM's defaults.
-        args += ["--enable-lora", "--lora-modules"]
+        # Every adapter may run in one batch (as `unbroken up` starts them; vLLM's default of
+        # 1 would make requests of different adapters wait for each other); --max-lora-rank
+        # stays at vLLM's default (16).
+        args += ["--enable-lora", "--max-loras", str(len(pool.adapters)), "--lora-modules"]
         args += [_lora_module(spec, pool, a.name, a.path, a.base) for a in pool.adapters]
     return args
 
