@@ -72,6 +72,7 @@ REASONS = (*LIMIT_KEYS, "concurrent_streams")
 PROBE_S = 1.0  # how often an unreachable store is tried again
 ALIVE_TTL_S = 15  # a Redis client's streams count while its alive key lives
 ALIVE_EVERY_S = 5.0
+WARM_S = 2.0  # the first connection and script load may take this long (once)
 
 
 def cap_share(total: int, replicas: int, rank: int) -> int:
@@ -502,10 +503,26 @@ class RedisStore:
         self._flushing: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
         self._alive: asyncio.Task[None] | None = None
+        self._warm: asyncio.Task[None] | None = None
         self.limits: dict[str, tuple[int, int]] = {}  # tenant -> (prompt tpm, completion tpm)
 
     def _keys(self, tenant: str) -> list[str]:
         return [f"{self.PREFIX}{tenant}", f"{self.PREFIX}{tenant}:streams"]
+
+    async def warm(self) -> None:
+        """Connect and load the scripts once, outside any request's time limit (a first
+        call that connects and finds no script loaded takes several round trips)."""
+        if self._warm is None:
+            self._warm = asyncio.get_running_loop().create_task(self._warm_up())
+        if not self._warm.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._warm), WARM_S)
+
+    async def _warm_up(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.r.ping(), WARM_S)
+            for script in (self._admit, self._charge):
+                script.sha = await asyncio.wait_for(self.r.script_load(script.script), WARM_S)
 
     def usable(self) -> bool:
         """Is the store up, as far as this gateway knows? (Starts the timers on first use.)"""
@@ -566,6 +583,8 @@ class RedisStore:
     ) -> tuple[bool, str, float, list[float]] | None:
         """One round trip; None when the store did not answer (it is then marked down)."""
         self.limits[tenant] = (per_min[1] or 0, per_min[2] or 0)
+        if self._warm is None or not self._warm.done():
+            await self.warm()
         try:
             res = await asyncio.wait_for(
                 self._admit(
