@@ -1179,6 +1179,17 @@ def render_k8s(
     agent_old_kernel: Annotated[
         bool, typer.Option(help="Nodes run a kernel older than 5.11: add SYS_RESOURCE.")
     ] = False,
+    autoscaler: Annotated[
+        str,
+        typer.Option(help="Pools with a replica range: keda (ScaledObject), hpa or none."),
+    ] = "keda",
+    prometheus_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The Prometheus KEDA's trigger reads "
+            "[http://prometheus-operated.monitoring.svc:9090]."
+        ),
+    ] = None,
 ) -> None:
     """Write Kubernetes manifests for a pipeline spec (one YAML file per object)."""
     from dataclasses import replace
@@ -1195,14 +1206,23 @@ def render_k8s(
         engine=engine,
         gateway_replicas=gateway_replicas,
         agent_old_kernel=agent_old_kernel,
+        autoscaler=autoscaler,
     )
-    images = {"image": image, "agent_image": agent_image, "vllm_image": vllm_image}
+    images = {
+        "image": image,
+        "agent_image": agent_image,
+        "vllm_image": vllm_image,
+        "prometheus_url": prometheus_url,
+    }
     opts = replace(opts, **{k: v for k, v in images.items() if v})
     try:
         paths = write(render(pipeline, opts), out)
     except (PolicyError, ValueError) as e:
         _fail(str(e))
-    _console().print(f"wrote {len(paths)} object(s) to {out} (Prometheus Operator: monitoring/)")
+    keda = "; KEDA: keda/, once KEDA runs" if any(p.parent.name == "keda" for p in paths) else ""
+    _console().print(
+        f"wrote {len(paths)} object(s) to {out} (Prometheus Operator: monitoring/{keda})"
+    )
 
 
 @app.command("key-hash")
