@@ -103,8 +103,9 @@ def _bind_error(e: OSError) -> str | None:
     return f"cannot listen on {where}: {why}"
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def engine(
+    ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     model: Annotated[
@@ -146,10 +147,17 @@ def engine(
     ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
-    """Run the vLLM-compatible engine simulator."""
+    """Run the vLLM-compatible engine simulator. vLLM's flags for names and adapters are
+    taken too: `--served-model-name NAME ALIAS...`, `--enable-lora`, `--lora-modules
+    name=path...`, `--max-loras N`, `--max-lora-rank N`."""
+    from unbroken.engine.cli_args import vllm_options
     from unbroken.engine.profiles import get_profile
 
     _logging(verbose)
+    try:
+        vllm = vllm_options(ctx.args)
+    except ValueError as e:
+        _fail(str(e))
     try:
         prof = get_profile(
             profile,
@@ -190,6 +198,7 @@ def engine(
             admin_token=admin_token or None,
             shutdown_timeout=shutdown_timeout,
             use_cuda_stub=not no_cuda_stub,
+            **vllm,
         )
     )
 
