@@ -62,6 +62,7 @@ def test_parse_lora_info_takes_the_latest_sample_and_recent_history() -> None:
     assert info.recent == {"a1", "b", "x"}  # "old" ran long before the latest step
     assert info.has("a2") and info.has("b") and not info.has("old")
     assert info.free_slot()  # one adapter running of 2
+    assert LoraInfo.from_dict(orjson.loads(orjson.dumps(info.as_dict()))) == info
     assert parse_lora_info("vllm:num_requests_waiting 0\n") is None  # LoRA off
     # Quoted and escaped label values.
     odd = (

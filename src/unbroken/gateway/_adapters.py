@@ -60,12 +60,24 @@ class LoraInfo:
         return self.max_lora is None or len(self.running) < self.max_lora
 
     def as_dict(self) -> dict[str, Any]:
+        """For the admin API, and the main process's state for its workers (`from_dict`)."""
         return {
             "max_lora": self.max_lora,
             "running": sorted(self.running),
             "waiting": sorted(self.waiting),
             "recent": sorted(self.recent),
+            "at": self.at,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoraInfo:
+        return cls(
+            d.get("max_lora"),
+            frozenset(d.get("running", ())),
+            frozenset(d.get("waiting", ())),
+            frozenset(d.get("recent", ())),
+            float(d.get("at", 0.0)),
+        )
 
 
 def _labels(text: str, start: int) -> tuple[dict[str, str], int]:
