@@ -14,7 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import FAST, TOKEN, Proc, wait_for
+from helpers import FAST, TOKEN, Proc, engine, wait_for
 from unbroken.engine import expected_chat, expected_completion
 from unbroken.engine.cli_args import vllm_options
 from unbroken.engine.lora import LoRAModule, parse_lora_modules
@@ -81,6 +81,26 @@ def test_lora_modules_parse_as_vllm() -> None:
 def test_lora_modules_without_enable_lora_refuse_to_start(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="needs --enable-lora"):
         lora_engine(tmp_path, "--lora-modules", "a=/x")
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        vllm_options(["--lora-modules", "a=/x"])
+
+
+def test_unbroken_engine_takes_the_same_flags(tmp_path: Path) -> None:
+    """`unbroken engine` (typer) hands what it does not know to `vllm_options`."""
+    p = engine(tmp_path, *NAMES, *LORA, "--max-loras", "2")
+    try:
+        assert [c["id"] for c in httpx.get(p.url + "/v1/models").json()["data"]] == [
+            "base",
+            "alias",
+            "a1",
+            "a2",
+        ]
+        body = complete(p, "a2").json()
+        assert body["model"] == "a2"
+        assert body["choices"][0]["text"] == expected_completion("tell me", 12, adapter="a2").text
+        assert 'max_lora="2"' in httpx.get(p.url + "/metrics").text
+    finally:
+        p.stop()
 
 
 # -- names, adapters, 404 -----------------------------------------------------------------------

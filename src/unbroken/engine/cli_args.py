@@ -50,7 +50,14 @@ def add_vllm_args(p: argparse.ArgumentParser, *, names: bool = True) -> None:
 
 
 def _lora_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """ValueError (one line for the command line) for what vLLM refuses at start."""
     mods: list[LoRAModule] = parse_lora_modules(ns.lora_modules)
+    if mods and not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if ns.max_loras < 1 or ns.max_lora_rank < 1:
+        raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+    if len({m.name for m in mods}) != len(mods):
+        raise ValueError("--lora-modules: an adapter name appears twice")
     return {
         "enable_lora": ns.enable_lora,
         "lora_modules": tuple(mods),
