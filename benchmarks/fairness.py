@@ -1,0 +1,136 @@
+"""Fair queueing within a priority (issue 25): a greedy tenant and a light tenant of the same
+priority through a real gateway on a real simulator engine.
+
+The greedy tenant keeps `--greedy` streams in flight (each ends and is replaced at once), far
+more than the pool's cap (`--cap`), so the gateway's queue always holds a few hundred of its
+requests; the light tenant sends one short stream at a time. Three phases, each on a fresh
+gateway in front of the same engine: the light tenant alone; both, with tenants configured
+(fair queueing: the light tenant's request is served at the next free slot); both without
+tenants (one FIFO queue, as before: the light request waits behind the greedy backlog).
+Rows: the light tenant's TTFT (p50, p99) and the ratio of its p99 to the alone p99 measured
+in the same run.
+
+    python benchmarks/fairness.py [--light 60] [--greedy 300] [--cap 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import engine_service, gateway_service, table, wait_http
+from unbroken.bench.stats import percentile
+from unbroken.config.tenants import key_digest
+
+MODEL = "unbroken-sim"
+LIGHT, GREEDY = "sk-light", "sk-greedy"
+
+
+async def ttft(s: aiohttp.ClientSession, url: str, key: str, max_tokens: int) -> float | None:
+    """One streaming completion; seconds to its first token event (None: refused)."""
+    body = {"model": MODEL, "prompt": "fair share", "max_tokens": max_tokens, "stream": True}
+    t0 = time.perf_counter()
+    async with s.post(
+        url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
+        if r.status != 200:
+            await r.read()
+            return None
+        first = None
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+        return first
+
+
+async def phase(url: str, light: int, greedy: int, max_tokens: int) -> list[float]:
+    stop = asyncio.Event()
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def hog() -> None:
+            while not stop.is_set():
+                await ttft(s, url, GREEDY, max_tokens)
+
+        hogs = [asyncio.create_task(hog()) for _ in range(greedy)]
+        if greedy:
+            await asyncio.sleep(3.0)  # the queue fills up
+        out = []
+        for _ in range(light):
+            t = await ttft(s, url, LIGHT, 8)
+            if t is not None:
+                out.append(t)
+            await asyncio.sleep(0.05)
+        stop.set()
+        for h in hogs:
+            h.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+    return out
+
+
+async def run(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="unbroken-fairness-"))
+    eng = engine_service(
+        "--max-num-seqs", str(args.cap), "--decode-base-s", "0.005",
+        "--decode-per-seq-s", "0.0001", "--prefill-per-token-s", "0.00001",
+    ).start(tmp, "engine")  # fmt: skip
+    await wait_http(eng.url + "/health")
+    tenants = {
+        "tenants": [
+            {"name": "light", "api_keys": [key_digest(LIGHT)], "weight": 1},
+            {"name": "greedy", "api_keys": [key_digest(GREEDY)], "weight": 1},
+        ],
+        "queue_timeout_s": 600,
+        "max_queue": 4096,
+    }
+    plain = {"queue_timeout_s": 600, "max_queue": 4096}
+    rows = []
+    base: float | None = None
+    for name, cfg, greedy in (
+        ("light alone", tenants, 0),
+        ("light + greedy, fair queueing", tenants, args.greedy),
+        ("light + greedy, FIFO (no tenants)", plain, args.greedy),
+    ):
+        path = tmp / f"gw-{len(rows)}.json"
+        path.write_text(json.dumps(cfg))
+        gw, _ = gateway_service(
+            eng.url, args=("--config", str(path), "--cap", str(args.cap), "--workers", "1")
+        )
+        gw.start(tmp, f"gateway-{len(rows)}")
+        try:
+            await wait_http(gw.url + "/health")
+            await asyncio.sleep(2.0)  # the endpoint is warmed up and ready
+            got = await phase(gw.url, args.light, greedy, args.max_tokens)
+        finally:
+            gw.stop()
+        p50, p99 = (percentile(got, 50) or 0.0) * 1000, (percentile(got, 99) or 0.0) * 1000
+        base = p99 if base is None else base
+        rows.append([name, str(len(got)), f"{p50:.1f}", f"{p99:.1f}", f"{p99 / base:.2f}x"])
+    eng.stop()
+    print(
+        f"greedy: {args.greedy} streams in flight ({args.max_tokens} tokens each), cap "
+        f"{args.cap}; light: {args.light} streams of 8 tokens, one at a time"
+    )
+    print(table(["phase", "light n", "TTFT p50 ms", "TTFT p99 ms", "p99 / alone"], rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--light", type=int, default=60)
+    ap.add_argument("--greedy", type=int, default=300)
+    ap.add_argument("--cap", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    asyncio.run(run(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
