@@ -127,6 +127,12 @@ class GatewaySettings(_Spec):
     # a standalone gateway's config file may set them here directly.
     tenants: list[TenantSpec] | None = None
     rate_limit: RateLimitSettings = Field(default_factory=RateLimitSettings)
+    # The names (model, aliases, adapters) each pool serves, from the spec
+    # (`PipelineSpec.gateway_settings`). The gateway learns names from live replicas; these
+    # are known before any replica of a pool runs: a request for a name only a sleeping
+    # (autoscaled to 0) pool serves waits in the queue for it instead of a 404, and counts
+    # as that pool's demand, which wakes it.
+    pool_models: dict[str, list[str]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _tenants(self) -> GatewaySettings:
@@ -380,6 +386,18 @@ class PipelineSpec(_Spec):
     agent: AgentSettings = Field(default_factory=AgentSettings)
     tenants: list[TenantSpec] | None = None
     rate_limit: RateLimitSettings = Field(default_factory=RateLimitSettings)
+
+    def gateway_settings(self) -> GatewaySettings:
+        """The gateway's settings as every deployment renders them (`unbroken up`, the
+        Kubernetes ConfigMap): the gateway section plus the spec-wide parts it enforces
+        (tenants, rate-limit store) and the names each pool serves."""
+        settings = self.gateway.model_copy(deep=True)
+        if self.tenants is not None:
+            settings.tenants = [t.model_copy(deep=True) for t in self.tenants]
+        if "rate_limit" in self.model_fields_set:
+            settings.rate_limit = self.rate_limit.model_copy(deep=True)
+        settings.pool_models = {p.name: p.served_names(self) for p in self.pools}
+        return settings
 
     @model_validator(mode="after")
     def _unique(self) -> PipelineSpec:

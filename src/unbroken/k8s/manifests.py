@@ -437,7 +437,7 @@ def model_cache(o: RenderOptions) -> Obj:
 # -- gateway ---------------------------------------------------------------------------------
 def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     name = f"{o.prefix}-gateway"
-    settings = spec.gateway.model_dump(mode="json")
+    settings = spec.gateway_settings().model_dump(mode="json")
     settings |= {"host": "0.0.0.0", "port": GATEWAY_PORT}
     settings |= {"admin_host": "0.0.0.0", "admin_port": ADMIN_PORT}
     # X-Unbroken-Endpoint names internal pods: a debugging aid locally, a leak on a cluster.

@@ -1371,17 +1371,13 @@ def render_gateway_settings(spec: PipelineSpec) -> GatewaySettings:
     at every reload: the spec's gateway section; priorities it does not route prefer the pools
     in spec order (primary first, then fallback), not in the order their engines happened to
     become ready; each pool's upstream key by the name of the variable that carries it."""
-    settings = spec.gateway.model_copy(deep=True)
+    settings = spec.gateway_settings()
     order = [p.name for p in spec.pools]
     for prio in ("critical", "standard", "sheddable"):
         settings.routes.setdefault(prio, list(order))  # type: ignore[call-overload]
     for pool in spec.pools:
         if _pool_key(pool) is not None:  # the key itself travels in the environment
             settings.upstream_key_env[pool.name] = _key_var(pool.name)
-    if spec.tenants is not None:
-        settings.tenants = [t.model_copy(deep=True) for t in spec.tenants]
-    if "rate_limit" in spec.model_fields_set:
-        settings.rate_limit = spec.rate_limit.model_copy(deep=True)
     return settings
 
 
