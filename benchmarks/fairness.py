@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -52,28 +53,43 @@ async def ttft(s: aiohttp.ClientSession, url: str, key: str, max_tokens: int) ->
         return first
 
 
-async def phase(url: str, light: int, greedy: int, max_tokens: int) -> list[float]:
-    stop = asyncio.Event()
+async def _hogs(url: str, greedy: int, max_tokens: int) -> None:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
 
         async def hog() -> None:
-            while not stop.is_set():
+            while True:
                 await ttft(s, url, GREEDY, max_tokens)
 
-        hogs = [asyncio.create_task(hog()) for _ in range(greedy)]
-        if greedy:
-            await asyncio.sleep(3.0)  # the queue fills up
-        out = []
-        for _ in range(light):
-            t = await ttft(s, url, LIGHT, 8)
-            if t is not None:
-                out.append(t)
-            await asyncio.sleep(0.05)
-        stop.set()
-        for h in hogs:
-            h.cancel()
-        await asyncio.gather(*hogs, return_exceptions=True)
+        await asyncio.gather(*(hog() for _ in range(greedy)))
+
+
+def _hog_main(url: str, greedy: int, max_tokens: int) -> None:
+    asyncio.run(_hogs(url, greedy, max_tokens))
+
+
+async def phase(url: str, light: int, greedy: int, max_tokens: int) -> list[float]:
+    """The light tenant's TTFTs; the greedy tenant runs in its own process, so that its
+    streams do not delay the light client's event loop."""
+    hogs = None
+    if greedy:
+        hogs = multiprocessing.get_context("spawn").Process(
+            target=_hog_main, args=(url, greedy, max_tokens), daemon=True
+        )
+        hogs.start()
+        await asyncio.sleep(4.0)  # the queue fills up
+    out = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(light):
+                t = await ttft(s, url, LIGHT, 8)
+                if t is not None:
+                    out.append(t)
+                await asyncio.sleep(0.05)
+    finally:
+        if hogs is not None:
+            hogs.kill()
+            hogs.join()
     return out
 
 

@@ -155,6 +155,13 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
             assert "sk-wrong" not in str(ei.value.body)
         ok = client(g, KEYS["acme"]).completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert ok.choices[0].text
+        # Engine routes the gateway passes through need a tenant's key too.
+        tok = {"model": MODEL, "tokens": [1, 2]}
+        r = httpx.post(g.url + "/detokenize", json=tok, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        h = {"Authorization": f"Bearer {KEYS['acme']}"}
+        # (past the gateway's check; the simulator may not serve the route itself)
+        assert httpx.post(g.url + "/detokenize", json=tok, headers=h).status_code != 401
         # A tenant's priority is a ceiling: the header lowers it, never raises it.
         h = {"Authorization": f"Bearer {KEYS['beta']}", "x-unbroken-priority": "sheddable"}
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -164,7 +171,7 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
         m = lambda **kw: metric(g.url, "unbroken_gateway_requests_total", **kw)  # noqa: E731
         assert m(priority="sheddable", status="200") == 3
         assert m(priority="critical", status="200") == 0
-        assert metric(g.url, "unbroken_gateway_tenant_requests_total", tenant="acme") == 2
+        assert metric(g.url, "unbroken_gateway_tenant_requests_total", tenant="acme") == 3
         assert metric(g.url, "unbroken_gateway_tenant_requests_total", tenant="beta") == 1
         assert (
             metric(
@@ -173,7 +180,7 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
                 tenant="none",
                 reason="invalid_api_key",
             )
-            == 2
+            == 3
         )
         # Keys never reach the metrics or the log.
         text = httpx.get(g.url + "/metrics").text

@@ -221,6 +221,7 @@ class Proxy:
         pool_label = "none"
         tenant: TenantSpec | None = None
         lease: Lease | None = None
+        headers: dict[str, str] | None = None
         try:
             priority, tenant = self._identify(request)
             body = await request.read()
@@ -270,6 +271,8 @@ class Proxy:
             raise
         finally:
             self.metrics.requests.labels(str(status), priority, pool_label).inc()
+            if headers is not None:
+                self._rl_headers.pop(id(headers), None)
             self._tenant_done(tenant, lease, status)
 
     async def _pass(
