@@ -189,6 +189,26 @@ def test_session_affinity_gives_way_to_load() -> None:
     assert pol.pick([a, b], _req(_hint("x", session=s))) is b
 
 
+def test_session_homes_are_bounded_to_a_share_of_the_mean_load() -> None:
+    """Consistent hashing with bounded loads: sessions whose rendezvous home is `a`,
+    arriving one after another and staying (closed loop), do not all pile on `a`; it keeps at
+    most (1 + balance_rel) x the mean in flight, well under the 8 extra streams of the older
+    bound, and the sessions homed elsewhere keep their home."""
+    pol = CacheAware(affinity=AffinitySettings(use_prefix=False))
+    a, b, c = _ep("a"), _ep("b"), _ep("c")
+    eps = [a, b, c]
+    mine = [s for s in (f"s{i}" for i in range(1000)) if home(s.encode(), eps) is a][:30]
+    for s in mine[:12]:
+        got = pol.pick(eps, _req(_hint("a long conversation " * 200, session=s)))
+        assert got is not None
+        got.slot.add(1)  # the stream runs on
+    # 12 sessions, mean 4 in flight: the home stops at 5 (the older bound, the least load
+    # x 1.25 + 8, let it take 10 of the 12: 10, 1, 1).
+    assert a.inflight <= 4 * 1.25 + 1, [e.inflight for e in eps]
+    other = next(s for s in (f"t{i}" for i in range(1000)) if home(s.encode(), eps) is b)
+    assert pol.pick(eps, _req(_hint("a long conversation " * 200, session=other))) is b
+
+
 def test_slo_spill_sends_standard_work_to_a_clearly_faster_tier_and_keeps_critical() -> None:
     """The fp16 tier is busy, the fp8 tier idle: standard and sheddable work spills, critical
     stays; with a target the first tier meets, standard stays too."""

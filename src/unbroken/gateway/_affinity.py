@@ -103,7 +103,11 @@ class CacheAware(LatencyAware):
             held = [0] * n
         if self.a.use_session and hint.session:
             h = home(hint.session.encode(), candidates)
-            if h is not None:
+            # Consistent hashing with bounded loads (Mirrokni et al.): a home already running
+            # more than (1 + balance_rel) x the mean in-flight of the candidates (counting
+            # this request) gets no credit, so hashing's uneven share of sessions does not
+            # become one replica's queue; the overflow goes where it costs least.
+            if h is not None and h.inflight < self._session_bound(candidates):
                 held[candidates.index(h)] = hint.chars  # the conversation lives there
         elif self.a.use_prefix and blocks and not any(held):
             h = home(blocks[0].to_bytes(4, "little"), candidates)
@@ -116,6 +120,10 @@ class CacheAware(LatencyAware):
                 if held[i] and e.load > limit:
                     held[i] = 0
         return held
+
+    def _session_bound(self, candidates: Sequence[Endpoint]) -> float:
+        mean = (sum(e.inflight for e in candidates) + 1) / len(candidates)
+        return max(1.0, mean * (1.0 + self.a.balance_rel))
 
     def _costs(
         self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest
