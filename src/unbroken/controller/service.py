@@ -13,7 +13,7 @@ import collections
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -29,9 +29,9 @@ from prometheus_client import (
 )
 
 from unbroken.clients import AdminError, AdminRejected, EngineAdmin, GatewayAdmin
-from unbroken.config.spec import ControllerSettings
-from unbroken.controller.actions import Actuator, Decision, EndpointView, Tiers
+from unbroken.controller.actions import Actuator, Decision, EndpointView
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
+from unbroken.controller.config import ControllerConfig
 from unbroken.controller.precision import Converter, PrecisionState, plan
 from unbroken.controller.scaling import ScalingLoop
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
@@ -47,22 +47,6 @@ UNCOVERED_S = 5.0  # decoding seconds a live agent may be silent about before a 
 # An agent started beside the controller (`unbroken up`, a DaemonSet rolling out) takes a
 # moment to listen: until it has answered once, this long passes before "unreachable" warns.
 AGENT_START_GRACE_S = 10.0
-
-
-@dataclass
-class ControllerConfig:
-    settings: ControllerSettings
-    admin_urls: list[str]
-    admin_token: str
-    tiers: Tiers
-    agent_urls: list[str] = field(default_factory=list)
-    supervisor_socket: str | None = None  # dynamic precision under `unbroken up`
-    # On Kubernetes: discover every gateway replica's admin API and every node's agent.
-    gateway_service: str | None = None
-    agent_service: str | None = None
-    # The engines' admin token: where an engine has an admin API (the simulator's), its
-    # max_num_seqs follows the gateway cap. None: the gateway's cap alone.
-    engine_token: str | None = None
 
 
 class _Metrics:

@@ -1,0 +1,189 @@
+"""`unbroken bench` from its options: checks them, builds the load (`LoadConfig`, the
+workload), finds the running pipeline (its gateway, control socket and admin sampler) or the
+user's own scenario command, and runs `runner.run_bench` on uvloop. Kept out of the CLI so
+that the command only parses; a bad option is a `BenchOptionError` whose text is the line
+the command prints (exit 2)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from unbroken.bench.control import PipelineControl, Sampler
+    from unbroken.bench.workloads import WorkloadSpec
+
+__all__ = ["BenchOptionError", "BenchOptions", "run"]
+
+
+class BenchOptionError(Exception):
+    """An option the run cannot start with (not a ValueError: workloads raise those)."""
+
+
+@dataclass
+class BenchOptions:
+    """The command's options, as given (defaults are the command's)."""
+
+    url: str | None = None
+    scenario: str = "steady"
+    users: int = 50
+    spawn_rate: float = 10.0
+    duration: float = 60.0
+    at: float = 20.0
+    pool: str = "primary"
+    deadline: float = 5.0
+    max_tokens: str = "32:128"
+    prompt_words: str = "16:64"
+    chat_fraction: float = 0.5
+    priority_mix: str = "standard=1"
+    slow_fraction: float = 0.0
+    verify: bool = True
+    reference_url: str | None = None
+    scenario_command: str | None = None
+    model: str = "unbroken-sim"
+    max_error_rate: float = 0.01
+    out: Path = Path("bench-out")
+    workload: str = "random"
+    num_groups: int = 10
+    num_prompts_per_group: int = 10
+    system_prompt_len: int = 100
+    question_len: int = 50
+    output_len: int = 50
+    num_turns: int = 5
+    seed: int = 1
+    engine_metrics: list[str] | None = None
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """`N` or `LO:HI` as (lo, hi), 1 <= lo <= hi."""
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise BenchOptionError(f"{what}: expected N or LO:HI, got {text!r}") from None
+    if a < 1 or b < a:
+        raise BenchOptionError(f"{what}: need 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+def _workload(o: BenchOptions) -> WorkloadSpec | None:
+    from unbroken.bench.workloads import MultiTurn, SharedPrefix
+
+    if o.workload not in ("random", "shared-prefix", "multi-turn"):
+        raise BenchOptionError("--workload must be random, shared-prefix or multi-turn")
+    try:
+        if o.workload == "shared-prefix":
+            return SharedPrefix(
+                o.num_groups,
+                o.num_prompts_per_group,
+                o.system_prompt_len,
+                o.question_len,
+                o.output_len,
+            )
+        if o.workload == "multi-turn":
+            return MultiTurn(o.num_turns, o.system_prompt_len, o.question_len, o.output_len)
+    except ValueError as e:
+        raise BenchOptionError(f"--workload {o.workload}: {e}") from None
+    return None
+
+
+def _priority_mix(text: str) -> dict[str, float]:
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        try:
+            mix[k.strip()] = float(v)
+        except ValueError:
+            raise BenchOptionError(f"--priority-mix: bad entry {part!r}") from None
+    return mix
+
+
+def _target(o: BenchOptions) -> tuple[str, PipelineControl | None, Sampler | None]:
+    """The URL to load and how to act and sample: the running `unbroken up`'s control socket
+    and gateway admin API, else the user's scenario command."""
+    from unbroken.bench.control import PipelineControl, Sampler
+    from unbroken.config.paths import RunInfo, state_dir
+
+    info = RunInfo.read(state_dir())
+    url = o.url if o.url is not None else info.gateway_url if info else "http://127.0.0.1:8080"
+    control = sampler = None
+    if info is not None:
+        control = PipelineControl(info.control_socket)
+        try:
+            token = Path(info.token_file).read_text().strip()
+            sampler = Sampler(info.admin_url, token)
+        except OSError:
+            sampler = None
+    elif o.scenario != "steady" and o.scenario_command:
+        from unbroken.bench.usercontrol import CommandControl
+
+        control = CommandControl(o.scenario_command)  # type: ignore[assignment]
+    elif o.scenario != "steady":
+        raise BenchOptionError(
+            f"scenario {o.scenario} needs a running `unbroken up`, or --scenario-command with "
+            "what to do to your own engines"
+        )
+    return url, control, sampler
+
+
+def run(o: BenchOptions, console: Console) -> int:
+    """Check the options, run the load and its scenario, write the report; 0 when the run
+    passed, 1 when it failed (`run_bench` prints why)."""
+    from unbroken.bench.load import LoadConfig
+    from unbroken.bench.runner import run_bench
+
+    if o.scenario not in ("steady", "rollout", "chaos"):
+        raise BenchOptionError("--scenario must be steady, rollout or chaos")
+    spec = _workload(o)
+    for u in o.engine_metrics or ():
+        if not u.startswith(("http://", "https://")):
+            raise BenchOptionError(f"--engine-metrics {u!r}: expected http(s)://HOST:PORT")
+    mix = _priority_mix(o.priority_mix)
+    if o.url is not None and not o.url.startswith(("http://", "https://")):
+        raise BenchOptionError(
+            f"--url {o.url!r}: expected http(s)://HOST:PORT (a trailing /v1 is fine)"
+        )
+    url, control, sampler = _target(o)
+    if o.reference_url is not None and not o.reference_url.startswith(("http://", "https://")):
+        raise BenchOptionError(f"--reference-url {o.reference_url!r}: expected http(s)://HOST:PORT")
+    cfg = LoadConfig(
+        url=url.rstrip("/"),
+        model=o.model,
+        users=o.users,
+        spawn_rate=o.spawn_rate,
+        duration=o.duration,
+        prompt_words=parse_range(o.prompt_words, "--prompt-words"),
+        max_tokens=parse_range(o.max_tokens, "--max-tokens"),
+        chat_fraction=o.chat_fraction,
+        priorities=mix,
+        slow_fraction=o.slow_fraction,
+        verify=o.verify,
+        reference_url=o.reference_url,
+        seed=o.seed,
+        workload=spec,
+    )
+    if not 0 <= o.max_error_rate <= 1:
+        raise BenchOptionError("--max-error-rate must be between 0 and 1")
+    import uvloop  # the load generator's CPU per token: 0.64x asyncio's (loadgen_cpu.py)
+
+    result = uvloop.run(
+        run_bench(
+            cfg,
+            scenario=o.scenario,
+            at=o.at,
+            pool=o.pool,
+            deadline_s=o.deadline,
+            out=o.out,
+            control=control,
+            sampler=sampler,
+            console=console,
+            max_error_rate=o.max_error_rate,
+            command=" ".join(["unbroken", *sys.argv[1:]]),
+            engine_metrics=o.engine_metrics,
+        )
+    )
+    return 1 if result["failures"] else 0

@@ -1,0 +1,194 @@
+"""`unbroken bench` (options to `bench.cli_run.run`) and `unbroken demo` (options to
+`bench.demo.run_demo`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from unbroken.cli.common import app, console, fail, setup_logging
+
+
+@app.command()
+def bench(
+    url: Annotated[
+        str | None,
+        typer.Option(help="OpenAI-compatible base URL [the running pipeline's gateway]."),
+    ] = None,
+    scenario: Annotated[str, typer.Option(help="steady, rollout or chaos.")] = "steady",
+    users: Annotated[int, typer.Option(help="Concurrent streaming users.")] = 50,
+    spawn_rate: Annotated[float, typer.Option(help="Users started per second.")] = 10.0,
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 60.0,
+    at: Annotated[float, typer.Option(help="When the scenario acts (s).")] = 20.0,
+    pool: Annotated[str, typer.Option(help="Pool the scenario acts on.")] = "primary",
+    deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
+    max_tokens: Annotated[str, typer.Option(help="Output tokens, N or LO:HI.")] = "32:128",
+    prompt_words: Annotated[str, typer.Option(help="Prompt words, N or LO:HI.")] = "16:64",
+    chat_fraction: Annotated[float, typer.Option(help="Share of chat requests.")] = 0.5,
+    priority_mix: Annotated[
+        str, typer.Option(help="e.g. critical=0.1,standard=0.8,sheddable=0.1")
+    ] = "standard=1",
+    slow_fraction: Annotated[float, typer.Option(help="Share of slow-reading users.")] = 0.0,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            help="Check every text: against the simulator's output, or --reference-url's."
+        ),
+    ] = True,
+    reference_url: Annotated[
+        str | None,
+        typer.Option(
+            help="An engine to verify against (the same greedy request, undisturbed); "
+            "without it a target that is not the simulator is not verified."
+        ),
+    ] = None,
+    scenario_command: Annotated[
+        str | None,
+        typer.Option(
+            help="Without `unbroken up`: the shell command that is the rollout or the chaos "
+            "on your own engines (e.g. 'kill -TERM 4242'), run at --at."
+        ),
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model name to request.")] = "unbroken-sim",
+    max_error_rate: Annotated[
+        float, typer.Option(help="Exit 1 when more than this share of requests end in an error.")
+    ] = 0.01,
+    out: Annotated[Path, typer.Option(help="Report directory.")] = Path("bench-out"),
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="random (--prompt-words, --chat-fraction), shared-prefix (inference-perf's "
+            "shared_prefix) or multi-turn (conversations carrying their history)."
+        ),
+    ] = "random",
+    num_groups: Annotated[int, typer.Option(help="shared-prefix: system prompts.")] = 10,
+    num_prompts_per_group: Annotated[
+        int, typer.Option(help="shared-prefix: questions per system prompt.")
+    ] = 10,
+    system_prompt_len: Annotated[
+        int, typer.Option(help="Words of the shared system prompt (multi-turn: 0 for none).")
+    ] = 100,
+    question_len: Annotated[int, typer.Option(help="Words per question / user turn.")] = 50,
+    output_len: Annotated[
+        int, typer.Option(help="Tokens per answer (workloads other than random).")
+    ] = 50,
+    num_turns: Annotated[int, typer.Option(help="multi-turn: turns per conversation.")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts.")] = 1,
+    engine_metrics: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="An engine's URL (repeat for each): its /metrics before and after the run "
+            "give the prefix-cache hit rate and the load spread."
+        ),
+    ] = None,
+) -> None:
+    """Load-test an OpenAI endpoint; measure TTFT/ITL/TPOT, dropped and corrupted streams.
+
+    --url takes the server root or the SDK-style base URL ending in /v1. Exit 0 when the run
+    passed; 1 when no request succeeded, errors exceeded --max-error-rate, or any stream was
+    dropped or corrupted (the reasons are printed); 2 for bad options."""
+
+    from unbroken.bench.cli_run import BenchOptionError, BenchOptions, run
+
+    opts = BenchOptions(
+        url=url,
+        scenario=scenario,
+        users=users,
+        spawn_rate=spawn_rate,
+        duration=duration,
+        at=at,
+        pool=pool,
+        deadline=deadline,
+        max_tokens=max_tokens,
+        prompt_words=prompt_words,
+        chat_fraction=chat_fraction,
+        priority_mix=priority_mix,
+        slow_fraction=slow_fraction,
+        verify=verify,
+        reference_url=reference_url,
+        scenario_command=scenario_command,
+        model=model,
+        max_error_rate=max_error_rate,
+        out=out,
+        workload=workload,
+        num_groups=num_groups,
+        num_prompts_per_group=num_prompts_per_group,
+        system_prompt_len=system_prompt_len,
+        question_len=question_len,
+        output_len=output_len,
+        num_turns=num_turns,
+        seed=seed,
+        engine_metrics=engine_metrics,
+    )
+    try:
+        rc = run(opts, console())
+    except BenchOptionError as e:
+        fail(str(e))
+    raise typer.Exit(rc)
+
+
+@app.command()
+def demo(
+    users: Annotated[int, typer.Option(help="Streaming users.")] = 200,
+    steady: Annotated[float, typer.Option(help="Seconds of the steady window.")] = 20.0,
+    contention: Annotated[
+        float, typer.Option(help="Seconds of the bus-contention episode (slow_cuda).")
+    ] = 15.0,
+    contention_extra_ms: Annotated[
+        float, typer.Option(help="Contention severity: ms added to each CUDA call.")
+    ] = 30.0,
+    recovery: Annotated[
+        float,
+        typer.Option(
+            help="Seconds from the contention episode's end to the rollout (the controller's "
+            "step-by-step undo, ~10 s with the default spec, ends before the rollout's window)."
+        ),
+    ] = 12.0,
+    deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
+    weights_size: Annotated[str, typer.Option(help="Weights per pool (generated once).")] = "1GiB",
+    max_ttft_ratio: Annotated[
+        float, typer.Option(help="Pass when p99.9 TTFT (rollout, contention) <= this x steady.")
+    ] = 1.5,
+    stall_ms: Annotated[
+        float, typer.Option(help="An inter-token gap above this is a stall spike.")
+    ] = 150.0,
+    storage_mbps: Annotated[
+        float, typer.Option(help="Read cap on the weights' disk for both passes (MB/s).")
+    ] = 300.0,
+    baseline: Annotated[bool, typer.Option(help="Also run the standard deployment's pass.")] = True,
+    realtime_loadgen: Annotated[
+        bool,
+        typer.Option(
+            help="Run the load generator at SCHED_FIFO while it measures (root), so that its "
+            "clock is not delayed by what it measures on the same cores."
+        ),
+    ] = True,
+    out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
+) -> None:
+    """The main job: the seed's results table, a standard deployment vs unbroken, measured."""
+    from unbroken.bench.demo import DemoSettings, run_demo
+    from unbroken.bench.passes import Contention, Phases
+
+    setup_logging(False)
+    logging.getLogger().setLevel(logging.WARNING)
+    if recovery < 0:
+        fail("--recovery must be >= 0 seconds")
+    settings = DemoSettings(
+        users=users,
+        phases=Phases(
+            steady_s=steady,
+            contention=Contention(seconds=contention, extra_ms=contention_extra_ms),
+            recovery_s=recovery,
+            deadline_s=deadline,
+        ),
+        weights_size=weights_size,
+        max_ratio=max_ttft_ratio,
+        stall_ms=stall_ms,
+        baseline=baseline,
+        storage_bps=int(storage_mbps * 1e6),
+        realtime_loadgen=realtime_loadgen,
+    )
+    raise typer.Exit(run_demo(out=out, settings=settings, console=console()))

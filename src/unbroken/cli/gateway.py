@@ -1,0 +1,132 @@
+"""`unbroken gateway`: options to `gateway.config.prepare` (settings, endpoints,
+discovery), then `run_gateway`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from unbroken.cli.common import app, bind_error, fail, setup_logging
+
+
+@app.command()
+def gateway(
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option("--endpoint", "-e", help="Engine URL, optionally POOL=URL. Repeat for more."),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="Gateway settings (JSON or YAML); flags override it.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address for the OpenAI routes.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port for the OpenAI routes [8080].")] = None,
+    admin_host: Annotated[str | None, typer.Option(help="Address for the admin API.")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="Port for the admin API [8081].")] = None,
+    admin_token: Annotated[
+        str | None,
+        typer.Option(envvar="UNBROKEN_ADMIN_TOKEN", help="Bearer token for the admin API."),
+    ] = None,
+    priority_header: Annotated[
+        str | None, typer.Option(help="Header carrying the priority [x-unbroken-priority].")
+    ] = None,
+    cap: Annotated[
+        int | None, typer.Option(help="Default in-flight cap per endpoint [256].")
+    ] = None,
+    queue_timeout: Annotated[
+        float | None, typer.Option(help="Seconds a request may wait for a slot [30].")
+    ] = None,
+    no_warmup: Annotated[
+        bool, typer.Option("--no-warmup", help="Skip the warm-up completion (stage 2).")
+    ] = False,
+    k8s_service: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Discover a pool from a Service's EndpointSlices: POOL=NAMESPACE/SERVICE[:PORT]."
+        ),
+    ] = None,
+    k8s_peers: Annotated[
+        str | None,
+        typer.Option(help="This gateway's own Service (NAMESPACE/SERVICE): replicas share caps."),
+    ] = None,
+    pool_cap: Annotated[
+        list[str] | None,
+        typer.Option(help="In-flight cap per engine of a pool, all replicas together: POOL=N."),
+    ] = None,
+    pod_name: Annotated[
+        str | None, typer.Option(envvar="POD_NAME", help="This pod's name (with --k8s-peers).")
+    ] = None,
+    pod_namespace: Annotated[
+        str | None, typer.Option(envvar="POD_NAMESPACE", help="This pod's namespace.")
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Serving processes on the one port [one per core, at most 8]. 1: a single "
+            "process (no reload). More: a main process (admin API, probes) and N workers; "
+            "SIGHUP reloads them without refusing a connection.",
+        ),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="On SIGTERM, seconds open streams may take to finish before they are ended "
+            "with an SSE error event (a second SIGTERM ends them at once).",
+        ),
+    ] = 30.0,
+    routing: Annotated[
+        str | None,
+        typer.Option(
+            help="Routing policy: prefix (cache- and session-aware) [default], session, "
+            "latency, least_load, round_robin."
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
+    from unbroken.gateway import default_workers, run_gateway
+    from unbroken.gateway.config import prepare
+
+    setup_logging(verbose)
+    flags = {
+        "host": host,
+        "port": port,
+        "admin_host": admin_host,
+        "admin_port": admin_port,
+        "priority_header": priority_header,
+        "default_cap": cap,
+        "queue_timeout_s": queue_timeout,
+        "routing": routing,
+    }
+    try:
+        launch = prepare(
+            endpoint or [],
+            config,
+            flags,
+            k8s_service=k8s_service or [],
+            k8s_peers=k8s_peers,
+            pool_cap=pool_cap or [],
+            pod_name=pod_name,
+            pod_namespace=pod_namespace,
+        )
+    except ValueError as e:
+        fail(str(e))
+    try:
+        run_gateway(
+            launch.cfg,
+            admin_token,
+            launch.static,
+            warmup=not no_warmup,
+            k8s=launch.k8s,
+            workers=workers or default_workers(),
+            shutdown_timeout=shutdown_timeout,
+            reload_cfg=launch.load,
+        )
+    except OSError as e:
+        if (msg := bind_error(e)) is None:
+            raise
+        fail(msg)

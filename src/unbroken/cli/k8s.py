@@ -1,0 +1,94 @@
+"""Kubernetes: `unbroken ready` (the two-stage readiness probe, `k8s.hooks.ready`) and
+`unbroken render k8s` (a spec to manifests, `k8s.render` and `k8s.write`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from unbroken.cli.common import app, console, fail
+
+render_app = typer.Typer(no_args_is_help=True, help="Render a pipeline for another platform.")
+
+
+@app.command()
+def ready(
+    url: Annotated[str, typer.Option(help="Engine base URL.")] = "http://127.0.0.1:8000",
+    budget_ms: Annotated[
+        float, typer.Option(help="Stage 2: the warm-up completion must finish within this.")
+    ] = 5000.0,
+    model: Annotated[str | None, typer.Option(help="Model to warm [the first listed].")] = None,
+) -> None:
+    """Two-stage readiness of an engine (health, then a warm completion within budget)."""
+    from unbroken.k8s.hooks import ready as check_ready
+
+    ok, why = check_ready(url, budget_ms=budget_ms, model=model)
+    console().print(why)
+    raise typer.Exit(0 if ok else 1)
+
+
+@render_app.command("k8s")
+def render_k8s(
+    spec: Annotated[Path | None, typer.Argument(help="Pipeline spec (YAML) [the default].")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for the manifests.")] = Path("k8s-out"),
+    namespace: Annotated[str, typer.Option(help="Namespace of the pipeline.")] = "unbroken",
+    image: Annotated[str | None, typer.Option(help="The unbroken image.")] = None,
+    agent_image: Annotated[str | None, typer.Option(help="The agent's image.")] = None,
+    vllm_image: Annotated[str | None, typer.Option(help="The vLLM image.")] = None,
+    engine: Annotated[
+        str, typer.Option(help="vllm (GPU nodes) or simulator (no GPUs: kind, k3s).")
+    ] = "vllm",
+    gateway_replicas: Annotated[int, typer.Option(help="Gateway replicas (2 or more).")] = 2,
+    agent_old_kernel: Annotated[
+        bool, typer.Option(help="Nodes run a kernel older than 5.11: add SYS_RESOURCE.")
+    ] = False,
+    autoscaler: Annotated[
+        str,
+        typer.Option(help="Pools with a replica range: keda (ScaledObject), hpa or none."),
+    ] = "keda",
+    prometheus_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The Prometheus KEDA's trigger reads "
+            "[http://prometheus-operated.monitoring.svc:9090]."
+        ),
+    ] = None,
+) -> None:
+    """Write Kubernetes manifests for a pipeline spec (one YAML file per object)."""
+    from dataclasses import replace
+
+    from unbroken.config.spec import SpecError, load_spec
+    from unbroken.k8s import PolicyError, RenderOptions, render, write
+
+    try:
+        pipeline = load_spec(spec)
+    except SpecError as e:
+        fail(str(e))
+    opts = RenderOptions(
+        namespace=namespace,
+        engine=engine,
+        gateway_replicas=gateway_replicas,
+        agent_old_kernel=agent_old_kernel,
+        autoscaler=autoscaler,
+    )
+    images = {
+        "image": image,
+        "agent_image": agent_image,
+        "vllm_image": vllm_image,
+        "prometheus_url": prometheus_url,
+    }
+    opts = replace(opts, **{k: v for k, v in images.items() if v})
+    try:
+        paths = write(render(pipeline, opts), out)
+    except (PolicyError, ValueError) as e:
+        fail(str(e))
+    keda = "; KEDA: keda/, once KEDA runs" if any(p.parent.name == "keda" for p in paths) else ""
+    console().print(
+        f"wrote {len(paths)} object(s) to {out} (Prometheus Operator: monitoring/{keda})"
+    )
+
+
+# After `ready`: sub-apps are listed after every command, in the order they are added.
+app.add_typer(render_app, name="render")
