@@ -150,7 +150,14 @@ pools:
                down_cooldown_s: 0.5, drain_deadline_s: 1}}
     weights_size: 8MiB
     engine: {{profile: fp8, overrides: {{decode_base_s: 0.02, decode_per_seq_s: 0.0001}}}}
-gateway: {{routes: {{standard: [primary, fallback]}}, default_cap: 4}}
+  - name: sleepy
+    model: sleepy-model
+    replicas: {{min: 0, max: 1}}
+    scaling: {{target: 4, interval_s: 0.25, up_cooldown_s: 0.5, down_quiet_s: 3,
+               down_cooldown_s: 0.5, drain_deadline_s: 1}}
+    weights_size: 8MiB
+    engine: {{profile: fp16, seed: 7, overrides: {{decode_base_s: 0.02}}}}
+gateway: {{routes: {{standard: [primary, fallback, sleepy]}}, default_cap: 4}}
 controller:
   # Contention detection would hold scaling; on this shared machine it must not judge.
   itl_enter_ratio: 1000
@@ -267,3 +274,23 @@ def test_scale_endpoint_refuses_outside_the_range(up: Up) -> None:
     assert status == 400 and "no pool named" in body["error"]["message"]
     status, body = asyncio.run(post({"pool": "primary", "replicas": "x"}))
     assert status == 400
+
+
+def test_a_model_only_a_sleeping_pool_serves_wakes_it(up: Up) -> None:
+    """`sleepy` has 0 replicas: its model is listed, a request for it waits in the queue
+    (not a 404) while its demand wakes the pool, is answered byte-exact, and the pool goes
+    back to sleep after its quiet period."""
+    assert _pools(up)["sleepy"]["live"] == 0
+    models = {m["id"] for m in httpx.get(up.url + "/v1/models", timeout=10).json()["data"]}
+    assert "sleepy-model" in models
+    t0 = time.monotonic()
+    body = {"model": "sleepy-model", "prompt": "wake up", "max_tokens": 8, "temperature": 0}
+    r = httpx.post(up.url + "/v1/completions", json=body, timeout=60)
+    waited = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected_completion("wake up", 8, seed=7).text
+    assert waited < 20, waited  # the wake: a decision, a pre-warmed start, readiness
+    wakes = [d for d in _decisions(up) if d["endpoint"] == "sleepy" and "up to 1" in d["action"]]
+    assert wakes and "waking" in wakes[0]["reason"]
+    wait_for(lambda: _pools(up)["sleepy"]["live"] == 0, timeout=60, interval=0.2,
+             what=lambda: f"sleepy back to 0: {json.dumps(_pools(up))}")  # fmt: skip

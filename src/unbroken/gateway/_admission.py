@@ -117,10 +117,13 @@ class Admission:
         """The pool a queued request counts toward: the first of its priority's route that
         has an endpoint of its model in any state (a full pool is the one to grow)."""
         eps = list(self.pool.endpoints.values())
-        for name in self.pool.pools_for(priority):
+        route = self.pool.pools_for(priority)
+        for name in route:
             if any(e.pool == name and model in e.models for e in eps):
                 return name
-        return None
+        # No replica of it runs: the first pool of the route the spec gives it (a pool
+        # autoscaled to 0, which this request's demand wakes).
+        return next((n for n in route if model in self.pool.pool_models.get(n, ())), None)
 
     def demand(self) -> dict[str, int]:
         """Per pool, the sequences this process runs on it plus the requests it queues for

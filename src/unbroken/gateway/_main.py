@@ -272,6 +272,10 @@ class MainGateway(Gateway):
                     "waiting": e.waiting,
                     "running": e.running,
                     "kv": e.kv_usage,
+                    # Adapter affinity in the workers (`_adapters.py`) needs what the prober
+                    # learned: which adapters each endpoint serves and runs.
+                    "adapters": e.adapters,
+                    "lora": None if e.lora is None else e.lora.as_dict(),
                     "warmup_s": e.warmup_s,
                     "deadline": None
                     if e.state != State.DRAINING or e.drain_deadline is None

@@ -289,6 +289,9 @@ class Pool:
         self.routes: dict[str, list[str]] = {}
         self.routes_override: dict[str, list[str]] = {}
         self.policy: RoutingPolicy = AdapterAffinity(policy or LatencyAware())
+        # Names each pool serves per the spec (`GatewaySettings.pool_models`), known before
+        # any of its replicas runs: a pool autoscaled to 0 still takes requests for them.
+        self.pool_models: dict[str, list[str]] = {}
 
     def add(self, ep: Endpoint) -> None:
         if ep.name in self.endpoints and self.endpoints[ep.name].state != State.GONE:
@@ -320,12 +323,22 @@ class Pool:
         return self.routes.get(priority) or self.pool_order
 
     def known_models(self) -> set[str]:
-        return (
-            set().union(*(e.models for e in self.endpoints.values())) if self.endpoints else set()
-        )
+        """What live replicas serve, and what the spec says every pool serves."""
+        live: set[str] = set().union(*(e.models for e in self.endpoints.values()))
+        return live.union(*self.pool_models.values())
 
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self.endpoints.values() if e.state != State.GONE)
+
+    def configured(self, model: str) -> str | None:
+        """The first pool the spec says serves `model`, whether or not it runs now."""
+        return next((p for p, names in self.pool_models.items() if model in names), None)
+
+    def configure(self, pool_models: dict[str, list[str]]) -> None:
+        self.pool_models = {p: list(n) for p, n in pool_models.items()}
+        for p in self.pool_models:  # spec order first, as the default route
+            if p not in self.pool_order:
+                self.pool_order.append(p)
 
     def pick(
         self,

@@ -175,10 +175,15 @@ class Proxy:
             for m in data:
                 merged.setdefault(m["id"], m)
         now = int(time.time())
-        for m in self.pool.known_models():
+        live = {m for e in self.pool.endpoints.values() for m in e.models}
+        for m in live:
             merged.setdefault(
                 m, {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
             )
+        if merged:
+            # What a sleeping pool (autoscaled to 0) serves is served too: it wakes on demand.
+            for m in self.pool.known_models() - live:
+                merged[m] = {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
         if not merged:
             # Nothing serves yet (engines starting): a script that waits for a 200 and takes
             # data[0] would fail on an empty list; the openai client retries a 503.
@@ -454,7 +459,7 @@ class Proxy:
                     param="n",
                     code="too_many_sequences",
                 )
-            if not self.pool.serves(model):
+            if not self.pool.serves(model) and self.pool.configured(model) is None:
                 if (
                     any(
                         e.state in (State.STARTING, State.WARMING) and not e.models

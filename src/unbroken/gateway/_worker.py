@@ -43,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.config.spec import GatewaySettings
+from unbroken.gateway._adapters import LoraInfo
 from unbroken.gateway._handover import Inbound, Outbound, offer_listener
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._prefix_table import PrefixTable
@@ -126,6 +127,8 @@ class WorkerGateway(Gateway):
             ep.condition, ep.condition_since = d["condition"], d["condition_since"]
             ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
             ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
+            ep.adapters = d.get("adapters") or {}
+            ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None
             ep.warmup_s = d.get("warmup_s")  # seeds the learned non-streaming answer limit
             ep.set_state(State(d["state"]))
             if ep.state == State.DRAINING and d["deadline"] is not None:
