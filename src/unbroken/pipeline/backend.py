@@ -1,8 +1,9 @@
-"""The seam between the rollout logic and what runs the replicas.
+"""The seam between the logic that changes a pool and what runs the replicas.
 
-`run_rollout` only talks to a `Backend`: the local supervisor implements it today (processes
-on this machine); a Kubernetes implementation can implement it later (pods of a Deployment)
-without touching the rollout's steps.
+Rollouts, conversions and scaling (`run_rollout`, `run_convert`, `run_scale`) only talk to a
+`Backend`: the local supervisor implements it today (`supervisor.Supervisor`, processes on
+this machine, its replicas kept by `replicas.ReplicaSet`); a Kubernetes implementation can
+implement it later (pods of a Deployment) without touching their steps.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one client of the supervisor's control socket (`unbroken status`, `unbroken rollout`,
 `unbroken reload`, the benchmarks). Every failure to talk to the supervisor is a
 `SupervisorUnreachable` with a sentence a person can act on; a refusal by the supervisor is a
-`SupervisorRejected`."""
+`SupervisorRejected`. The server is `control_api.py`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,170 @@
+"""The gateway of a local pipeline as a process: its settings (STATE/gateway.json, rendered
+from the spec by `render_gateway_settings`, at start and at every reload), its command line
+and environment (the admin token and pools' upstream keys travel there, never in the file),
+its start (until the admin API answers) and its watch: a gateway that dies is restarted on
+the same ports with backoff and given every live engine again; one that exits 0 was stopped
+on purpose, and the pipeline ends with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from unbroken.clients import AdminError
+from unbroken.config.spec import GatewaySettings, PipelineSpec
+from unbroken.pipeline.procs import Adopted, Proc, StartupError, backoff, tail, terminate
+from unbroken.pipeline.replicas import key_var, pool_key
+
+if TYPE_CHECKING:
+    from unbroken.pipeline.supervisor import Supervisor
+
+__all__ = ["GatewayProcess", "render_gateway_settings"]
+
+log = logging.getLogger("unbroken.pipeline")
+
+START_TIMEOUT_S = 30.0  # until its admin API answers
+
+
+def render_gateway_settings(spec: PipelineSpec) -> GatewaySettings:
+    """The settings the gateway of `unbroken up` runs with (STATE/gateway.json), at start and
+    at every reload: the spec's gateway section; priorities it does not route prefer the pools
+    in spec order (primary first, then fallback), not in the order their engines happened to
+    become ready; each pool's upstream key by the name of the variable that carries it."""
+    settings = spec.gateway_settings()
+    order = [p.name for p in spec.pools]
+    for prio in ("critical", "standard", "sheddable"):
+        settings.routes.setdefault(prio, list(order))  # type: ignore[call-overload]
+    for pool in spec.pools:
+        if pool_key(pool) is not None:  # the key itself travels in the environment
+            settings.upstream_key_env[pool.name] = key_var(pool.name)
+    return settings
+
+
+class GatewayProcess:
+    """The gateway's process (`proc`, ours or adopted) and the command line it runs."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.proc: Proc | None = None
+        self.argv: list[str] = []
+        self.config = sup.state / "gateway.json"
+        self.log = sup.logs / "gateway.log"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def env(self) -> dict[str, str]:
+        env = {"UNBROKEN_ADMIN_TOKEN": self.sup.token}
+        for pool in self.sup.spec.pools:
+            if (key := pool_key(pool)) is not None:
+                env[key_var(pool.name)] = key
+        return env
+
+    def write_config(self, settings: GatewaySettings) -> Path:
+        fd = os.open(self.config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(settings.model_dump_json(indent=1))
+        os.chmod(self.config, 0o600)  # a file left by an older run may have been 0644
+        return self.config
+
+    def make_argv(self) -> list[str]:
+        cfg = self.write_config(render_gateway_settings(self.sup.spec))
+        # Workers (at least 2, so that `unbroken reload` can replace them: SIGHUP keeps the
+        # main process, and so its pid, which is why a reload never looks like a crash here).
+        # The drain fits in the 10 s that stop() waits before SIGKILL.
+        workers = max(2, min(len(os.sched_getaffinity(0)), 8))
+        return [
+            *[sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)],
+            *["--workers", str(workers), "--shutdown-timeout", "8"],
+        ]
+
+    def adopt(self, proc: Adopted, argv: list[str]) -> None:
+        """A gateway an earlier supervisor started, still serving: ours from now on."""
+        self.proc, self.argv = proc, argv
+
+    async def start(self) -> None:
+        """Start it and wait until its admin API answers (StartupError otherwise)."""
+        self.argv = self.make_argv()
+        self.proc, self.log = await self.sup.spawn("gateway", self.argv, self.env())
+        self.sup.save_plane()
+        await self._wait_admin()
+
+    async def _wait_admin(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc is not None
+            if self.proc.returncode is not None:
+                raise StartupError(
+                    f"the gateway exited with {self.proc.returncode}; "
+                    f"log: {self.log}\n" + tail(self.log)
+                )
+            try:
+                await self.sup.admin.status()
+                return
+            except AdminError:
+                if time.monotonic() > deadline:
+                    raise StartupError(
+                        f"the gateway's admin API did not answer at {self.sup.admin_url}; "
+                        f"log: {self.log}"
+                    ) from None
+                await asyncio.sleep(0.1)
+
+    async def watch(self) -> None:
+        """A gateway that dies is restarted on the same ports and given every live engine
+        again (its streams are gone with it; new requests are served again in seconds).
+        Failed restarts back off; a gateway that exits 0 was stopped on purpose (SIGTERM),
+        which ends the pipeline instead."""
+        sup = self.sup
+        failures = 0
+        up_since = time.monotonic()
+        while not sup.closing:
+            assert self.proc is not None
+            code = await self.proc.wait()
+            if sup.closing:
+                return
+            pid = self.proc.pid
+            if code == 0 and not isinstance(self.proc, Adopted):
+                log.warning("the gateway (pid %s) stopped (exit 0); stopping the pipeline", pid)
+                sup.record("gateway_stopped", pid=pid, code=code)
+                sup.stopped.set()
+                return
+            if time.monotonic() - up_since > 60:
+                failures = 0  # it ran fine for a while: this is a new incident
+            log.warning("the gateway (pid %s) exited unexpectedly with %s", pid, code)
+            sup.record("gateway_died", pid=pid, code=code)
+            while not sup.closing:
+                if failures:
+                    delay = backoff(failures)
+                    log.info("restarting the gateway in %.0f s", delay)
+                    await asyncio.sleep(delay)
+                sup.restarts += 1
+                try:
+                    await self.start()
+                    for r in list(sup.replicas.values()):
+                        if r.alive and not r.stopping:
+                            await sup.register(r)
+                    sup.record("gateway_restarted", pid=self.proc.pid)
+                    up_since = time.monotonic()
+                    failures += 1
+                    break
+                except (StartupError, AdminError) as e:
+                    failures += 1
+                    why = str(e).splitlines()[0]
+                    log.error("could not restart the gateway: %s", why)
+                    sup.record("gateway_restart_failed", error=why, attempt=failures)
+                    if self.proc is not None and self.proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            self.proc.kill()
+                        await self.proc.wait()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            await terminate(self.proc, timeout)

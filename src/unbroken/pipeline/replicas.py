@@ -1,0 +1,342 @@
+"""The engine replicas of a local pipeline: what runs one (argv, environment), and its life.
+
+A replica is started in its own session (at the pool's startup nice value, and under a
+startup CPU quota when others already serve, both lifted once it serves), waited on until
+`/health` answers (stage 1), registered with the gateway (which warms it up: stage 2) and
+watched: one that dies is replaced, with backoff, until a successor serves. `ReplicaSet`
+keeps them by name; the supervisor exposes that dict as `Supervisor.replicas`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from unbroken.clients import AdminError
+from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.pipeline.cpucap import CpuCap, CpuCapUnavailable
+from unbroken.pipeline.niceness import may_renice, set_session_nice
+from unbroken.pipeline.procs import Proc, StartupError, backoff, tail, terminate
+from unbroken.wire.http import free_port, wait_ok
+
+if TYPE_CHECKING:
+    from unbroken.pipeline.supervisor import Supervisor
+
+__all__ = ["Replica", "ReplicaSet", "engine_argv", "key_var", "pool_key", "serial_of"]
+
+log = logging.getLogger("unbroken.pipeline")
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    pool: PoolSpec
+    port: int
+    host: str = "127.0.0.1"
+    proc: Proc | None = None
+    log_path: Path | None = None
+    argv: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    healthy_at: float | None = None
+    niced: bool = False  # started at the pool's startup_nice, not yet back to 0
+    cpucap: CpuCap | None = None  # the startup CPU quota, until it serves (cpucap.py)
+    stopping: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def serving(self) -> bool:
+        """Alive and past /health: a replica still starting (a replacement's next try, a
+        rollout's surge) is not one of the pool's live replicas yet."""
+        return self.alive and self.healthy_at is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "pool": self.pool.name,
+            "url": self.url,
+            "pid": self.pid,
+            "precision": self.pool.precision,
+            "started_at": self.started_at,
+            "start_to_health_s": None
+            if self.healthy_at is None
+            else round(self.healthy_at - self.started_at, 3),
+            "alive": self.alive,
+            "state": "serving" if self.serving else "starting",
+        }
+
+
+def pool_key(pool: PoolSpec) -> str | None:
+    """The pool's upstream API key, from the spec or the environment variable it names."""
+    if pool.api_key:
+        return pool.api_key
+    if pool.api_key_env:
+        return os.environ.get(pool.api_key_env) or None
+    return None
+
+
+def key_var(pool: str) -> str:
+    """The variable that carries a pool's upstream key to the gateway (never its settings)."""
+    return "UNBROKEN_POOL_KEY_" + pool.upper().replace("-", "_")
+
+
+def serial_of(name: str, pool: str) -> int | None:
+    """N of a replica named POOL-N (None for another pool's or another scheme's name)."""
+    head, _, n = name.rpartition("-")
+    return int(n) if head == pool and n.isdigit() else None
+
+
+def engine_argv(
+    spec: PipelineSpec, pool: PoolSpec, host: str, port: int, weights: Path | None
+) -> list[str]:
+    """The command line of one replica of `pool`: the pool's own command (vLLM given the
+    pool's other names and adapters unless the command has them), or the simulator."""
+    e = pool.engine
+    model = pool.model_of(spec)
+    lora = [f"{a.name}={a.path or a.name}" for a in pool.adapters]
+    if e.kind == "command":
+        assert e.command is not None
+        subst = {"port": str(port), "host": host, "model": model}
+        argv = [part.format(**subst) for part in e.command]
+        if any("vllm" in part for part in argv[:3]):
+            if pool.aliases and "--served-model-name" not in argv:
+                argv += ["--served-model-name", model, *pool.aliases]
+            if lora and "--lora-modules" not in argv:
+                argv += ["--enable-lora", "--max-loras", str(len(lora))]
+                argv += ["--lora-modules", *lora]
+        return argv
+    argv = [
+        *[sys.executable, "-m", "unbroken", "engine", "--host", host, "--port", str(port)],
+        *["--served-model-name", model, *pool.aliases],
+        *["--profile", e.profile, "--seed", str(e.seed), "--eos-rate", str(e.eos_rate)],
+        *["--shutdown-timeout", str(e.shutdown_timeout_s), *e.overrides.args()],
+    ]
+    if lora:
+        argv += ["--enable-lora", "--max-loras", str(len(lora)), "--lora-modules", *lora]
+    if weights is not None:
+        argv += ["--weights", str(weights)]
+    return argv
+
+
+class ReplicaSet:
+    """Every replica of the pipeline by name, and what starts, watches, replaces and stops
+    them. The supervisor (`sup`) lends the spec, the gateway's admin API, the event log, the
+    plane record and the task set."""
+
+    def __init__(self, sup: Supervisor, health_timeout: float) -> None:
+        self.sup = sup
+        self.health_timeout = health_timeout
+        self.by_name: dict[str, Replica] = {}
+        self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
+        self._serial = {p.name: itertools.count(1) for p in sup.spec.pools}
+        self._cap_unavailable = False  # said once: no cgroup CPU quota here
+
+    def of_pool(self, pool: str) -> list[Replica]:
+        """The pool's replicas that are not being stopped, oldest first."""
+        return [
+            r
+            for r in sorted(self.by_name.values(), key=lambda r: r.started_at)
+            if r.pool.name == pool and not r.stopping
+        ]
+
+    def serving(self, pool: str) -> int:
+        return sum(1 for r in self.of_pool(pool) if r.serving)
+
+    def engine_argv(self, pool: PoolSpec, host: str, port: int) -> list[str]:
+        return engine_argv(self.sup.spec, pool, host, port, self.sup.weights.weights_for(pool))
+
+    def keep_serials_above(self, name: str, pool: str) -> None:
+        """An adopted replica's name is never given again to a new one."""
+        if (n := serial_of(name, pool)) is not None:
+            self._serial[pool] = itertools.count(max(n + 1, next(self._serial[pool])))
+
+    async def start(self, pool: PoolSpec) -> Replica:
+        sup = self.sup
+        name = f"{pool.name}-{next(self._serial[pool.name])}"
+        port = free_port()
+        r = Replica(name=name, pool=pool, port=port)
+        # The engines' own admin token, never the gateway's; vLLM reads its API key from
+        # VLLM_API_KEY.
+        env = {"UNBROKEN_ADMIN_TOKEN": sup.engine_token or "", **pool.engine.env}
+        if (key := pool_key(pool)) is not None:
+            env.setdefault("VLLM_API_KEY", key)
+        r.argv = self.engine_argv(pool, r.host, port)
+        r.proc, r.log_path = await sup.spawn(name, r.argv, env)
+        r.started_at = time.time()
+        sup.weights.reads(r.proc.pid)
+        if pool.engine.startup_nice and may_renice():
+            # The whole session spawn made (niceness.py: its process group and its
+            # autogroup): engines that fork workers while starting (vLLM's engine core) are
+            # lowered and raised with it.
+            with contextlib.suppress(OSError):
+                set_session_nice(r.proc.pid, pool.engine.startup_nice)
+                r.niced = True
+        self._cap_start(r)
+        self.by_name[name] = r
+        sup.save_plane()
+        log.info("started %s (pid %d, port %d)", name, r.pid, port)
+        sup.record("replica_started", replica=name, pid=r.pid)
+        return r
+
+    async def wait_health(self, r: Replica) -> None:
+        def alive() -> None:
+            if r.proc is not None and r.proc.returncode is not None:
+                raise StartupError(
+                    f"{r.name} exited with {r.proc.returncode} before "
+                    f"answering /health; log: {r.log_path}\n" + tail(r.log_path)
+                )
+
+        async with aiohttp.ClientSession() as s:
+            try:
+                await wait_ok(s, r.url + "/health", timeout=self.health_timeout, check=alive)
+            except TimeoutError:
+                raise StartupError(
+                    f"{r.name} did not answer /health within "
+                    f"{self.health_timeout:.0f} s; log: {r.log_path}"
+                ) from None
+        r.healthy_at = time.time()
+        self.sup.save_plane()
+        if r.niced and r.proc is not None:  # serving from here on: its fair share again
+            with contextlib.suppress(OSError):
+                set_session_nice(r.proc.pid, 0)
+            r.niced = False
+        self._uncap(r)
+
+    def _cap_start(self, r: Replica) -> None:
+        """The startup CPU quota, for a replica that starts beside serving ones (a first
+        `up` starts with nothing to protect, at full speed)."""
+        cores = r.pool.engine.startup_cpu
+        if not cores or r.proc is None or self._cap_unavailable:
+            return
+        if not any(o.serving for o in self.by_name.values() if o is not r):
+            return
+        try:
+            cap = CpuCap.create(f"unbroken-start-{os.getpid()}-{r.name}", cores)
+        except CpuCapUnavailable as e:
+            self._cap_unavailable = True
+            log.warning("no startup CPU quota for starting replicas: %s", e)
+            return
+        try:
+            cap.add(r.proc.pid)
+        except OSError as e:  # exited already
+            log.warning("startup CPU quota for %s: %s", r.name, e)
+            cap.release()
+            return
+        r.cpucap = cap
+        log.info("%s starts under a CPU quota of %s", r.name, cap.describe())
+
+    def _uncap(self, r: Replica) -> None:
+        cap, r.cpucap = r.cpucap, None
+        if cap is None:
+            return
+        held = cap.throttled_s()
+        try:
+            cap.release()
+        except OSError as e:
+            log.warning("could not lift %s's startup CPU quota: %s", r.name, e)
+            return
+        log.info("%s serves: CPU quota lifted (held back %.2f s while starting)", r.name, held)
+
+    async def register(self, r: Replica) -> None:
+        await self.sup.admin.add(url=r.url, name=r.name, pool=r.pool.name, cap=r.pool.cap)
+
+    async def bring_up(self, pool: PoolSpec) -> Replica:
+        """Start, stage 1, register, watch. A replica that fails on the way is stopped and
+        forgotten (never left behind as a dead entry)."""
+        r = await self.start(pool)
+        try:
+            await self.wait_health(r)
+            await self.register(r)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.stop(r, timeout=5)
+            raise
+        self.watch(r)
+        return r
+
+    def watch(self, r: Replica) -> None:
+        """From now on, replace `r` if it dies (unless it is being stopped)."""
+        self.sup.track(asyncio.create_task(self._on_exit(r), name=f"watch-{r.name}"))
+
+    async def _on_exit(self, r: Replica) -> None:
+        sup = self.sup
+        assert r.proc is not None
+        code = await r.proc.wait()
+        if sup.closing or r.stopping:
+            return
+        log.warning("%s (pid %s) exited unexpectedly with %s", r.name, r.pid, code)
+        sup.record("replica_died", replica=r.name, pid=r.pid, code=code)
+        self.by_name.pop(r.name, None)
+        sup.save_plane()
+        with contextlib.suppress(AdminError):
+            await sup.admin.remove(name=r.name)
+        if not sup.restart:
+            return
+        await self._replace(r)
+
+    async def _replace(self, r: Replica) -> None:
+        """Bring up a successor of `r`, retrying with backoff until one serves (the pool
+        stays at its declared size in the end, whatever failed on the way)."""
+        sup = self.sup
+        attempt = 0
+        self.replacing[r.name] = "starting"
+        try:
+            while not sup.closing:
+                attempt += 1
+                sup.restarts += 1
+                pool = sup.pool_spec(r.pool.name) or r.pool  # a rollout may have changed it
+                try:
+                    new = await self.bring_up(pool)
+                except (StartupError, AdminError, OSError) as e:
+                    delay = backoff(attempt)
+                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    self.replacing[r.name] = why
+                    log.error(
+                        "could not replace %s (attempt %d): %s; retrying in %.0f s",
+                        r.name,
+                        attempt,
+                        why,
+                        delay,
+                    )
+                    sup.record(
+                        "replace_failed", replica=r.name, attempt=attempt, error=why, retry_s=delay
+                    )
+                    await asyncio.sleep(delay)
+                    continue
+                sup.record("replica_replaced", replica=r.name, by=new.name, pid=new.pid)
+                log.info("%s replaced by %s", r.name, new.name)
+                return
+        finally:
+            self.replacing.pop(r.name, None)
+
+    async def stop(self, r: Replica, *, timeout: float = 30.0) -> int | None:
+        """SIGTERM (the engine finishes its requests), SIGKILL after `timeout`."""
+        r.stopping = True
+        if r.proc is None or r.proc.returncode is not None:
+            return r.proc.returncode if r.proc else None
+        try:
+            return await terminate(r.proc, timeout)
+        finally:
+            self._uncap(r)
+            self.by_name.pop(r.name, None)
+            self.sup.save_plane()
