@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import typer
@@ -51,14 +50,6 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
     console().print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
-
-
-def read_secret(path: Path, label: str) -> str:
-    """A token file's contents, or a one-line error naming `label`."""
-    try:
-        return path.read_text().strip()
-    except OSError as e:
-        fail(f"{label}: {e.strerror}")
 
 
 def bind_error(e: OSError) -> str | None:
