@@ -5,6 +5,10 @@ Server `a` (pool primary, gets the streams) runs with `--stream-interval 4`: one
 carries several tokens. Each disruption (SIGKILL, SIGTERM with both shutdown timeouts,
 SIGSTOP, drain) hits `a` mid-stream; every stream is compared, byte for byte, with the same
 greedy request made without disruption straight to `b`.
+
+The order saves vLLM starts (tens of seconds each on CPU): the tests that leave `a` running
+come first, then the three that kill it, each of the first two starting it again (the next
+test waits for it after computing its references on `b`); the last leaves it dead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from vllmstack import (
     finish_of,
     ref_text,
     reference,
+    references,
     sse_events,
     text_of,
     usage_of,
@@ -198,7 +203,13 @@ def metric_or_0(url: str, name: str, **labels: str) -> float:
 
 
 def restart_a(s: Stack, *args: str) -> None:
+    """Start `a` again; the next test waits for it (`a_back`) after its references, which
+    `b` computes while `a` starts on the other core."""
     s.a.restart(*args)
+
+
+def a_back(s: Stack) -> None:
+    """`a` up (after a `restart_a`) and back in the gateway's rotation."""
     s.a.wait_ready()
     s.wait_in_rotation(s.a)
 
@@ -298,153 +309,6 @@ def test_engine_routes_pass_through(stack_random: Stack) -> None:
         assert "response.completed" in body_text
 
 
-# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
-def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-        ("/v1/completions", comp("def main():", LONG)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
-    rs = streams(s, bodies)
-    generating(s, rs)
-    t = time.monotonic()
-    s.a.signal(signal.SIGKILL)
-    for r, ref in zip(rs, refs, strict=True):
-        check_exact(r, ref)
-    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
-    gaps = [r.max_gap_after(t) for r in rs]
-    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
-
-    def moved() -> float:
-        return metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before
-
-    # A scrape stands in a worker's previous numbers while it is late: eventually exact.
-    wait_for(
-        lambda: moved() == 3,
-        timeout=10,
-        what=lambda: (
-            f"3 token-path migrations, read {moved()}; late workers "
-            f"{metric(s.g.url, 'unbroken_gateway_metrics_late_workers')}; "
-            + "; ".join(ln for ln in s.g.log.read_text().splitlines() if "continued on" in ln)
-        ),
-    )
-    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
-
-
-# -- items 2, 3: SIGTERM with vLLM's default --shutdown-timeout 0 ----------------------------
-def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/completions", comp("import os", LONG)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Write a poem", LONG)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    rs = streams(s, bodies)
-    generating(s, rs)
-    t = time.monotonic()
-    s.a.signal(signal.SIGTERM)
-    for r, ref in zip(rs, refs, strict=True):
-        check_exact(r, ref)
-    gaps = [r.max_gap_after(t) for r in rs]
-    aborts = metric_or_0(s.g.url, "unbroken_gateway_streams_migrated_total", reason="abort")
-    print(f"\nSIGTERM (timeout 0): gaps {[round(g, 2) for g in gaps]} s, aborts so far {aborts}")
-    # Detection well under the 10 s stall timeout (learned limit, dying-sibling signal).
-    assert max(gaps) < 6.0, gaps
-    restart_a(s, "--shutdown-timeout", "30", *A_ARGS)
-
-
-# -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
-def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack) -> None:
-    s = stack_random
-    body = comp("Once upon a time", LONG, **USAGE)
-    ref = reference(s.b.url, "/v1/completions", body)
-    (r,) = streams(s, [("/v1/completions", body)])
-    # Running on a (its first token out), not still queued there: a graceful shutdown
-    # finishes running requests; a queued one is refused and retried on b.
-    assert r.started.wait(120), "no token within 120 s"
-    s.a.signal(signal.SIGTERM)
-    time.sleep(0.5)
-    # New requests while a shuts down: a answers 500 "cannot schedule new futures after
-    # shutdown" (its /health stays 200); the client never sees it, and a leaves rotation.
-    served = []
-    for i in range(4):
-        rr = httpx.post(s.g.url + "/v1/completions", json=comp(f"n{i}", 4), timeout=60)
-        assert rr.status_code == 200, rr.text
-        served.append(rr.headers["x-unbroken-endpoint"])
-    assert served[-1] == f"127.0.0.1:{s.b.port}"
-    eps = admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
-    a_ep = next(e for e in eps if e["name"] == f"127.0.0.1:{s.a.port}")
-    assert not a_ep["healthy"], a_ep
-    check_exact(r, ref)  # the in-flight stream finished on a, whole
-    assert r.endpoint == f"127.0.0.1:{s.a.port}"
-    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
-
-
-# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
-def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    rs = streams(s, bodies)
-    # Enough events for the stall limit to be learned from the stream's own gaps.
-    generating(s, rs, events=STALL_LEARN + 4)
-    t = time.monotonic()
-    s.a.signal(signal.SIGSTOP)
-    try:
-        for r, ref in zip(rs, refs, strict=True):
-            check_exact(r, ref)
-    finally:
-        s.a.signal(signal.SIGCONT)
-    gaps = [r.max_gap_after(t) for r in rs]
-    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
-    assert max(gaps) < 6.0, gaps
-    # Suspected of hanging: back only after it serves a real completion again.
-    s.wait_in_rotation(s.a, timeout=60)
-
-
-# -- drain at a deadline (last: the drained endpoint leaves the gateway) ----------------------
-def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-    ]
-    refs = [reference(s.b.url, p, b) for p, b in bodies]
-    rs = streams(s, bodies)
-    name = f"127.0.0.1:{s.a.port}"
-    # The premise: the primary pool's only endpoint is still generating both streams (CI
-    # twice drained it with the gateway counting 0 in flight: removed at once, nothing left
-    # to migrate).
-    generating(s, rs)
-    r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
-    assert r.status_code < 300, r.text
-    at_drain = describe(rs)
-    for rd, ref in zip(rs, refs, strict=True):
-        check_exact(rd, ref)
-    assert [rd.endpoint for rd in rs] == [name, name]
-    moved = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline")
-    log_tail = s.g.log.read_text(errors="replace").splitlines()[-30:]
-    assert moved >= 2, f"clients at the drain: {at_drain}\n" + "\n".join(log_tail)
-    wait_for(
-        lambda: all(
-            e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
-        ),
-        timeout=30,
-        what="drained endpoint removed",
-    )
-
-
-__all__ = ["TOKEN"]
-
-
 def test_prefix_routing_raises_vllm_prefix_cache_hits(
     stack_random: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -484,3 +348,160 @@ def test_prefix_routing_raises_vllm_prefix_cache_hits(
             g.stop()
     assert gained["round_robin"] > 0, gained  # vLLM caches prefixes at all
     assert gained["prefix"] >= 1.5 * gained["round_robin"], gained
+
+
+# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
+def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    rs = streams(s, bodies)
+    # Enough events for the stall limit to be learned from the stream's own gaps.
+    generating(s, rs, events=STALL_LEARN + 4)
+    t = time.monotonic()
+    s.a.signal(signal.SIGSTOP)
+    try:
+        for r, ref in zip(rs, refs, strict=True):
+            check_exact(r, ref)
+    finally:
+        s.a.signal(signal.SIGCONT)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
+    assert max(gaps) < 6.0, gaps
+    # Suspected of hanging: back only after it serves a real completion again.
+    s.wait_in_rotation(s.a, timeout=60)
+
+
+# -- drain at a deadline (the drained endpoint leaves the gateway, then is added again) ------
+def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    rs = streams(s, bodies)
+    name = f"127.0.0.1:{s.a.port}"
+    # The premise: the primary pool's only endpoint is still generating both streams (CI
+    # twice drained it with the gateway counting 0 in flight: removed at once, nothing left
+    # to migrate).
+    generating(s, rs)
+    r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
+    assert r.status_code < 300, r.text
+    at_drain = describe(rs)
+    for rd, ref in zip(rs, refs, strict=True):
+        check_exact(rd, ref)
+    assert [rd.endpoint for rd in rs] == [name, name]
+    moved = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline")
+    log_tail = s.g.log.read_text(errors="replace").splitlines()[-30:]
+    assert moved >= 2, f"clients at the drain: {at_drain}\n" + "\n".join(log_tail)
+    wait_for(
+        lambda: all(
+            e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+        ),
+        timeout=30,
+        what="drained endpoint removed",
+    )
+    # `a` itself still serves: back into the primary pool for the tests that kill it, so
+    # that it is started again only between those.
+    r = admin(s.g, "POST", "/admin/endpoints", {"url": s.a.url, "pool": "primary"})
+    assert r.status_code == 201 and r.json()["name"] == name, r.text
+    s.wait_in_rotation(s.a, timeout=60)
+
+
+# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
+def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+        ("/v1/completions", comp("def main():", LONG)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
+    rs = streams(s, bodies)
+    generating(s, rs)
+    t = time.monotonic()
+    s.a.signal(signal.SIGKILL)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
+
+    def moved() -> float:
+        return metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before
+
+    # A scrape stands in a worker's previous numbers while it is late: eventually exact.
+    wait_for(
+        lambda: moved() == 3,
+        timeout=10,
+        what=lambda: (
+            f"3 token-path migrations, read {moved()}; late workers "
+            f"{metric(s.g.url, 'unbroken_gateway_metrics_late_workers')}; "
+            + "; ".join(ln for ln in s.g.log.read_text().splitlines() if "continued on" in ln)
+        ),
+    )
+    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+
+
+# -- items 2, 3: SIGTERM with vLLM's default --shutdown-timeout 0 ----------------------------
+def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/completions", comp("import os", LONG)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Write a poem", LONG)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    rs = streams(s, bodies)
+    generating(s, rs)
+    t = time.monotonic()
+    s.a.signal(signal.SIGTERM)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    gaps = [r.max_gap_after(t) for r in rs]
+    aborts = metric_or_0(s.g.url, "unbroken_gateway_streams_migrated_total", reason="abort")
+    print(f"\nSIGTERM (timeout 0): gaps {[round(g, 2) for g in gaps]} s, aborts so far {aborts}")
+    # Detection well under the 10 s stall timeout (learned limit, dying-sibling signal).
+    assert max(gaps) < 6.0, gaps
+    restart_a(s, "--shutdown-timeout", "30", *A_ARGS)
+
+
+# -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
+def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack) -> None:
+    s = stack_random
+    body = comp("Once upon a time", LONG, **USAGE)
+    ref = reference(s.b.url, "/v1/completions", body)
+    a_back(s)
+    (r,) = streams(s, [("/v1/completions", body)])
+    # Running on a (its first token out), not still queued there: a graceful shutdown
+    # finishes running requests; a queued one is refused and retried on b.
+    assert r.started.wait(120), "no token within 120 s"
+    s.a.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    # New requests while a shuts down: a answers 500 "cannot schedule new futures after
+    # shutdown" (its /health stays 200); the client never sees it, and a leaves rotation.
+    served = []
+    for i in range(4):
+        rr = httpx.post(s.g.url + "/v1/completions", json=comp(f"n{i}", 4), timeout=60)
+        assert rr.status_code == 200, rr.text
+        served.append(rr.headers["x-unbroken-endpoint"])
+    assert served[-1] == f"127.0.0.1:{s.b.port}"
+    eps = admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+    a_ep = next(e for e in eps if e["name"] == f"127.0.0.1:{s.a.port}")
+    assert not a_ep["healthy"], a_ep
+    check_exact(r, ref)  # the in-flight stream finished on a, whole
+    assert r.endpoint == f"127.0.0.1:{s.a.port}"
+    # The module's last test: `a` is not started again.
+
+
+__all__ = ["TOKEN"]
