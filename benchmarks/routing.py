@@ -19,7 +19,7 @@ requests, the cluster's prefix-cache hit rate (the engines' vllm:prefix_cache_* 
 busiest/least-busy engine by requests served, failures; and the TTFT ratios to vllm-router
 cache_aware and round_robin. One table per workload; `--json` saves everything.
 
-    python benchmarks/routing.py [--duration 20] [--users 24] [--engines 3] [--no-peer]
+    python benchmarks/routing.py [--duration 20] [--users 25] [--engines 3] [--no-peer]
         [--routers latency,least_load,prefix,session,vllm-router:round_robin,...]
         [--workloads shared-prefix,multi-turn] [--json /tmp/routing.json]
         [--gateway-workers 1] [--gateway-replicas 1]
@@ -422,7 +422,13 @@ async def main() -> None:
     )
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per pass")
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds to start the users")
-    ap.add_argument("--users", type=int, default=24, help="closed-loop streaming users")
+    ap.add_argument(
+        "--users",
+        type=int,
+        default=25,
+        help="closed-loop streaming users (prime to --engines: with 24 users on 3 engines the "
+        "users fall into step and round robin keeps each conversation where it was)",
+    )
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1, help="the workloads' seed")
     ap.add_argument("--routers", default=",".join(DEFAULT_ROUTERS))
