@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +115,53 @@ def gateway_service(*endpoints: str, args: tuple[str, ...] = ()) -> tuple[Servic
     for e in endpoints:
         argv += ["--endpoint", e]
     return Service(argv, port), admin
+
+
+class UpPipeline:
+    """`unbroken up SPEC` in its own state directory and free ports, for a benchmark pass."""
+
+    def __init__(self, tmp: Path, spec: str, name: str, *, agent: bool = False) -> None:
+        self.state = tmp / f"state-{name}"
+        self.port, self.admin_port = free_port(), free_port()
+        self.ctl_port, self.agent_port = free_port(), free_port()
+        path = tmp / f"{name}.yaml"
+        path.write_text(spec)
+        self.env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state)}
+        self.env.pop("UNBROKEN_ADMIN_TOKEN", None)
+        argv = [
+            sys.executable, "-m", "unbroken", "up", str(path),
+            "--port", str(self.port), "--admin-port", str(self.admin_port),
+            "--controller-port", str(self.ctl_port), "--agent-port", str(self.agent_port),
+            *([] if agent else ["--no-agent"]),
+        ]  # fmt: skip
+        self.log = open(tmp / f"up-{name}.log", "wb")
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ctl(self) -> str:
+        return f"http://127.0.0.1:{self.ctl_port}"
+
+    async def wait(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.state / "run.json").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"pipeline did not start; see {self.log.name}")
+            await asyncio.sleep(0.2)
+
+    def stop(self, timeout: float = 90.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
 
 
 async def wait_http(url: str, timeout: float = 60.0) -> None:

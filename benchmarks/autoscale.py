@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,11 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import aiohttp
 
-from _common import table
+from _common import UpPipeline, table
 from unbroken.bench.load import LoadConfig, LoadRun, Record
 from unbroken.bench.stats import percentile
 from unbroken.controller.scaling import parse_demand
-from unbroken.wire.http import free_port
 
 
 def spec(args: argparse.Namespace, autoscaled: bool) -> str:
@@ -55,36 +51,7 @@ controller: {{convert_after_s: null, min_full_replicas: 0}}
 """
 
 
-class Pipeline:
-    def __init__(self, tmp: Path, text: str, name: str) -> None:
-        self.state = tmp / f"state-{name}"
-        self.port, self.admin_port = free_port(), free_port()
-        self.ctl_port, self.agent_port = free_port(), free_port()
-        path = tmp / f"{name}.yaml"
-        path.write_text(text)
-        env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state)}
-        env.pop("UNBROKEN_ADMIN_TOKEN", None)
-        argv = [
-            sys.executable, "-m", "unbroken", "up", str(path), "--no-agent",
-            "--port", str(self.port), "--admin-port", str(self.admin_port),
-            "--controller-port", str(self.ctl_port), "--agent-port", str(self.agent_port),
-        ]  # fmt: skip
-        self.log = open(tmp / f"up-{name}.log", "wb")
-        self.proc = subprocess.Popen(
-            argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def wait(self) -> None:
-        deadline = time.monotonic() + 120
-        while not (self.state / "run.json").exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"pipeline did not start; see {self.log.name}")
-            await asyncio.sleep(0.2)
-
+class Pipeline(UpPipeline):
     async def pools(self) -> dict[str, Any]:
         conn = aiohttp.UnixConnector(path=str(self.state / "supervisor.sock"))
         async with (
@@ -100,15 +67,6 @@ class Pipeline:
             s.get(f"http://127.0.0.1:{self.ctl_port}/decisions") as r,
         ):
             return list((await r.json())["decisions"])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 async def watch(p: Pipeline, t0: float, out: list[tuple[float, int, float]], stop: asyncio.Event):

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import aiohttp
 
-from _common import cpu_seconds, table
+from _common import UpPipeline, cpu_seconds, table
 from unbroken.bench.stats import percentile
 from unbroken.clients import EngineAdmin, GatewayAdmin
 from unbroken.config.paths import engine_token
-from unbroken.wire.http import free_port
 
 SPEC = """
 pools:
@@ -53,49 +51,9 @@ controller:
 """
 
 
-class Pipeline:
+class Pipeline(UpPipeline):
     def __init__(self, tmp: Path, agent: bool) -> None:
-        self.state = tmp / ("state-ebpf" if agent else "state-engine")
-        self.port, self.admin_port = free_port(), free_port()
-        self.ctl_port, self.agent_port = free_port(), free_port()
-        spec = tmp / "spec.yaml"
-        spec.write_text(SPEC)
-        self.env = {**os.environ, "UNBROKEN_STATE_DIR": str(self.state)}
-        self.env.pop("UNBROKEN_ADMIN_TOKEN", None)
-        argv = [
-            sys.executable, "-m", "unbroken", "up", str(spec),
-            "--port", str(self.port), "--admin-port", str(self.admin_port),
-            "--controller-port", str(self.ctl_port), "--agent-port", str(self.agent_port),
-            *([] if agent else ["--no-agent"]),
-        ]  # fmt: skip
-        self.log = open(tmp / f"up-{'ebpf' if agent else 'engine'}.log", "wb")
-        self.proc = subprocess.Popen(
-            argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ctl(self) -> str:
-        return f"http://127.0.0.1:{self.ctl_port}"
-
-    async def wait(self) -> None:
-        deadline = time.monotonic() + 120
-        while not (self.state / "run.json").exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"pipeline did not start; see {self.log.name}")
-            await asyncio.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        super().__init__(tmp, SPEC, "ebpf" if agent else "engine", agent=agent)
 
 
 class Users:
