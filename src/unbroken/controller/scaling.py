@@ -85,7 +85,12 @@ class ScalingLoop:
         record: Callable[[list[Decision]], None],
         contended: Callable[[], dict[str, int]],
         floor: Callable[[str], int],
+        converting: Callable[[], set[str]] | None = None,
     ) -> None:
+        """`contended`: contended replicas per pool; `floor`: the controller's least
+        replicas of a pool; `converting`: pools a dynamic-precision conversion is moving a
+        replica between, or holds one of until it converts back (the autoscaler leaves them
+        alone: one view of the pool, not two loops undoing each other)."""
         self.socket_path = socket_path
         self.admin_urls = admin_urls
         self.admin_token = admin_token
@@ -93,6 +98,7 @@ class ScalingLoop:
         self.record = record
         self.contended = contended
         self.floor = floor
+        self.converting = converting or (lambda: set())
         self.autoscaler: Autoscaler | None = None
         self._signature: tuple[Any, ...] = ()
         self._public: dict[str, str] = {}  # admin URL → the gateway's public URL
@@ -212,7 +218,7 @@ class ScalingLoop:
             return
         current = {p["name"]: int(p["live"]) for p in pools}
         declared = {p["name"]: int(p["declared"]) for p in pools}
-        busy = set(self._running)
+        busy = set(self._running) | (self.converting() & {p.name for p in a.pools})
         if sup.get("busy") or self._running:
             # The supervisor resizes one pool at a time (and never during a rollout,
             # conversion or reload): wait for it rather than be refused.
