@@ -294,3 +294,21 @@ def test_a_model_only_a_sleeping_pool_serves_wakes_it(up: Up) -> None:
     assert wakes and "waking" in wakes[0]["reason"]
     wait_for(lambda: _pools(up)["sleepy"]["live"] == 0, timeout=60, interval=0.2,
              what=lambda: f"sleepy back to 0: {json.dumps(_pools(up))}")  # fmt: skip
+
+
+def test_scale_up_is_bounded_by_the_machines_memory() -> None:
+    """`fits` counts each new replica at the largest resident size of the pool's live ones
+    against MemAvailable: this test process stands in for a replica."""
+    import os
+    from types import SimpleNamespace
+
+    from unbroken.pipeline import scale
+
+    me = SimpleNamespace(name="p-1", pid=os.getpid(), serving=True)
+    sup: Any = SimpleNamespace(replicas_of=lambda pool: [me])
+    n, why = scale.fits(sup, "p", 1)
+    assert (n, why) == (1, None)  # one more test process fits
+    n, why = scale.fits(sup, "p", 10**6)
+    assert 0 <= n < 10**6 and why is not None and "MiB available" in why
+    none: Any = SimpleNamespace(replicas_of=lambda pool: [])
+    assert scale.fits(none, "p", 3) == (3, None)  # nothing to size by: no limit

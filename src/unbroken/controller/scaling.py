@@ -28,6 +28,7 @@ __all__ = ["ScalingLoop", "parse_demand"]
 log = logging.getLogger("unbroken.controller.scaling")
 
 DEMAND = "unbroken_gateway_pool_demand"
+LIMITED_BACKOFF_S = 30.0
 
 
 def parse_demand(text: str) -> dict[str, float]:
@@ -107,6 +108,9 @@ class ScalingLoop:
         self.interval_s = 0.5
         self.last: dict[str, Any] = {}
         self._said_down: set[str] = set()
+        # A pool whose last scale-up the machine could not hold (memory): left alone this
+        # long rather than asked again every cool-down.
+        self._backoff: dict[str, float] = {}
 
     def _sup(self, timeout: float) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
@@ -218,7 +222,9 @@ class ScalingLoop:
             return
         current = {p["name"]: int(p["live"]) for p in pools}
         declared = {p["name"]: int(p["declared"]) for p in pools}
-        busy = set(self._running) | (self.converting() & {p.name for p in a.pools})
+        mono = time.monotonic()
+        backing_off = {p for p, until in self._backoff.items() if until > mono}
+        busy = set(self._running) | backing_off | (self.converting() & {p.name for p in a.pools})
         if sup.get("busy") or self._running:
             # The supervisor resizes one pool at a time (and never during a rollout,
             # conversion or reload): wait for it rather than be refused.
@@ -285,6 +291,8 @@ class ScalingLoop:
         finally:
             self._running.discard(d.pool)
         ok = bool(res.get("ok"))
+        if res.get("limited"):
+            self._backoff[d.pool] = time.monotonic() + LIMITED_BACKOFF_S
         self.metrics.decisions.labels(d.pool, d.direction, "done" if ok else "failed").inc()
         what = f"scale {d.direction} {'done' if ok else 'failed'}"
         why = (
@@ -292,6 +300,8 @@ class ScalingLoop:
             if ok
             else str(res.get("error") or res.get("errors"))
         )
+        if res.get("limited"):
+            why += f"; {res['limited']}"
         self.record([Decision(time.time(), d.pool, what, why, {"result": res})])
 
     async def run(self, stop: asyncio.Event) -> None:

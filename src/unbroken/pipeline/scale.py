@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,51 @@ class ScaleRequest(BaseModel):
     warmup_budget_s: float = Field(default=10.0, gt=0)
     health_timeout_s: float = Field(default=120.0, gt=0)
     ready_timeout_s: float = Field(default=30.0, gt=0)
+
+
+# Memory a machine keeps free after a scale-up: the page cache that pre-warm relies on, the
+# gateway's buffers, the kernel's own.
+MEM_HEADROOM = 512 * 2**20
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def fits(sup: Backend, pool: str, want: int) -> tuple[int, str | None]:
+    """How many of `want` new replicas of `pool` this machine can hold: each is counted at
+    the largest resident size of the pool's live replicas (an engine's memory is mostly its
+    weights and KV cache, the same for every replica of a pool), against MemAvailable less
+    MEM_HEADROOM. Unknown sizes (no live replica, no /proc) limit nothing."""
+    sizes = [s for r in sup.replicas_of(pool) if r.pid and (s := _rss(r.pid))]
+    avail = _available()
+    if not sizes or avail is None:
+        return want, None
+    each = max(sizes)
+    room = max(0, (avail - MEM_HEADROOM) // each)
+    if room >= want:
+        return want, None
+    why = (
+        f"memory: {avail / 2**20:.0f} MiB available holds {room} more replica(s) of "
+        f"{each / 2**20:.0f} MiB (keeping {MEM_HEADROOM // 2**20} MiB free), not {want}"
+    )
+    return int(room), why
 
 
 def _current(sup: Backend, name: str) -> PoolSpec | None:
@@ -82,7 +128,11 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
     added: list[str] = []
     removed: list[str] = []
     errors: list[str] = []
+    limited: str | None = None
     if req.replicas > before:
+        n, limited = fits(sup, pool.name, req.replicas - before)
+        if limited is not None:
+            await say("limited", reason=limited, adding=n)
 
         async def one() -> None:
             try:
@@ -94,7 +144,7 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
             base = _current(sup, pool.name) or pool
             sup.set_pool(base.model_copy(update={"replicas": min(hi, base.replicas + 1)}))
 
-        await asyncio.gather(*(one() for _ in range(req.replicas - before)))
+        await asyncio.gather(*(one() for _ in range(n)))
     elif req.replicas < before:
         deadline = (
             req.drain_deadline_s
@@ -130,6 +180,7 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
         "added": added,
         "removed": removed,
         "errors": errors,
+        "limited": limited,
         "seconds": round(time.monotonic() - t_start, 3),
     }
     await say("finished", **{k: v for k, v in summary.items() if k != "pool"})
