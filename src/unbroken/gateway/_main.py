@@ -55,17 +55,15 @@ from unbroken.gateway._handover import take_listener
 from unbroken.gateway._metrics import merge_expositions, retire
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._prefix_table import PrefixTable, table_entries
-from unbroken.gateway._ratelimit import MAX_TENANTS, TenantTable
-from unbroken.gateway._server import (
+from unbroken.gateway._process import (
     READINESS_LEAD_S,
     UNREADY_WARNING_S,
-    Gateway,
-    StaticEndpoint,
-    _bound_port,
-    _second_forces,
-    _warn_unready,
     resolve_token,
+    second_forces,
+    warn_unready,
 )
+from unbroken.gateway._ratelimit import MAX_TENANTS, TenantTable
+from unbroken.gateway._server import Gateway, StaticEndpoint, _bound_port
 from unbroken.gateway._shared import MAX_ENDPOINTS, MAX_WORKERS, SharedCounters, SharedSlot
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import ServerLimits, start_site
@@ -706,11 +704,11 @@ async def serve_main(
         finally:
             for c in orphans:  # the old workers drain now (or, if this start failed, too)
                 c.close()
-        loop.call_later(UNREADY_WARNING_S, _warn_unready, gw)
+        loop.call_later(UNREADY_WARNING_S, warn_unready, gw)
         tick = asyncio.create_task(gw._tick())
         stop, force = asyncio.Event(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, _second_forces, stop, force)
+            loop.add_signal_handler(sig, second_forces, stop, force)
         loop.add_signal_handler(signal.SIGHUP, gw.reload, reload_cfg)
         if early:
             gw.reload(reload_cfg)

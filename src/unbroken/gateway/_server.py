@@ -1,8 +1,9 @@
 """The gateway process: public OpenAI routes, the admin API on its own port, the prober.
 
-`run_gateway` with `workers=1` runs all of it in this process. With more, this process is
-the main one (`_main.py`): it owns the listening socket, the admin API, the prober and
-discovery, and supervises worker processes (`_worker.py`) that serve the public routes.
+`Gateway` is all of it in one process (`_run.serve`, `--workers 1`). With more workers the
+main process (`_main.MainGateway`) owns the listening socket, the admin API, the prober and
+discovery, and supervises worker processes (`_worker.WorkerGateway`) that serve the public
+routes; both are Gateways. How a process is started and stopped is in `_run`/`_process`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -40,13 +39,13 @@ from unbroken.wire.http import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
     from unbroken.gateway._discovery import Discovery, K8sSettings
     from unbroken.gateway._prefix_table import PrefixTable
     from unbroken.gateway._shared import SharedCounters
 
-__all__ = ["Gateway", "GatewayConfig", "StaticEndpoint", "default_workers", "run_gateway"]
+__all__ = ["Gateway", "GatewayConfig", "StaticEndpoint"]
 
 log = logging.getLogger("unbroken.gateway")
 
@@ -441,119 +440,5 @@ def _bound_port(runner: web.AppRunner) -> int | None:
     return None
 
 
-async def serve(
-    cfg: GatewayConfig,
-    admin_token: str | None,
-    static: list[StaticEndpoint],
-    warmup: bool = True,
-    k8s: K8sSettings | None = None,
-    shutdown_timeout: float = 30.0,
-) -> None:
-    token = resolve_token(admin_token)
-    gw = Gateway(cfg, token)
-    try:
-        await gw.start(static, warmup=warmup, k8s=k8s)
-    except OSError:
-        await gw.stop()  # e.g. a port in use: close what was opened, then report it
-        raise
-    # No endpoint, or none that answers (wrong URL, not started), is worth a line in the log;
-    # after a moment, so that a supervisor registering its engines causes no false alarm.
-    asyncio.get_running_loop().call_later(UNREADY_WARNING_S, _warn_unready, gw)
-    stop, force = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _second_forces, stop, force)
-    loop.add_signal_handler(
-        signal.SIGHUP,
-        lambda: log.warning("SIGHUP: a reload needs --workers 2 or more; nothing done"),
-    )
-    await stop.wait()
-    log.info("gateway stopping: draining for up to %.0f s", shutdown_timeout)
-    gw.closing = "shutting down"
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(force.wait(), READINESS_LEAD_S)
-    await gw.drain_public(gw._runners[0], shutdown_timeout, force, "shutting down")
-    await gw.stop()
-
-
-def _second_forces(stop: asyncio.Event, force: asyncio.Event) -> None:
-    """The first SIGTERM drains; a second one ends what is left at once."""
-    if stop.is_set():
-        log.warning("second signal: ending the streams still open")
-        force.set()
-    stop.set()
-
-
-def resolve_token(admin_token: str | None) -> str:
-    if admin_token:
-        return admin_token
-    from unbroken.config.paths import admin_token as stored_token
-    from unbroken.config.paths import state_dir
-
-    token, path, _ = stored_token(state_dir())  # say where the token is, never what it is
-    log.warning("no admin token given: the admin API takes the one in %s", path)
-    return token
-
-
-# Between readiness going false and the listener closing: a load balancer polling /health
-# stops sending first, and requests that still arrive are served, not refused.
-READINESS_LEAD_S = 0.5
 # A draining process closes keep-alive connections that stayed idle this long.
 IDLE_GRACE_S = 1.0
-UNREADY_WARNING_S = 5.0
-MAX_DEFAULT_WORKERS = 8
-
-
-def default_workers() -> int:
-    """One per core this process may run on (its CPU affinity, and a cgroup v2 CPU quota such
-    as a Kubernetes CPU limit), at most MAX_DEFAULT_WORKERS: past that the main process and
-    the shared lock, not the cores, bound the gain."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, -(-int(quota) // int(period)))  # a limit of 1.5 CPUs: 2 workers
-    return max(1, min(n, MAX_DEFAULT_WORKERS))
-
-
-def _warn_unready(gw: Gateway) -> None:
-    text = gw.readiness()
-    if text.startswith("ok, but"):
-        log.warning("%s", text.removeprefix("ok, but "))
-
-
-def run_gateway(
-    cfg: GatewayConfig,
-    admin_token: str | None,
-    static: list[StaticEndpoint],
-    warmup: bool = True,
-    k8s: K8sSettings | None = None,
-    *,
-    workers: int = 1,
-    shutdown_timeout: float = 30.0,
-    reload_cfg: Callable[[], GatewayConfig] | None = None,
-) -> None:
-    """Serve until SIGTERM. `workers` > 1: a main process and that many serving workers
-    (SIGHUP reloads them); `reload_cfg` reads the settings on disk again for a reload."""
-    import uvloop
-
-    if workers <= 1:
-        uvloop.run(serve(cfg, admin_token, static, warmup, k8s, shutdown_timeout))
-        return
-    from unbroken.gateway._main import serve_main
-
-    uvloop.run(
-        serve_main(
-            cfg,
-            admin_token,
-            static,
-            warmup,
-            k8s,
-            workers=workers,
-            shutdown_timeout=shutdown_timeout,
-            reload_cfg=reload_cfg,
-        )
-    )

@@ -1,0 +1,114 @@
+"""The gateway package is a one-way stack: no module imports, at run time, one that imports it
+back (directly or through others). Runtime means any import the interpreter executes, at
+module level or inside a function; imports under `if TYPE_CHECKING:` (annotations only) are
+left out. A cycle makes the import order matter and hides which module is the lower layer, so
+a newcomer cannot read the package bottom-up; this test names the cycle it finds."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+GATEWAY = Path(__file__).parent.parent / "src" / "unbroken" / "gateway"
+PACKAGE = "unbroken.gateway"
+
+
+def runtime_imports(tree: ast.AST) -> set[str]:
+    """Absolute module names `tree` imports at run time (`if TYPE_CHECKING:` blocks left
+    out, their `else:` kept; `from unbroken.gateway import _x` counts as `_x`)."""
+    out: set[str] = set()
+
+    def walk(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for n in node.orelse:
+                walk(n)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            if node.module == PACKAGE:
+                out.update(f"{PACKAGE}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            walk(child)
+
+    walk(tree)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    """Module (file stem) → the gateway modules it imports at run time."""
+    mods = {p.stem: p for p in GATEWAY.glob("*.py")}
+    g: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps = set()
+        for imp in runtime_imports(ast.parse(path.read_text())):
+            parts = imp.split(".")
+            if imp.startswith(PACKAGE + ".") and parts[2] in mods and parts[2] != name:
+                deps.add(parts[2])
+        g[name] = deps
+    return g
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_cycle_and_skips_type_checking() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "from unbroken.gateway._pool import Endpoint\n"
+        "if TYPE_CHECKING:\n"
+        "    from unbroken.gateway._server import Gateway\n"
+        "def f():\n"
+        "    from unbroken.gateway import _main\n"
+    )
+    found = runtime_imports(tree)
+    assert "unbroken.gateway._pool" in found and "unbroken.gateway._main" in found
+    assert "unbroken.gateway._server" not in found
+
+
+def test_no_runtime_import_cycle_in_the_gateway() -> None:
+    g = graph()
+    assert len(g) > 20, "the gateway's modules were not found"
+    found = cycles(g)
+    if found:
+        edges = {
+            " ".join(scc): sorted(f"{a}->{b}" for a in scc for b in g[a] if b in scc)
+            for scc in found
+        }
+        pytest.fail(f"import cycles in the gateway: {edges}")
