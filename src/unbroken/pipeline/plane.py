@@ -154,6 +154,8 @@ async def adopt_plane(sup: Supervisor, say: Callable[[str], None]) -> bool:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(c.wait(), 5)
     if why:
+        if gw is not None:
+            gw.release()  # stop_plane looks again, with its own pidfd
         log.warning("not adopting the data plane left in %s: %s; replacing it", sup.state, why)
         say(f"stopping the data plane a previous supervisor left ({why})")
         await stop_plane(sup.state)
