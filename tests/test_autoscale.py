@@ -217,7 +217,7 @@ def test_pipeline_grows_wakes_and_shrinks_without_a_dropped_byte(up: Up) -> None
     assert (pools["primary"]["live"], pools["fallback"]["live"]) == (1, 0)
     assert (pools["primary"]["min"], pools["primary"]["max"]) == (1, 3)
 
-    n, toks = 16, 3000  # ~60 s each at 20 ms a token: they outlast the scale-up
+    n, toks = 16, 1500  # ~30 s each at 20 ms a token: they outlast the scale-up
     survivors = {0, 1, 2}
     leave = threading.Event()
     results: list[tuple[int, str, bool]] = [(0, "", False)] * n
