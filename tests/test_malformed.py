@@ -142,3 +142,40 @@ def test_gateway_reads_any_body_without_raising(body: bytes, chat: bool) -> None
     for tokens in (False, True):
         why = not_migratable(raw, chat, tokens=tokens)
         assert why is None or isinstance(why, str)
+
+
+HEADER_VALUES = [b"\xff\xfe", b"Bearer \xff\xfe", b"Bearer", b"", b"x" * 6000, b"caf\xc3\xa9 \x80"]
+HEADERS = ["authorization", "x-session-id", "x-unbroken-priority", "x-request-id", "x-api-key"]
+
+
+@pytest.fixture(scope="module")
+def tenant_gateway(
+    targets: tuple[Proc, Proc], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    from unbroken.config.tenants import key_digest
+
+    tmp: Path = tmp_path_factory.mktemp("malformed-tenants")
+    cfg = tmp / "gw.json"
+    cfg.write_text(json.dumps({"tenants": [{"name": "t", "api_keys": [key_digest("sk-t")]}]}))
+    g = gateway(tmp, targets[0].url, args=("--config", str(cfg)))
+    yield g
+    g.stop()
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_odd_header_bytes_are_never_a_5xx(
+    targets: tuple[Proc, Proc], tenant_gateway: Proc, header: str
+) -> None:
+    """Header values a client can send that are not text (aiohttp keeps undecodable bytes as
+    surrogates): an API key, a session key, a priority, a request id. CI's first such find
+    was a session header reaching the session hash as a str that would not encode."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    with httpx.Client(timeout=20) as c:
+        for g in (targets[1], tenant_gateway):
+            for v in HEADER_VALUES:
+                r = c.post(
+                    g.url + "/v1/completions",
+                    content=body,
+                    headers={"Content-Type": "application/json", header: v},
+                )
+                assert r.status_code < 500, (g.url, header, v[:20], r.status_code, r.text[:200])

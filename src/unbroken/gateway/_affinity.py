@@ -102,7 +102,8 @@ class CacheAware(LatencyAware):
         else:
             held = [0] * n
         if self.a.use_session and hint.session:
-            h = home(hint.session.encode(), candidates)
+            # A header's undecodable bytes arrive as surrogates: hash the bytes as sent.
+            h = home(hint.session.encode("utf-8", "surrogateescape"), candidates)
             # Consistent hashing with bounded loads (Mirrokni et al.): a home already running
             # more than (1 + balance_rel) x the mean in-flight of the candidates (counting
             # this request) gets no credit, so hashing's uneven share of sessions does not

@@ -43,7 +43,9 @@ class Tenants:
             if scheme.lower() == "bearer" and rest.strip():
                 key = rest.strip()
         if key is not None:
-            t = self.by_digest.get(hashlib.sha256(key.encode()).hexdigest())
+            # The bytes the client sent (aiohttp keeps undecodable ones as surrogates).
+            raw = key.encode("utf-8", "surrogateescape")
+            t = self.by_digest.get(hashlib.sha256(raw).hexdigest())
             if t is not None:
                 return t
         if self.anonymous is not None:
