@@ -333,3 +333,34 @@ def test_scale_up_is_bounded_by_the_machines_memory() -> None:
     assert 0 <= n < 10**6 and why is not None and "MiB available" in why
     none: Any = SimpleNamespace(replicas_of=lambda pool: [])
     assert scale.fits(none, "p", 3) == (3, None)  # nothing to size by: no limit
+
+
+def test_a_conversion_holds_the_pools_it_involves() -> None:
+    """Dynamic precision moves a replica from the full tier to the degraded one: the
+    autoscaler must not answer the full pool's loss with a new replica (nor retire the
+    converted one as idle) while the conversion holds; other pools scale as before."""
+    from unbroken.config.spec import ControllerSettings
+    from unbroken.controller.actions import EndpointView, Tiers
+    from unbroken.controller.config import ControllerConfig
+    from unbroken.controller.metrics import ControllerMetrics
+    from unbroken.controller.precision_driver import PrecisionDriver
+
+    cfg = ControllerConfig(
+        settings=ControllerSettings(convert_after_s=1.0),
+        admin_urls=[],
+        admin_token="t",
+        tiers=Tiers(("primary",), ("fallback",)),
+        supervisor_socket="/nonexistent.sock",
+    )
+    d = PrecisionDriver(cfg, ControllerMetrics(), lambda _: None, lambda c: c.close())
+    view = EndpointView("fallback-2", "fallback", "http://x", "ready", 0, 8, None, "normal")
+    assert d.pools_involved({}) == set()
+    d.precision.converted["fallback-2"] = "primary"
+    assert d.pools_involved({"fallback-2": view}) == {"primary", "fallback"}
+    d.precision.converted.clear()
+    d.converting = "primary-1"
+    assert d.pools_involved({}) == {"primary", "fallback"}
+    a = Autoscaler([PoolScaling("primary", 1, 4, 10.0), PoolScaling("other", 1, 4, 10.0)])
+    out = a.step(0.0, {"primary": 40.0, "other": 40.0}, {"primary": 1, "other": 1},
+                 busy=d.pools_involved({}))  # fmt: skip
+    assert [x.pool for x in out] == ["other"]

@@ -44,6 +44,18 @@ class PrecisionDriver:
             else None
         )
 
+    def pools_involved(self, views: Mapping[str, EndpointView]) -> set[str]:
+        """The pools a conversion is moving a replica between, or holds a converted replica
+        of until it goes back: the autoscaler leaves them alone (a conversion is not load)."""
+        if self.converter is None:
+            return set()
+        out = set(self.precision.converted.values())  # where converted replicas came from
+        out.update(v.pool for n, v in views.items() if n in self.precision.converted)
+        if self.converting is not None:
+            out.update(self.cfg.tiers.full)
+            out.update(self.cfg.tiers.degraded)
+        return out
+
     def step(
         self,
         mono: float,

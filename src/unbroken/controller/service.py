@@ -76,6 +76,7 @@ class Controller:
                 self._record,
                 self._contended_by_pool,
                 lambda pool: self.s.min_full_replicas if pool in cfg.tiers.full else 0,
+                lambda: self.precision_driver.pools_involved(self.views),
             )
             if cfg.supervisor_socket
             else None
