@@ -106,18 +106,15 @@ def _target(o: BenchOptions) -> tuple[str, PipelineControl | None, Sampler | Non
     """The URL to load and how to act and sample: the running `unbroken up`'s control socket
     and gateway admin API, else the user's scenario command."""
     from unbroken.bench.control import PipelineControl, Sampler
-    from unbroken.config.paths import RunInfo, state_dir
+    from unbroken.config.paths import RunInfo, read_admin_token, state_dir
 
     info = RunInfo.read(state_dir())
     url = o.url if o.url is not None else info.gateway_url if info else "http://127.0.0.1:8080"
     control = sampler = None
     if info is not None:
         control = PipelineControl(info.control_socket)
-        try:
-            token = Path(info.token_file).read_text().strip()
-            sampler = Sampler(info.admin_url, token)
-        except OSError:
-            sampler = None
+        token = read_admin_token(state_dir(), info)
+        sampler = Sampler(info.admin_url, token) if token else None
     elif o.scenario != "steady" and o.scenario_command:
         from unbroken.bench.usercontrol import CommandControl
 

@@ -148,3 +148,29 @@ class RunInfo:
         except PermissionError:
             pass
         return info
+
+
+def read_admin_token(directory: Path, info: RunInfo | None = None) -> str | None:
+    """The admin token a command talking to a running pipeline uses: UNBROKEN_ADMIN_TOKEN,
+    else the token file the running pipeline names (run.json), else DIR/admin-token; None
+    when none of them is there. The one reader of it (drain, fault, bench)."""
+    token = os.environ.get("UNBROKEN_ADMIN_TOKEN")
+    if token:
+        return token
+    path = Path(info.token_file) if info is not None else directory / "admin-token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def read_engine_token(directory: Path) -> str | None:
+    """The engines' admin token: UNBROKEN_ENGINE_TOKEN, else DIR/engine-token if the
+    pipeline wrote one (None: there is none). OSError when the file is there but unreadable."""
+    token = os.environ.get("UNBROKEN_ENGINE_TOKEN")
+    if token:
+        return token
+    path = engine_token_path(directory)
+    if not path.exists():
+        return None
+    return path.read_text().strip() or None

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,7 +68,13 @@ def _plan(
 def _tokens(admin_url: str | None) -> tuple[str, str, str | None]:
     """(gateway admin URL, admin token, engine token): from the environment, else the
     running pipeline's state directory."""
-    from unbroken.config.paths import RunInfo, engine_token_path, state_dir
+    from unbroken.config.paths import (
+        RunInfo,
+        engine_token_path,
+        read_admin_token,
+        read_engine_token,
+        state_dir,
+    )
 
     state = state_dir()
     info = RunInfo.read(state)
@@ -79,19 +83,14 @@ def _tokens(admin_url: str | None) -> tuple[str, str, str | None]:
             f"no pipeline running (UNBROKEN_STATE_DIR={state}): start one with `unbroken up`"
         )
     url = admin_url or (info.admin_url if info else "")
-    token = os.environ.get("UNBROKEN_ADMIN_TOKEN")
+    token = read_admin_token(state, info)
     if not token:
-        try:
-            token = Path(info.token_file if info else state / "admin-token").read_text().strip()
-        except OSError:
-            raise _Refused("no admin token: set UNBROKEN_ADMIN_TOKEN") from None
+        raise _Refused("no admin token: set UNBROKEN_ADMIN_TOKEN")
     # The engines' own token (`unbroken up` writes one); the admin token where there is none.
-    engine_token = os.environ.get("UNBROKEN_ENGINE_TOKEN")
-    if not engine_token and (path := engine_token_path(state)).exists():
-        try:
-            engine_token = path.read_text().strip()
-        except OSError as e:
-            raise _Refused(f"{path}: {e.strerror}") from None
+    try:
+        engine_token = read_engine_token(state)
+    except OSError as e:
+        raise _Refused(f"{engine_token_path(state)}: {e.strerror}") from None
     return url, token, engine_token
 
 

@@ -461,21 +461,17 @@ def drain_cli(
     name: str, *, admin_url: str | None, deadline_s: float | None, timeout: float, console: Console
 ) -> int:
     """Mark an endpoint draining and wait until the gateway has let it go (preStop hook)."""
-    import os
     import time
 
     from unbroken.clients import GatewayAdmin
+    from unbroken.config.paths import read_admin_token
 
     info = RunInfo.read(state_dir())
     url = admin_url or (info.admin_url if info else "http://127.0.0.1:8081")
-    token = os.environ.get("UNBROKEN_ADMIN_TOKEN")
+    token = read_admin_token(state_dir(), info)
     if not token:
-        path = Path(info.token_file) if info else state_dir() / "admin-token"
-        try:
-            token = path.read_text().strip()
-        except OSError:
-            console.print("[red]error:[/red] no admin token: set UNBROKEN_ADMIN_TOKEN")
-            return 2
+        console.print("[red]error:[/red] no admin token: set UNBROKEN_ADMIN_TOKEN")
+        return 2
 
     async def go() -> int:
         async with GatewayAdmin(url, token) as adm:
