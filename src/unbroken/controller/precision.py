@@ -18,8 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
+from unbroken.clients import SupervisorClient, SupervisorError, SupervisorRejected
 from unbroken.config.spec import ControllerSettings
 
 __all__ = ["ConvertPlan", "Converter", "plan"]
@@ -96,25 +95,17 @@ def plan(
 
 
 class Converter:
-    """Asks a local supervisor (`unbroken up`) to convert a replica."""
+    """Asks a local supervisor (`unbroken up`) to convert a replica: a summary (`ok`,
+    `new`, `seconds`), or `ok: False` and the reason, never an exception."""
 
     def __init__(self, socket_path: str, timeout: float = 300.0) -> None:
-        self.socket_path = socket_path
+        self.client = SupervisorClient(socket_path)
         self.timeout = timeout
 
     async def convert(self, endpoint: str, to_pool: str) -> dict[str, Any]:
-        conn = aiohttp.UnixConnector(path=self.socket_path)
-        async with (
-            aiohttp.ClientSession(
-                connector=conn, timeout=aiohttp.ClientTimeout(total=self.timeout)
-            ) as s,
-            s.post(
-                "http://supervisor/convert", json={"endpoint": endpoint, "to_pool": to_pool}
-            ) as r,
-        ):
-            body = await r.json(content_type=None)
-            if r.status != 200:
-                err = (body or {}).get("error") if isinstance(body, dict) else body
-                msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                return {"ok": False, "error": f"HTTP {r.status}: {msg}"}
-            return body
+        try:
+            return await self.client.convert(endpoint, to_pool, read_timeout=self.timeout)
+        except SupervisorRejected as e:
+            return {"ok": False, "error": f"HTTP {e.status}: {e.message}"}
+        except SupervisorError as e:
+            return {"ok": False, "error": str(e)}

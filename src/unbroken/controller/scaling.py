@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from unbroken.clients import SupervisorClient, SupervisorError, SupervisorRejected
 from unbroken.controller.actions import Decision
 from unbroken.controller.autoscale import Autoscaler, PoolScaling, ScaleDecision
 
@@ -92,7 +93,7 @@ class ScalingLoop:
         replicas of a pool; `converting`: pools a dynamic-precision conversion is moving a
         replica between, or holds one of until it converts back (the autoscaler leaves them
         alone: one view of the pool, not two loops undoing each other)."""
-        self.socket_path = socket_path
+        self.client = SupervisorClient(socket_path)
         self.admin_urls = admin_urls
         self.admin_token = admin_token
         self.metrics = _Metrics(registry)
@@ -111,18 +112,6 @@ class ScalingLoop:
         # A pool whose last scale-up the machine could not hold (memory): left alone this
         # long rather than asked again every cool-down.
         self._backoff: dict[str, float] = {}
-
-    def _sup(self, timeout: float) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=self.socket_path),
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        )
-
-    async def _pools(self) -> dict[str, Any]:
-        async with self._sup(5) as s, s.get("http://supervisor/pools") as r:
-            r.raise_for_status()
-            data: dict[str, Any] = await r.json()
-            return data
 
     def _configure(self, pools: list[dict[str, Any]]) -> None:
         """(Re)build the autoscaler when the set of ranged pools or their settings change."""
@@ -204,8 +193,8 @@ class ScalingLoop:
 
     async def once(self, session: aiohttp.ClientSession) -> None:
         try:
-            sup = await self._pools()
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            sup = await self.client.pools()
+        except SupervisorError as e:
             if "supervisor" not in self._said_down:
                 log.warning("autoscaler: the supervisor does not answer (%s); holding", e)
                 self._said_down.add("supervisor")
@@ -272,22 +261,11 @@ class ScalingLoop:
 
     async def _send(self, d: ScaleDecision) -> None:
         try:
-            async with (
-                self._sup(600) as s,
-                s.post(
-                    "http://supervisor/scale",
-                    json={"pool": d.pool, "replicas": d.desired, "reason": d.reason},
-                ) as r,
-            ):
-                body = await r.json(content_type=None)
-                if r.status != 200:
-                    err = body.get("error") if isinstance(body, dict) else body
-                    msg = err.get("message") if isinstance(err, dict) else str(err)
-                    res = {"ok": False, "error": f"HTTP {r.status}: {msg}"}
-                else:
-                    res = body
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            res = {"ok": False, "error": f"supervisor unreachable: {e}"}
+            res = await self.client.scale(d.pool, d.desired, d.reason)
+        except SupervisorRejected as e:
+            res = {"ok": False, "error": f"HTTP {e.status}: {e.message}"}
+        except SupervisorError as e:
+            res = {"ok": False, "error": str(e)}
         finally:
             self._running.discard(d.pool)
         ok = bool(res.get("ok"))
