@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from unbroken.gateway._continuation import not_migratable
+from unbroken.gateway._messages import SNAPSHOT_VERSION, HandedMsg, HandoverState
 from unbroken.gateway._relay import AdoptedSink
-from unbroken.gateway._stream import SNAPSHOT_VERSION, StreamRelay
+from unbroken.gateway._stream import StreamRelay
 
 if TYPE_CHECKING:
     from unbroken.gateway._worker import WorkerGateway
@@ -168,7 +169,7 @@ class Outbound:
             close = proto.close
         else:  # the response said `Connection: close` (a draining worker's answer)
             close = relay.resp is None or relay.resp.keep_alive is False
-        state = orjson.dumps({"v": SNAPSHOT_VERSION, "close": close, **relay.snapshot()})
+        state = orjson.dumps(HandoverState(v=SNAPSHOT_VERSION, close=close, **relay.snapshot()))
         fd = t.get_extra_info("socket").fileno()
         reading = t.is_reading()
         if reading:
@@ -197,7 +198,7 @@ class Outbound:
             t.abort()
         self.handed += 1
         with contextlib.suppress(Exception):
-            self.gw.send({"t": "handed", "dir": "out"})
+            self.gw.send(HandedMsg(t="handed", dir="out"))
         log.debug("stream %s handed to %s after %d tokens", relay.tracker.id, target, relay.sent)
         return True
 
@@ -354,7 +355,7 @@ class Inbound:
                 if len(fds) != 1 or n_state > _MAX_STATE:
                     raise ValueError(f"{len(fds)} descriptor(s), state of {n_state} bytes")
                 data = await _recv_exactly(loop, c, n_state + n_body)
-            state = orjson.loads(data[:n_state])
+            state: HandoverState = orjson.loads(data[:n_state])
             body = data[n_state:]
             if state.get("v") != SNAPSHOT_VERSION or not gw.takes_streams:
                 c.send(b"N")
@@ -412,7 +413,7 @@ class Inbound:
         conn.sink = sink
         gw.proxy.sinks.add(sink)
         self.adopted += 1
-        gw.send({"t": "handed", "dir": "in"})
+        gw.send(HandedMsg(t="handed", dir="in"))
         conn.task = asyncio.create_task(self._carry_on(relay, sink))
         if conn.lost:
             conn.task.cancel()

@@ -52,6 +52,20 @@ from prometheus_client.registry import Collector
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
 from unbroken.gateway._handover import take_listener
+from unbroken.gateway._messages import (
+    AggrMsg,
+    DrainMsg,
+    ForceMsg,
+    MetricsAsk,
+    RebalanceMsg,
+    StateMsg,
+    ToMain,
+    ToWorker,
+    WorkerSpec,
+    decode,
+    encode,
+    state_message,
+)
 from unbroken.gateway._metrics import merge_expositions, retire
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._prefix_table import PrefixTable, table_entries
@@ -99,9 +113,9 @@ class Worker:
     late: bool = False
     reading: asyncio.Task[None] | None = None  # its control socket's reader
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: ToWorker) -> None:
         if not self.writer.is_closing():
-            self.writer.write(orjson.dumps(msg) + b"\n")
+            self.writer.write(encode(msg))
 
 
 class _WorkerGauge(Collector):
@@ -222,13 +236,13 @@ class MainGateway(Gateway):
         share = None if batch is None else max(1, -(-batch // max(1, len(serving))))
         for w in serving:
             w.send(
-                {
-                    "t": "rebalance",
-                    "endpoint": ep.name,
-                    "priorities": list(priorities),
-                    "batch": share,
-                    "every_s": every_s,
-                }
+                RebalanceMsg(
+                    t="rebalance",
+                    endpoint=ep.name,
+                    priorities=list(priorities),
+                    batch=share,
+                    every_s=every_s,
+                )
             )
         return -1  # unknown here: the workers count them in their migration metrics
 
@@ -238,55 +252,17 @@ class MainGateway(Gateway):
             self._broadcast_soon = True
             asyncio.get_running_loop().call_soon(self.broadcast)
 
-    def snapshot(self) -> dict[str, Any]:
-        now = time.monotonic()
-        pool = self.pool
-        return {
-            "t": "state",
-            "seq": self._seq,
-            "default_cap": pool.default_cap,
-            "routes": pool.routes,
-            "routes_override": pool.routes_override,
-            "pool_order": pool.pool_order,
-            "closing": self.closing,
-            # How many gateway replicas share the tenants' limits, and this one's rank.
-            "replicas": [self.discovery.replicas, self.discovery.rank]
-            if self.discovery is not None
-            else [1, 0],
-            "endpoints": [
-                {
-                    "name": e.name,
-                    "col": e.slot.col,  # type: ignore[attr-defined]
-                    "url": e.url,
-                    "pool": e.pool,
-                    "cap": e.cap,
-                    "cap_ov": e.cap_override,
-                    "condition": e.condition,
-                    "condition_since": e.condition_since,
-                    "state": str(e.state),
-                    "healthy": e.healthy,
-                    "models": sorted(e.models),
-                    "error": e.last_error,
-                    "waiting": e.waiting,
-                    "running": e.running,
-                    "kv": e.kv_usage,
-                    # Adapter affinity in the workers (`_adapters.py`) needs what the prober
-                    # learned: which adapters each endpoint serves and runs.
-                    "adapters": e.adapters,
-                    "lora": None if e.lora is None else e.lora.as_dict(),
-                    "warmup_s": e.warmup_s,
-                    "deadline": None
-                    if e.state != State.DRAINING or e.drain_deadline is None
-                    else max(0.0, e.drain_deadline - now),
-                }
-                for e in pool.endpoints.values()
-            ],
-        }
+    def snapshot(self) -> StateMsg:
+        """The state the workers serve from (`_messages.state_message`)."""
+        d = self.discovery
+        # How many gateway replicas share the tenants' limits, and this one's rank.
+        replicas = [d.replicas, d.rank] if d is not None else [1, 0]
+        return state_message(self.pool, self._seq, self.closing, replicas, time.monotonic())
 
     def broadcast(self) -> None:
         self._broadcast_soon = False
         self._seq += 1
-        msg = orjson.dumps(self.snapshot()) + b"\n"
+        msg = encode(self.snapshot())
         for w in self.workers:
             if not w.writer.is_closing():
                 w.writer.write(msg)
@@ -342,21 +318,21 @@ class MainGateway(Gateway):
             cfg_path.write_text(self.cfg.model_dump_json())
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         handover = str(self.tmp / f"handover-{next(self._ids)}.sock")
-        spec = {
-            "cfg": str(cfg_path),
-            "shm": str(self.shared.path),
-            "prefix": None if self.prefix_table is None else str(self.prefix_table.path),
-            "tenants": None
+        spec = WorkerSpec(
+            cfg=str(cfg_path),
+            shm=str(self.shared.path),
+            prefix=None if self.prefix_table is None else str(self.prefix_table.path),
+            tenants=None
             if self.tenant_table is None
             else {"path": str(self.tenant_table.path), "slots": self.tenant_slots},
-            "row": row,
-            "ctl_fd": child.fileno(),
-            "listen_fd": self.listen.fileno(),
-            "log_level": logging.getLogger().getEffectiveLevel(),
-            "main_pid": os.getpid(),
-            "shutdown_timeout": self.shutdown_timeout,
-            "handover": handover,
-        }
+            row=row,
+            ctl_fd=child.fileno(),
+            listen_fd=self.listen.fileno(),
+            log_level=logging.getLogger().getEffectiveLevel(),
+            main_pid=os.getpid(),
+            shutdown_timeout=self.shutdown_timeout,
+            handover=handover,
+        )
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -382,7 +358,7 @@ class MainGateway(Gateway):
     async def _read(self, w: Worker, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(ConnectionError):
             while line := await reader.readline():
-                msg = orjson.loads(line)
+                msg: ToMain = decode(line)
                 t = msg["t"]
                 if t == "ack":
                     w.acked = msg["seq"]
@@ -511,11 +487,7 @@ class MainGateway(Gateway):
         targets = [w.handover for w in new_ws] if self.cfg.handover_on_reload else []
         for i, w in enumerate(old):
             w.draining = True
-            msg: dict[str, Any] = {
-                "t": "drain",
-                "timeout": self.cfg.request_timeout_s,
-                "why": "reload",
-            }
+            msg = DrainMsg(t="drain", timeout=self.cfg.request_timeout_s, why="reload")
             if targets:  # each old worker starts on another new one
                 k = i % len(targets)
                 msg["handover"] = targets[k:] + targets[:k]
@@ -533,14 +505,14 @@ class MainGateway(Gateway):
             self._reloading.cancel()
         for w in self.workers:
             w.draining = True
-            w.send({"t": "drain", "timeout": timeout, "why": "shutting down"})
+            w.send(DrainMsg(t="drain", timeout=timeout, why="shutting down"))
         with contextlib.suppress(OSError):
             self.listen.close()  # with every worker's copy closed, the port is free
 
         async def forward_force() -> None:
             await force.wait()
             for w in list(self.workers):
-                w.send({"t": "force"})
+                w.send(ForceMsg(t="force"))
 
         fwd = asyncio.create_task(forward_force())
         procs = [w.proc for w in list(self.workers)]
@@ -578,7 +550,7 @@ class MainGateway(Gateway):
             k = next(self._ids)
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self._asked[k] = (fut, w.row)
-            w.send({"t": "metrics", "id": k})
+            w.send(MetricsAsk(t="metrics", id=k))
             asks.append((k, fut, w))
         if asks:
             await asyncio.wait([f for _, f, _ in asks], timeout=METRICS_WAIT_S)
@@ -608,7 +580,7 @@ class MainGateway(Gateway):
         return merge_expositions(own, texts, self._retired_metrics)
 
     async def _answer_metrics(self, w: Worker, k: int) -> None:
-        w.send({"t": "aggr", "id": k, "text": await self.merged_metrics()})
+        w.send(AggrMsg(t="aggr", id=k, text=await self.merged_metrics()))
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         text = await self.merged_metrics()

@@ -28,6 +28,7 @@ from unbroken.gateway._continuation import (
     not_migratable,
     token_continuation_body,
 )
+from unbroken.gateway._messages import SNAPSHOT_VERSION, StreamState
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._prefix import RouteHint
 from unbroken.gateway._relay import ClientGone, ClientSink, SlowClient, StreamTracker
@@ -43,10 +44,10 @@ from unbroken.wire.sse import (
 )
 
 if TYPE_CHECKING:
+    from unbroken.config.spec import GatewaySettings as GatewayConfig
     from unbroken.gateway._metrics import GatewayMetrics
-    from unbroken.gateway._server import GatewayConfig
 
-__all__ = ["RelayHost", "StreamRelay"]
+__all__ = ["SNAPSHOT_VERSION", "RelayHost", "StreamRelay"]
 
 log = logging.getLogger("unbroken.gateway")
 
@@ -67,7 +68,6 @@ _DYING = ("reset", "truncated", "abort")
 # The break a worker makes to hand a stream to another process at a reload (`_handover`): not
 # the endpoint's failure, and not a migration (no limit, not counted as one).
 HANDOVER = "handover"
-SNAPSHOT_VERSION = 1  # of `StreamRelay.snapshot`: a worker refuses a stream in another format
 
 
 class RelayHost(Protocol):
@@ -257,9 +257,9 @@ class StreamRelay:
         self.interrupt(HANDOVER)
         return True
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> StreamState:
         """What another process needs to carry this stream on (all but the body's bytes,
-        which travel beside it): see `restore`."""
+        which travel beside it; `_messages.StreamState`): see `restore`."""
         x = self.x
         t = x.tracker
         return {
@@ -298,7 +298,7 @@ class StreamRelay:
         }
 
     @classmethod
-    def restore(cls, host: RelayHost, state: dict[str, Any], body: bytes) -> StreamRelay:
+    def restore(cls, host: RelayHost, state: StreamState, body: bytes) -> StreamRelay:
         """A stream another process handed over (`snapshot`); `resume` continues it."""
         wants = state["wants"]
         r = cls(

@@ -2,14 +2,8 @@
 from the main process (`_main.py`), with admission in the shared table (`_shared.py`).
 
 It learns endpoints, caps and routes from the main process's state messages over its control
-socket (newline-delimited JSON) and runs no prober, discovery or admin API of its own.
-
-    main → worker   state (endpoints, caps, routes), metrics (send your registry),
-                    aggr (the merged /metrics it asked for), drain (with, at a reload, the
-                    new workers' handover sockets), force
-    worker → main   up (serving), suspect (an endpoint hung), metrics, aggr? (a /metrics
-                    scrape landed here: ask for all workers' merged), handed (a stream went
-                    out to, or came in from, another worker)
+socket and runs no prober, discovery or admin API of its own. The messages both ways, and
+their codec, are typed in `_messages`.
 
 A drain (reload or shutdown) closes this worker's copy of the listener, lets each connection
 finish its current request, and exits 0; `force` ends the streams still open with an SSE
@@ -38,13 +32,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.config.spec import GatewaySettings
-from unbroken.gateway._adapters import LoraInfo
 from unbroken.gateway._handover import Inbound, Outbound, offer_listener
+from unbroken.gateway._messages import (
+    AckMsg,
+    AggrAsk,
+    MetricsMsg,
+    StateMsg,
+    SuspectMsg,
+    ToMain,
+    ToWorker,
+    UpMsg,
+    WorkerSpec,
+    apply_endpoint,
+    decode,
+    encode,
+)
 from unbroken.gateway._pool import Endpoint, State
 from unbroken.gateway._prefix_table import PrefixTable
 from unbroken.gateway._ratelimit import TenantTable
@@ -89,15 +95,16 @@ class WorkerGateway(Gateway):
         self._offer: asyncio.Task[None] | None = None
         self.listener_given = False  # a new main process has the listening socket
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: ToMain) -> None:
         if not self.writer.is_closing():
-            self.writer.write(orjson.dumps(msg) + b"\n")
+            self.writer.write(encode(msg))
 
     def _after_release(self, ep: Endpoint) -> None:
         """Drained endpoints are removed by the main process, which sees all workers."""
 
     # -- state from the main process -----------------------------------------------------------
-    def apply(self, snap: dict[str, Any]) -> None:
+    def apply(self, snap: StateMsg) -> None:
+        """A state message from the main process (`_messages.state_message`) made live."""
         pool = self.pool
         pool.default_cap = snap["default_cap"]
         pool.routes = snap["routes"]
@@ -123,14 +130,7 @@ class WorkerGateway(Gateway):
                     slot=SharedSlot(self.shared, d["col"]),
                 )
                 pool.add(ep)
-            ep.url, ep.pool, ep.cap, ep.cap_override = d["url"], d["pool"], d["cap"], d["cap_ov"]
-            ep.condition, ep.condition_since = d["condition"], d["condition_since"]
-            ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
-            ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
-            ep.adapters = d.get("adapters") or {}
-            ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None
-            ep.warmup_s = d.get("warmup_s")  # seeds the learned non-streaming answer limit
-            ep.set_state(State(d["state"]))
+            apply_endpoint(ep, d)
             if ep.state == State.DRAINING and d["deadline"] is not None:
                 if name not in self._drain_timers:  # the stream migration at the deadline
                     ep.drain_deadline = time.monotonic() + d["deadline"]
@@ -149,7 +149,7 @@ class WorkerGateway(Gateway):
     async def metrics_handler(self, request: web.Request) -> web.Response:
         k = next(self._ids)
         fut = self._asked[k] = asyncio.get_running_loop().create_future()
-        self.send({"t": "aggr?", "id": k})
+        self.send(AggrAsk(t="aggr?", id=k))
         try:
             text = await asyncio.wait_for(fut, MERGE_WAIT_S)
         except TimeoutError:
@@ -168,13 +168,13 @@ class WorkerGateway(Gateway):
     def send_metrics(self, k: int) -> None:
         """This worker's exposition to the main process, which merges every worker's."""
         self.send(
-            {"t": "metrics", "id": k, "text": generate_latest(self.metrics.registry).decode()}
+            MetricsMsg(t="metrics", id=k, text=generate_latest(self.metrics.registry).decode())
         )
 
     async def start_worker(self, listen: socket.socket) -> None:
         cfg = self.cfg
         self.proxy.session = client_session(connect_timeout=cfg.connect_timeout_s)
-        self.proxy.on_hang = lambda ep: self.send({"t": "suspect", "name": ep.name})
+        self.proxy.on_hang = lambda ep: self.send(SuspectMsg(t="suspect", name=ep.name))
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
         freeze_startup_heap()
         self.runner = await start_site(
@@ -214,11 +214,11 @@ class WorkerGateway(Gateway):
 
     async def control(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():
-            msg = orjson.loads(line)
+            msg: ToWorker = decode(line)
             t = msg["t"]
             if t == "state":
                 self.apply(msg)
-                self.send({"t": "ack", "seq": msg["seq"]})
+                self.send(AckMsg(t="ack", seq=msg["seq"]))
             elif t == "metrics":
                 self.send_metrics(msg["id"])
             elif t == "aggr":
@@ -228,7 +228,7 @@ class WorkerGateway(Gateway):
             elif t == "rebalance":
                 ep = self.pool.get(msg["endpoint"])
                 if ep is not None:
-                    self.rebalance(ep, msg["priorities"], msg.get("batch"), msg.get("every_s", 0.1))
+                    self.rebalance(ep, msg["priorities"], msg["batch"], msg["every_s"])
             elif t == "drain":
                 self.drain(msg["timeout"], msg["why"], msg.get("handover"))
             elif t == "force":
@@ -280,7 +280,7 @@ class WorkerGateway(Gateway):
         self.drain(self.shutdown_timeout, why)
 
 
-async def _run(spec: dict[str, Any]) -> None:
+async def _run(spec: WorkerSpec) -> None:
     cfg = GatewaySettings.model_validate_json(Path(spec["cfg"]).read_text())
     shared = SharedCounters(Path(spec["shm"]), row=spec["row"])
     # The prefix index all workers share (its columns are the admission table's).
@@ -295,7 +295,7 @@ async def _run(spec: dict[str, Any]) -> None:
     listen = socket.socket(fileno=spec["listen_fd"])
     gw.listen = listen
     # The first state arrives before we serve, so the first request finds the endpoints.
-    first = orjson.loads(await reader.readline())
+    first: StateMsg = decode(await reader.readline())
     gw.apply(first)
     await gw.start_worker(listen)
     if spec.get("handover"):
@@ -322,7 +322,7 @@ async def _run(spec: dict[str, Any]) -> None:
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
     control = asyncio.create_task(gw.control(reader))
-    gw.send({"t": "up", "pid": os.getpid()})
+    gw.send(UpMsg(t="up", pid=os.getpid()))
     await writer.drain()
     while gw.drain_task is None:
         await asyncio.sleep(0.05)
@@ -348,7 +348,7 @@ def _die_with_parent(main_pid: int) -> None:
 
 
 def main() -> None:
-    spec = orjson.loads(os.environ["UNBROKEN_GW_WORKER"])
+    spec: WorkerSpec = decode(os.environ["UNBROKEN_GW_WORKER"].encode())
     _die_with_parent(spec["main_pid"])
     logging.basicConfig(
         level=spec.get("log_level", logging.INFO),
