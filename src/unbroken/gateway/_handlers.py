@@ -1,0 +1,450 @@
+"""The proxy's HTTP face: the OpenAI routes (`completions`, `chat`), `/v1/models`, and the
+engine routes it forwards without interpreting them (`passthrough`).
+
+A completion is read only as far as the gateway needs (`wire.openai.gateway_view`: model,
+stream, sequences), its tenant and priority identified (`_tenancy`), its limits checked, and
+then handed to the attempt loop (`_forward.Forwarder`). The parts used here (`tenancy`,
+`headers`, `legs`, `health`, `forwarder`) are built by `_proxy.Proxy`, which is this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from unbroken.gateway._continuation import augment
+from unbroken.gateway._forward import Completion, Forwarder
+from unbroken.gateway._headers import Headers, request_id
+from unbroken.gateway._health import EndpointHealth
+from unbroken.gateway._legs import Legs
+from unbroken.gateway._pool import Endpoint, Pool, State
+from unbroken.gateway._prefix import RouteHint, hint_of
+from unbroken.gateway._ratelimit import Lease, RateLimited
+from unbroken.gateway._tenancy import Tenancy
+from unbroken.gateway._upstream import UPSTREAM_ERRORS, Retry
+from unbroken.wire.errors import ApiError
+from unbroken.wire.openai import gateway_view, lax_bool
+
+if TYPE_CHECKING:
+    from unbroken.config.spec import GatewaySettings
+    from unbroken.config.tenants import TenantSpec
+    from unbroken.gateway._metrics import GatewayMetrics
+
+__all__ = ["PASSTHROUGH_ROUTES", "Handlers"]
+
+# Engine routes the gateway forwards without interpreting them (vLLM's names).
+PASSTHROUGH_ROUTES = (
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/pooling"),
+    ("POST", "/classify"),
+    ("POST", "/score"),
+    ("POST", "/v1/score"),
+    ("POST", "/rerank"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/v2/rerank"),
+    ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v1/audio/translations"),
+)
+
+
+class Handlers:
+    """The route handlers; the parts they use are set by `Proxy.__init__`."""
+
+    cfg: GatewaySettings
+    pool: Pool
+    metrics: GatewayMetrics
+    session: aiohttp.ClientSession | None
+    headers: Headers
+    health: EndpointHealth
+    tenancy: Tenancy
+    legs: Legs
+    forwarder: Forwarder
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/completions", chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/chat/completions", chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The models of the ready endpoints, with each engine's own fields (vLLM's
+        `max_model_len`, `root`, ...); a model no endpoint listed just now keeps a plain
+        entry."""
+        assert self.session is not None
+        eps = [e for e in self.pool.endpoints.values() if e.state == State.READY and e.healthy]
+        lists = await asyncio.gather(*(self._models_of(e) for e in eps))
+        merged: dict[str, dict[str, Any]] = {}
+        for data in lists:
+            for m in data:
+                merged.setdefault(m["id"], m)
+        now = int(time.time())
+        live = {m for e in self.pool.endpoints.values() for m in e.models}
+        for m in live:
+            merged.setdefault(
+                m, {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
+            )
+        if merged:
+            # What a sleeping pool (autoscaled to 0) serves is served too: it wakes on demand.
+            for m in self.pool.known_models() - live:
+                merged[m] = {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
+        if not merged:
+            # Nothing serves yet (engines starting): a script that waits for a 200 and takes
+            # data[0] would fail on an empty list; the openai client retries a 503.
+            raise ApiError(
+                503, "no endpoint is ready yet", code="no_endpoint", headers={"Retry-After": "1"}
+            )
+        data = [merged[k] for k in sorted(merged)]
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    async def _models_of(self, ep: Endpoint) -> list[dict[str, Any]]:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                ep.url + "/v1/models",
+                headers=self.headers.upstream({}, ep),
+                timeout=aiohttp.ClientTimeout(total=2.0),
+            ) as r:
+                if r.status != 200:
+                    return []
+                obj = orjson.loads(await r.read())
+        except (*UPSTREAM_ERRORS, orjson.JSONDecodeError):
+            return []
+        data = obj.get("data") if isinstance(obj, dict) else None
+        if not isinstance(data, list):
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """An engine route the gateway does not interpret (`/tokenize`, `/v1/embeddings`,
+        `/v1/responses`, ...): forwarded as is to a ready endpoint of the request's model (of
+        any model when it names none), with the same admission, retry before the first byte
+        (connect error, 5xx) and 4xx pass-through as completions. A stream is relayed byte for
+        byte; it is not migrated if its engine dies mid-way."""
+        t0 = time.monotonic()
+        rid = request_id(request)
+        priority = self.cfg.default_priority
+        status = 500
+        pool_label = "none"
+        tenant: TenantSpec | None = None
+        lease: Lease | None = None
+        headers: dict[str, str] | None = None
+        try:
+            priority, tenant = self.tenancy.identify(request)
+            body = await request.read()
+            obj: Any = None
+            if body and "json" in (request.content_type or ""):
+                try:
+                    obj = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    obj = None
+            model = obj.get("model") if isinstance(obj, dict) else None
+            stream = bool(lax_bool(obj.get("stream"))) if isinstance(obj, dict) else False
+            known = sorted(self.pool.known_models())
+            if not isinstance(model, str) or not model:
+                if not known:
+                    raise ApiError(
+                        503,
+                        "no endpoint is ready yet",
+                        code="no_endpoint",
+                        headers={"Retry-After": "1"},
+                    )
+                model = known[0]
+            elif model not in known:
+                raise ApiError(
+                    404,
+                    f"The model `{model}` does not exist.",
+                    param="model",
+                    code="model_not_found",
+                )
+            headers = self.headers.of(request, rid)
+            if body:
+                headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+            else:
+                del headers["Content-Type"]
+            lease = await self.tenancy.admit(tenant, headers)
+            resp, pool_label = await self._pass(
+                request, model, priority, body, headers, stream, t0, tenant, lease
+            )
+            status = resp.status
+            return resp
+        except ApiError as e:
+            status = e.status
+            e.headers.setdefault("X-Request-ID", rid)
+            self.tenancy.rate_headers(e, lease)
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(str(status), priority, pool_label).inc()
+            if headers is not None:
+                self.headers.done(headers)
+            self.tenancy.done(tenant, lease, status)
+
+    async def _pass(
+        self,
+        request: web.Request,
+        model: str,
+        priority: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        t0: float,
+        tenant: TenantSpec | None = None,
+        lease: Lease | None = None,
+    ) -> tuple[web.StreamResponse, str]:
+        assert self.session is not None
+        url_path = request.rel_url.raw_path_qs
+        tried: list[Endpoint] = []
+        deadline = t0 + self.cfg.request_timeout_s
+        for attempt in range(self.cfg.max_attempts):
+            if attempt and not self.pool.could_serve(model, priority, tried):
+                break
+            ep, n = await self.legs.admit(
+                model, priority, tried, size=len(body), tenant=tenant, leg=False
+            )
+            try:
+                limit = self.health.ttfb_limit(ep) if stream else deadline - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(limit, 0.0)):
+                        up = await self.session.request(
+                            request.method,
+                            ep.url + url_path,
+                            data=body or None,
+                            headers=self.headers.upstream(headers, ep),
+                        )
+                        sse = up.content_type == "text/event-stream"
+                        if up.status != 200 or not sse:
+                            data = await _read(up)
+                except (*UPSTREAM_ERRORS, Retry) as e:
+                    self.health.upstream_failed(ep, "connect", f"{type(e).__name__}: {e}")
+                    tried.append(ep)
+                    self.metrics.retries.labels("connect").inc()
+                    continue
+                if up.status >= 500:
+                    self.health.upstream_failed(
+                        ep, f"status_{up.status}", data[:300].decode(errors="replace")
+                    )
+                    tried.append(ep)
+                    self.metrics.retries.labels(f"status_{up.status}").inc()
+                    last = web.Response(
+                        status=up.status,
+                        body=data,
+                        content_type=up.content_type,
+                        headers=self.headers.response(headers, ep),
+                    )
+                    if attempt + 1 == self.cfg.max_attempts:
+                        return last, ep.pool
+                    continue
+                if up.status < 400:
+                    self.health.upstream_ok(ep)
+                if lease is not None and up.status == 200 and not sse:
+                    self.tenancy.charge_body(lease, data)
+                if not sse or up.status != 200:
+                    return web.Response(
+                        status=up.status,
+                        body=data,
+                        content_type=up.content_type,
+                        headers=self.headers.response(headers, ep),
+                    ), ep.pool
+                return await self._pass_stream(request, up, ep, headers), ep.pool
+            finally:
+                self.legs.release(ep, n)
+        raise ApiError(
+            502,
+            f"no endpoint could serve the request after {len(tried)} attempt(s)",
+            code="upstream_unavailable",
+        )
+
+    async def _pass_stream(
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        ep: Endpoint,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Relay an event stream byte for byte; a stall past `stall_timeout_s` or a broken
+        upstream ends it with an error event (no silent truncation)."""
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **self.headers.response(headers, ep),
+            }
+        )
+        await resp.prepare(request)
+        stall = self.cfg.stall_timeout_s
+        it = up.content.iter_any().__aiter__()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(stall):
+                        chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                await resp.write(chunk)
+        except (*UPSTREAM_ERRORS, TimeoutError) as e:
+            kind = "stall" if isinstance(e, TimeoutError) else "reset"
+            self.health.upstream_failed(ep, kind, f"pass-through stream: {type(e).__name__}")
+            err = {
+                "message": f"the upstream stream broke ({kind})",
+                "type": "upstream_error",
+                "param": None,
+                "code": "stream_broken",
+            }
+            await resp.write(b"event: error\ndata: " + orjson.dumps({"error": err}) + b"\n\n")
+        finally:
+            up.close()
+        await resp.write_eof()
+        return resp
+
+    async def _handle(self, request: web.Request, path: str, *, chat: bool) -> web.StreamResponse:
+        t0 = time.monotonic()
+        priority = self.cfg.default_priority
+        pool_label = "none"
+        status = 500
+        rid = request_id(request)
+        tenant: TenantSpec | None = None
+        lease: Lease | None = None
+        try:
+            priority, tenant = self.tenancy.identify(request)
+            body = await request.read()
+            view = gateway_view(body, chat)
+            model, streaming, weight = view.model, view.stream, view.sequences
+            if model is None:
+                # The engine serves its one model when none is named; so does the gateway.
+                known = self.pool.known_models()
+                if len(known) != 1:
+                    raise ApiError(
+                        400, "'model' is a required property", param="model", code="invalid_value"
+                    )
+                model = next(iter(known))
+            wants = _wants(view.raw) if streaming else None
+            tokens = None if streaming else _max_tokens(view.raw)
+            hint = self._hint(request, view.raw, chat, model)
+            # The body asking the engine for what continuation needs (`augment`), made from
+            # the dict parsed above.
+            plus = orjson.dumps(augment(view.raw)) if streaming else None
+            del view  # a waiter keeps its body's bytes, nothing bigger
+            if weight > self.cfg.max_sequences_per_request:
+                raise ApiError(
+                    400,
+                    f"this request asks for {weight} sequences (prompts times max(n, best_of)); "
+                    f"the limit is {self.cfg.max_sequences_per_request}",
+                    param="n",
+                    code="too_many_sequences",
+                )
+            if not self.pool.serves(model) and self.pool.configured(model) is None:
+                if (
+                    any(
+                        e.state in (State.STARTING, State.WARMING) and not e.models
+                        for e in self.pool.endpoints.values()
+                    )
+                    or not self.pool.endpoints
+                ):
+                    raise ApiError(
+                        503,
+                        "no endpoint is ready yet",
+                        code="no_endpoint",
+                        headers={"Retry-After": "1"},
+                    )
+                raise ApiError(
+                    404,
+                    f"The model `{model}` does not exist.",
+                    param="model",
+                    code="model_not_found",
+                )
+            headers = self.headers.of(request, rid)
+            lease = await self.tenancy.admit(tenant, headers)
+            c = Completion(
+                path,
+                model,
+                streaming,
+                weight,
+                body,
+                priority,
+                t0,
+                chat,
+                rid,
+                headers,
+                wants,
+                tokens,
+                hint,
+                plus,
+                tenant,
+                lease,
+            )
+            resp, pool_label = await self.forwarder.forward(request, c)
+            status = resp.status
+            return resp
+        except ApiError as e:
+            status = e.status
+            e.headers.setdefault("X-Request-ID", rid)
+            if e.status == 429 and not isinstance(e, RateLimited):
+                self.metrics.shed.labels(priority, e.code or "shed").inc()
+            self.tenancy.rate_headers(e, lease)
+            raise
+        except asyncio.CancelledError:
+            status = 499  # client closed the request (nginx's convention)
+            raise
+        finally:
+            self.metrics.requests.labels(str(status), priority, pool_label).inc()
+            if tenant is not None:
+                self.tenancy.done(tenant, lease, status)
+
+    def _hint(
+        self, request: web.Request, raw: dict[str, Any], chat: bool, model: str
+    ) -> RouteHint | None:
+        """What a cache- or session-aware policy needs of this request (None for others)."""
+        if not getattr(self.pool.policy, "wants_hint", False):
+            return None
+        return hint_of(
+            raw,
+            chat,
+            model,
+            block_chars=self.cfg.prefix_block_chars,
+            session=request.headers.get(self.cfg.session_header) or None,
+        )
+
+
+async def _read(up: aiohttp.ClientResponse) -> bytes:
+    """The whole body; a connection that breaks on the way is the endpoint's fault."""
+    try:
+        return await up.read()
+    except UPSTREAM_ERRORS as e:
+        raise Retry("reset", f"{type(e).__name__}: {e}") from None
+    finally:
+        up.release()
+
+
+def _max_tokens(raw: dict[str, Any]) -> int | None:
+    """The request's token limit per sequence (chat's `max_completion_tokens` first), None
+    when it sets none (the engine then fills the context)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = raw.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _wants(raw: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """What the client asked of the stream: (include_usage, continuous_usage_stats,
+    return_token_ids). The relay strips what it did not ask for."""
+    so = raw.get("stream_options")
+    so = so if isinstance(so, dict) else {}
+    return (
+        bool(lax_bool(so.get("include_usage"))),
+        bool(lax_bool(so.get("continuous_usage_stats"))),
+        bool(lax_bool(raw.get("return_token_ids"))),
+    )
