@@ -47,6 +47,22 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+def tree_pss_bytes(pid: int) -> int:
+    """Proportional set size of `pid` and its live descendants (/proc/PID/smaps_rollup): the
+    memory of a multi-process server without counting the pages its processes share once per
+    process, as summed RSS would."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """utime+stime+cutime+cstime of `pid` and its live descendants: the CPU of a whole
     multi-process server (a child that exits during a pass moves into its parent's cutime, so

@@ -17,7 +17,9 @@ medians: TTFT p50/p99 and their ratio to direct, the added TTFT, the inter-token
 the gateway's CPU per relayed chunk: utime+stime of the gateway's processes (for N workers,
 the main process and every worker; /proc) over the pass, divided by the tokens relayed (one
 per chunk). Only the gateway's processes count: the engine and the load client share the
-same cores and are not in it.
+same cores and are not in it. And its memory per open stream: the proportional set size of
+the gateway's processes (smaps_rollup: shared pages counted once) in the middle of the
+measured window, less the same taken idle right after it started, divided by the streams.
 
     python benchmarks/gateway_overhead.py [--duration 8] [--repeats 2] [--no-peer]
 """
@@ -49,6 +51,7 @@ from _common import (
     median,
     table,
     tree_cpu_seconds,
+    tree_pss_bytes,
     wait_http,
 )
 from _lean_client import LeanRun
@@ -69,6 +72,7 @@ class Target:
     pid: int | None = None  # the gateway's (main) process; None for direct
     why: str = ""  # why it is not running
     log: str = ""
+    idle_pss: int = 0  # its processes' PSS before any load
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -193,9 +197,18 @@ async def measure(
     assert t.url is not None
     c0 = tree_cpu_seconds(t.pid) if t.pid else 0.0
     e0, l0, w0 = tree_cpu_seconds(engine_pid), time.process_time(), time.monotonic()
+    pss: list[int] = []
+
+    async def sample() -> None:  # mid-window: every stream open, none ending
+        await asyncio.sleep(warmup + args.duration / 2)
+        if t.pid:
+            pss.append(tree_pss_bytes(t.pid))
+
+    sampler = asyncio.create_task(sample())
     run = await closed_loop(
         t.url, users, args.duration, args.max_tokens, ramp, warmup, client=args.client
     )
+    await sampler
     cpu = (tree_cpu_seconds(t.pid) - c0) if t.pid else float("nan")
     wall = time.monotonic() - w0
     engine_cores = (tree_cpu_seconds(engine_pid) - e0) / wall
@@ -213,6 +226,7 @@ async def measure(
         "cpu_share": cpu / wall,
         "chunks": chunks,
         "failed": sum(r.outcome != "ok" for r in run.records),
+        "mem_per_stream": (pss[0] - t.idle_pss) / users if pss and t.idle_pss else float("nan"),
     }
     fails = Counter(
         f"{r.outcome}: {(r.detail or '?')[:60]}" for r in run.records if r.outcome != "ok"
@@ -221,7 +235,8 @@ async def measure(
         f"  {users:>5} streams {t.name:<22} ttft p50 {out['p50'] * 1e3:8.2f} ms"
         f"  p99 {out['p99'] * 1e3:8.2f} ms  itl p50 {out['itl'] * 1e3:6.2f} ms"
         f"  chunks {chunks:>7}  cpu {out['cpu_per_chunk'] * 1e6:6.1f} us/chunk"
-        f"  failed {out['failed']}  cores: gw {out['cpu_share']:.2f}"
+        f"  failed {out['failed']}  mem {out['mem_per_stream'] / 1024:6.1f} KiB/stream"
+        f"  cores: gw {out['cpu_share']:.2f}"
         f" engine {engine_cores:.2f} client {client_cores:.2f}  {wall:.0f} s",
         file=sys.stderr,
     )
@@ -243,13 +258,13 @@ def rows_for(
     for t in targets:
         if not res.get(t.name):
             why = f"not run: {t.why}" if first else "not run (see above)"
-            rows.append([str(users), t.name, why] + [""] * 9)
+            rows.append([str(users), t.name, why] + [""] * 10)
             continue
         g = med(t.name)
         direct = t.name == "direct"
         if not g["chunks"] or g["p50"] != g["p50"]:
             why = f"no successful stream: {int(g['failed'])} failed, see {t.log}"
-            rows.append([str(users), t.name, why] + [""] * 8 + [f"0 / {int(g['failed'])}"])
+            rows.append([str(users), t.name, why] + [""] * 9 + [f"0 / {int(g['failed'])}"])
             continue
         cpu = g["cpu_per_chunk"] * 1e6
         rows.append(
@@ -265,6 +280,9 @@ def rows_for(
                 f"{g['itl'] * 1e3:.2f} / {g['itl99'] * 1e3:.2f}",
                 "-" if direct else f"{cpu:.1f}",
                 "-" if direct or pc != pc else f"{g['cpu_per_chunk'] / pc:.2f}x",
+                "-"
+                if g["mem_per_stream"] != g["mem_per_stream"]
+                else f"{g['mem_per_stream'] / 1024:.1f}",
                 f"{int(g['chunks'])} / {int(g['failed'])}",
             ]
         )
@@ -347,6 +365,8 @@ async def main() -> None:
             ),
         ]
         live = [t for t in targets if t.url]
+        for t in live:
+            t.idle_pss = tree_pss_bytes(t.pid) if t.pid else 0
         rows = []
         for users in args.concurrency:
             res: dict[str, list[dict[str, float]]] = {t.name: [] for t in live}
@@ -383,6 +403,7 @@ async def main() -> None:
                     "ITL p50 / p99 ms",
                     "gw CPU us/chunk",
                     "CPU vs vllm-router",
+                    "gw KiB/stream",
                     "chunks / failed",
                 ],
                 rows,
