@@ -454,9 +454,21 @@ def _hold(port: int, body: dict[str, Any]) -> socket.socket:
     return s
 
 
-def test_queue_is_bounded_by_count_and_bytes(tmp_path: Path) -> None:
+@pytest.fixture
+def engine_a(shared_engine: Proc) -> Proc:
+    """The module's engine (FAST steps), idle: the tests behind it bound what the gateway
+    holds, and a gateway that goes (or ends a stream) ends its upstream requests."""
+    wait_for(
+        lambda: metric(shared_engine.url, "vllm:num_requests_running") == 0,
+        timeout=30,
+        what="the shared engine idle",
+    )
+    return shared_engine
+
+
+def test_queue_is_bounded_by_count_and_bytes(tmp_path: Path, engine_a: Proc) -> None:
     """Queued requests had no limit at all (50 queued 4 MiB bodies: +415 MiB RSS)."""
-    a = engine(tmp_path, name="a")
+    a = engine_a
     g = gateway(
         tmp_path,
         a.url,
@@ -486,13 +498,12 @@ def test_queue_is_bounded_by_count_and_bytes(tmp_path: Path) -> None:
             s.close()
     finally:
         g.stop()
-        a.stop()
 
 
-def test_fan_out_counts_sequences(tmp_path: Path) -> None:
+def test_fan_out_counts_sequences(tmp_path: Path, engine_a: Proc) -> None:
     """`prompt: ["x"]*500, n: 64` was one slot of 256; now it is 32,000 sequences, over the
     per-request limit (400), and an allowed fan-out takes one slot per sequence."""
-    a = engine(tmp_path, name="a")
+    a = engine_a
     g = gateway(tmp_path, a.url, args=("--cap", "8"))
     try:
         r = httpx.post(
@@ -519,13 +530,12 @@ def test_fan_out_counts_sequences(tmp_path: Path) -> None:
         wait_endpoints(g, lambda eps: eps[0]["inflight"] == 0, timeout=20)
     finally:
         g.stop()
-        a.stop()
 
 
-def test_stream_buffer_budget_ends_the_slowest_stream(tmp_path: Path) -> None:
+def test_stream_buffer_budget_ends_the_slowest_stream(tmp_path: Path, engine_a: Proc) -> None:
     """With only the per-stream bound (4 MiB), stuck clients together held unbounded memory.
     Over the global budget, the stream with the most queued ends, with an error event."""
-    a = engine(tmp_path, name="a")
+    a = engine_a
     g = gateway(
         tmp_path,
         a.url,
@@ -559,7 +569,6 @@ def test_stream_buffer_budget_ends_the_slowest_stream(tmp_path: Path) -> None:
         assert stream_text(events, chat=False) == expected_completion("k", 9).text
     finally:
         g.stop()
-        a.stop()
 
 
 def test_a_saturated_engine_is_slow_not_hung(tmp_path: Path) -> None:
