@@ -294,3 +294,33 @@ def test_conversations_and_shared_prompts_stay_put_across_two_workers(
         assert len({next(iter(v)) for v in where.values()}) == 2  # both engines are used
     finally:
         g.stop()
+
+
+def test_the_index_counts_its_own_estimate_of_hits_and_exports_it() -> None:
+    """Per admitted leg, the blocks looked up and the leading blocks the index credited to
+    the replica chosen: a repeated prompt is all hits, a new one none; the gateway's
+    /metrics exposes both (unbroken_gateway_prefix_*_blocks_total)."""
+    from prometheus_client import generate_latest
+
+    from unbroken.gateway._admission import Admission
+    from unbroken.gateway._metrics import GatewayMetrics
+    from unbroken.gateway._pool import Pool
+
+    pool = Pool(default_cap=256, policy=CacheAware())
+    for n in "ab":
+        pool.add(_ep(n))
+    shared = _words(600, 3)
+    for prompt in (shared, shared + " and a question", _words(300, 4)):
+        h = _hint(prompt)
+        ep = pool.pick("m", "standard", (), h)
+        assert ep is not None
+        pool.admitted(ep, "m", "standard", h)
+    pol = pool.policy
+    first, second, third = (
+        len(_hint(p).blocks) for p in (shared, shared + " and a question", _words(300, 4))
+    )
+    assert pol.lookup_blocks == first + second + third
+    assert pol.hit_blocks == first  # the second prompt's shared head, nothing else
+    text = generate_latest(GatewayMetrics(pool, Admission(pool, queue_timeout=1)).registry).decode()
+    assert f"unbroken_gateway_prefix_hit_blocks_total {float(first)}" in text
+    assert f"unbroken_gateway_prefix_lookup_blocks_total {float(first + second + third)}" in text

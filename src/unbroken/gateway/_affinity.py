@@ -82,6 +82,8 @@ class CacheAware(LatencyAware):
         super().__init__(settings)
         self.a = affinity or AffinitySettings()
         self.index = PrefixIndex(self.a.blocks_per_endpoint, table)
+        self.lookup_blocks = 0  # blocks of admitted prompts
+        self.hit_blocks = 0  # of those, the leading run the index credited where they went
 
     def _col(self, e: Endpoint) -> int | None:
         """`e`'s column in a shared table: its admission column (`_shared.SharedSlot`),
@@ -98,7 +100,9 @@ class CacheAware(LatencyAware):
         blocks, bc = hint.blocks, hint.block_chars
         if self.a.use_prefix:
             cached, col = self.index.cached, self._col
-            held = [cached(e.name, blocks, col(e)) * bc for e in candidates]
+            found = [cached(e.name, blocks, col(e)) for e in candidates]
+            hint.cached = {e.name: k for e, k in zip(candidates, found, strict=True)}
+            held = [k * bc for k in found]
         else:
             held = [0] * n
         if self.a.use_session and hint.session:
@@ -145,8 +149,15 @@ class CacheAware(LatencyAware):
         return out
 
     def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
-        if request.hint is not None and self.a.use_prefix:
-            self.index.record(ep.name, request.hint.blocks, self._col(ep))
+        hint = request.hint
+        if hint is not None and self.a.use_prefix:
+            # What the index believed the chosen replica held of this prompt, against what
+            # was looked up: the gateway's own estimate of the prefix hit rate
+            # (`unbroken_gateway_prefix_*_blocks_total`), to set beside the engines'
+            # vllm:prefix_cache_hits_total / _queries_total.
+            self.lookup_blocks += len(hint.blocks)
+            self.hit_blocks += hint.cached.get(ep.name, 0)
+            self.index.record(ep.name, hint.blocks, self._col(ep))
 
     def forget(self, name: str) -> None:
         self.index.forget(name)

@@ -15,7 +15,11 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -90,6 +94,32 @@ TENANT_REASONS = (
     "concurrent_streams",
 )
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+
+
+class _PrefixCollector(Collector):
+    """The prefix index's own estimate of its hit rate, from the policy's counters (summed
+    over workers like every counter); nothing when the policy keeps no index."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        pol = self.pool.policy
+        lookup, hit = getattr(pol, "lookup_blocks", None), getattr(pol, "hit_blocks", None)
+        if not isinstance(lookup, int) or not isinstance(hit, int):
+            return
+        yield CounterMetricFamily(
+            "unbroken_gateway_prefix_lookup_blocks",
+            "Prompt blocks (prefix_block_chars each) of the legs admitted by a prefix-aware "
+            "policy.",
+            value=lookup,
+        )
+        yield CounterMetricFamily(
+            "unbroken_gateway_prefix_hit_blocks",
+            "Of those, the leading blocks the gateway's prefix index credited to the replica "
+            "chosen: its estimate of the engines' prefix-cache hits.",
+            value=hit,
+        )
 
 
 class _PoolCollector(Collector):
@@ -353,6 +383,7 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pool, admission, sinks))
+        r.register(_PrefixCollector(pool))
         self._pool_children: dict[str, tuple[Any, Any]] = {}
         self.unknown_routes = Counter(
             "unbroken_gateway_unknown_route_requests",

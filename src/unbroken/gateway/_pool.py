@@ -140,7 +140,8 @@ class Endpoint:
     drain_deadline: float | None = None  # monotonic
     served: int = 0
     # Seconds its last warm-up (or hang check) completion took: the first sample of how long
-    # a non-streaming answer takes here (`_health.EndpointHealth.answer_limit`), before real ones are known.
+    # a non-streaming answer takes here (`_health.EndpointHealth.answer_limit`), before real
+    # ones are known.
     warmup_s: float | None = None
     state_since: float = field(default_factory=time.time)
     relays: set[Any] = field(default_factory=set)  # streams being relayed from here

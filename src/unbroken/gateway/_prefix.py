@@ -49,7 +49,7 @@ class RouteHint:
     """A request's prompt as block names, its length, and its session key, computed once per
     request; continuations of a stream carry their original's."""
 
-    __slots__ = ("block_chars", "blocks", "chars", "session")
+    __slots__ = ("block_chars", "blocks", "cached", "chars", "session")
 
     def __init__(
         self, blocks: list[int], chars: int, session: str | None, block_chars: int
@@ -58,6 +58,9 @@ class RouteHint:
         self.chars = chars
         self.session = session
         self.block_chars = block_chars
+        # Leading blocks the index credited to each candidate at the last pick (by name):
+        # what the chosen one held is counted when the leg is admitted.
+        self.cached: dict[str, int] = {}
 
 
 def prompt_text(raw: dict[str, Any], chat: bool) -> str:
