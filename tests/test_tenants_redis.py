@@ -181,3 +181,39 @@ def test_redis_down_keeps_serving_and_says_so_once(tmp_path: Path, redis: Redis)
     finally:
         g.stop()
         e.stop()
+
+
+def test_one_slow_store_answer_is_not_an_outage() -> None:
+    """A store that accepts connections and never answers (a black hole, as a stalled Redis
+    looks): a single timed-out call decides that request on local shares without marking
+    the store down; three in a row do. In process; the listener is a real socket."""
+    import asyncio
+    import socket
+
+    from unbroken.gateway._ratelimit import TIMEOUTS_DOWN, RedisStore, TenantTable
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    port = hole.getsockname()[1]
+
+    async def go() -> list[int]:
+        table = TenantTable()
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", 0.05, table)
+        store._warm = asyncio.get_running_loop().create_future()  # no script loading
+        store._warm.set_result(None)
+        flags = []
+        for _ in range(TIMEOUTS_DOWN):
+            assert await store.admit("t", [10, None, None], None) is None
+            flags.append(int(table.flags[0]))
+        for t in (store._probe, store._alive):
+            if t is not None:
+                t.cancel()
+        await store.r.aclose()
+        return flags
+
+    try:
+        flags = asyncio.run(go())
+    finally:
+        hole.close()
+    assert flags == [0] * (TIMEOUTS_DOWN - 1) + [1]

@@ -75,6 +75,11 @@ ALIVE_EVERY_S = 5.0
 WARM_S = 2.0  # the first connection and script load may take this long (once)
 
 
+# Store calls in a row that time out before the store counts as down (one slow answer on a
+# busy machine is not an outage; a refused connection is, at once).
+TIMEOUTS_DOWN = 3
+
+
 def cap_share(total: int, replicas: int, rank: int) -> int:
     """This replica's part of `total` (as `_discovery.cap_share`): parts add up to `total`."""
     replicas = max(1, replicas)
@@ -484,6 +489,8 @@ class RedisStore:
 
     PREFIX = "unbroken:rl:"
 
+    _timeouts = 0  # store calls in a row that timed out
+
     def __init__(self, url: str, timeout: float, table: TenantTable) -> None:
         import redis.asyncio as aioredis
 
@@ -602,8 +609,15 @@ class RedisStore:
                 self.timeout,
             )
         except Exception as e:  # never fail a request for the store
-            self._down(e)
+            # One slow answer on a busy machine is not an outage: that request is decided
+            # on local shares, and only TIMEOUTS_DOWN in a row (or any other error, such as
+            # a refused connection) mark the store down for every worker.
+            self._timeouts = self._timeouts + 1 if isinstance(e, TimeoutError) else TIMEOUTS_DOWN
+            if self._timeouts >= TIMEOUTS_DOWN:
+                self._timeouts = 0
+                self._down(e)
             return None
+        self._timeouts = 0
         ok, reason, retry_ms = int(res[0]), int(res[1]), float(res[2])
         levels = [float(res[3]), float(res[4]), float(res[5])]
         return bool(ok), _REASON.get(reason, ""), retry_ms / 1000.0, levels
