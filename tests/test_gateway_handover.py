@@ -102,14 +102,24 @@ def read_stream(
     return "".join(parts), usage
 
 
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
+@pytest.fixture(scope="module")
+def module_engines(logdir: Path) -> Iterator[tuple[Proc, Proc]]:
+    """Two engines for the module: the tests reload and stop gateways, never these."""
     args = ("--max-num-seqs", "64")
-    a = engine(tmp_path, *args, name="a")
-    b = engine(tmp_path, *args, name="b")
+    a = engine(logdir, *args, name="a")
+    b = engine(logdir, *args, name="b")
     yield a, b
     a.stop()
     b.stop()
+
+
+@pytest.fixture
+def engines(module_engines: tuple[Proc, Proc]) -> tuple[Proc, Proc]:
+    """The module's engines, idle: a test starts with nothing left running from the last
+    (a gateway that goes ends its upstream streams, and the engine drops them)."""
+    for e in module_engines:
+        wait_for(lambda e=e: _running(e) == 0, timeout=30, what=f"{e.url} idle")
+    return module_engines
 
 
 def test_five_reloads_hand_streams_over_under_40_users(
@@ -411,7 +421,9 @@ def test_client_leaving_after_handover_frees_the_engine(
         g.stop()
 
 
-async def test_a_refused_handover_leaves_the_stream_where_it_was(tmp_path: Path) -> None:
+async def test_a_refused_handover_leaves_the_stream_where_it_was(
+    tmp_path: Path, engines: tuple[Proc, Proc]
+) -> None:
     """The fallback, in one process: a handover whose target does not answer (no such
     socket) leaves the stream with its worker, which continues it by continuation after the
     cut, byte-exact, and counts why it kept it."""
@@ -425,7 +437,7 @@ async def test_a_refused_handover_leaves_the_stream_where_it_was(tmp_path: Path)
     from unbroken.gateway._server import Gateway, StaticEndpoint
     from unbroken.wire.http import free_port
 
-    e = engine(tmp_path)
+    e, _ = engines
     gw = Gateway(GatewaySettings(port=free_port(), admin_port=free_port()), "token")
     out: Outbound | None = None
     try:
@@ -467,7 +479,6 @@ async def test_a_refused_handover_leaves_the_stream_where_it_was(tmp_path: Path)
         if out is not None:
             out.stop()
         await gw.stop()
-        e.stop()
 
 
 def test_a_stream_that_cannot_move_finishes_in_the_old_worker(
