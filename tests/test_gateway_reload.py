@@ -46,14 +46,28 @@ def read_stream(c: httpx.Client, url: str, prompt: str, n: int) -> tuple[str, di
     return "".join(parts), error
 
 
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
+@pytest.fixture(scope="module")
+def module_engines(logdir: Path) -> Iterator[tuple[Proc, Proc]]:
+    """Two engines for the module: the tests signal and kill gateways, never these."""
     args = ("--decode-base-s", "0.01", "--max-num-seqs", "64")
-    a = engine(tmp_path, *args, name="a")
-    b = engine(tmp_path, *args, name="b")
+    a = engine(logdir, *args, name="a")
+    b = engine(logdir, *args, name="b")
     yield a, b
     a.stop()
     b.stop()
+
+
+@pytest.fixture
+def engines(module_engines: tuple[Proc, Proc]) -> tuple[Proc, Proc]:
+    """The module's engines, idle: a test starts with nothing left running from the last
+    (a gateway that goes ends its upstream streams, and the engine drops them)."""
+    for e in module_engines:
+        wait_for(
+            lambda e=e: metric(e.url, "vllm:num_requests_running") == 0,
+            timeout=30,
+            what=f"{e.url} idle",
+        )
+    return module_engines
 
 
 def test_five_reloads_under_40_streaming_users(tmp_path: Path, engines: tuple[Proc, Proc]) -> None:
