@@ -19,6 +19,7 @@ import pytest
 
 from helpers import MODEL, Proc, engine, gateway, metric, ready_endpoint
 from unbroken.config.tenants import key_digest
+from unbroken.engine.textmodel import expected_completion
 from unbroken.gateway._admission import Admission
 from unbroken.gateway._pool import Pool
 
@@ -378,3 +379,55 @@ def test_continued_stream_counted_once(tmp_path: Path) -> None:
     finally:
         for p in (g, a, b):
             p.stop()
+
+
+def test_a_stream_handed_over_at_a_reload_keeps_its_tenant_count(tmp_path: Path) -> None:
+    """concurrent_streams 1: a tenant's one stream is handed to a new worker by a reload
+    (SIGHUP); the new worker counts it, so a second stream of the tenant is still refused
+    while it runs, and its completion tokens are charged once in all."""
+    import signal
+
+    from helpers import admin, wait_for
+    from test_gateway_handover import read_stream as read_sse
+
+    e = engine(tmp_path, "--decode-base-s", "0.01")
+    cfg = tenants_config(
+        tmp_path / "gw.json",
+        [{"name": "acme", "key": KEYS["acme"], "limits": {"concurrent_streams": 1}}],
+    )
+    g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", "2"))
+    n = 400  # ~4 s at 10 ms a token: the reload happens in its middle
+    out: dict[str, Any] = {}
+    flowing = threading.Event()
+    try:
+        c = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEYS['acme']}"})
+        t = threading.Thread(
+            target=lambda: out.update(r=read_sse(c, g.url, "handed over", n, flowing=flowing.set))
+        )
+        t.start()
+        assert flowing.wait(20)
+        gen = admin(g, "GET", "/admin/status").json()["workers"]["generation"]
+        g.signal(signal.SIGHUP)
+        wait_for(
+            lambda: admin(g, "GET", "/admin/status").json()["workers"]["generation"] > gen,
+            timeout=30,
+            what="reload",
+        )
+        wait_for(lambda: metric(g.url, "unbroken_gateway_streams_handed_over_total",
+                                direction="in") >= 1, timeout=20, what="handed over")  # fmt: skip
+        assert t.is_alive(), "the stream ended before it was handed over"
+        r = complete(g, KEYS["acme"], max_tokens=2)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["type"] == "requests" or "concurrent" in r.text
+        t.join(60)
+        text, usage = out["r"]
+        assert usage["completion_tokens"] == n
+        assert text == expected_completion("handed over", n).text
+        wait_for(lambda: complete(g, KEYS["acme"], max_tokens=2).status_code == 200,
+                 timeout=10, what="the count back to 0")  # fmt: skip
+        charged = metric(g.url, "unbroken_gateway_tenant_tokens_total", tenant="acme",
+                         kind="completion")  # fmt: skip
+        assert charged == n + 2, charged  # the stream's tokens once, and the request after
+    finally:
+        g.stop()
+        e.stop()

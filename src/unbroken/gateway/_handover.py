@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from unbroken.gateway._continuation import not_migratable
-from unbroken.gateway._messages import SNAPSHOT_VERSION, HandedMsg, HandoverState
+from unbroken.gateway._messages import SNAPSHOT_VERSION, HandedMsg, HandoverState, LeaseState
 from unbroken.gateway._relay import AdoptedSink
 from unbroken.gateway._stream import StreamRelay
 
 if TYPE_CHECKING:
+    from unbroken.gateway._ratelimit import Lease
     from unbroken.gateway._worker import WorkerGateway
 
 __all__ = ["Inbound", "Outbound", "offer_listener", "take_listener", "takeover_dir"]
@@ -169,7 +170,10 @@ class Outbound:
             close = proto.close
         else:  # the response said `Connection: close` (a draining worker's answer)
             close = relay.resp is None or relay.resp.keep_alive is False
-        state = orjson.dumps(HandoverState(v=SNAPSHOT_VERSION, close=close, **relay.snapshot()))
+        lease = self.gw.proxy.tenancy.lease_state(relay)
+        state = orjson.dumps(
+            HandoverState(v=SNAPSHOT_VERSION, close=close, lease=lease, **relay.snapshot())
+        )
         fd = t.get_extra_info("socket").fileno()
         reading = t.is_reading()
         if reading:
@@ -382,11 +386,13 @@ class Inbound:
                 gw.inflight_requests -= 1
             c.close()
         try:
-            await self._adopt(fd, relay, close)
+            await self._adopt(fd, relay, close, state.get("lease"))
         except Exception:  # committed: the old worker has let go, so this stream is lost
             log.exception("could not adopt handed-over stream %s", relay.tracker.id)
 
-    async def _adopt(self, fd: int, relay: StreamRelay, close: bool) -> None:
+    async def _adopt(
+        self, fd: int, relay: StreamRelay, close: bool, lease: LeaseState | None = None
+    ) -> None:
         """The connection is this worker's now (inflight_requests counts it)."""
         gw = self.gw
         loop = asyncio.get_running_loop()
@@ -414,11 +420,14 @@ class Inbound:
         gw.proxy.sinks.add(sink)
         self.adopted += 1
         gw.send(HandedMsg(t="handed", dir="in"))
-        conn.task = asyncio.create_task(self._carry_on(relay, sink))
+        tenant = gw.proxy.tenancy.adopted(relay, lease)  # its tenant's count comes along
+        conn.task = asyncio.create_task(self._carry_on(relay, sink, tenant))
         if conn.lost:
             conn.task.cancel()
 
-    async def _carry_on(self, relay: StreamRelay, sink: AdoptedSink) -> None:
+    async def _carry_on(
+        self, relay: StreamRelay, sink: AdoptedSink, lease: Lease | None = None
+    ) -> None:
         try:
             await relay.resume(sink)
         except asyncio.CancelledError:
@@ -427,6 +436,7 @@ class Inbound:
             log.exception("handed-over stream %s failed", relay.tracker.id)
             sink.abort()
         finally:
+            self.gw.proxy.tenancy.adopted_end(relay, lease)
             self.gw.inflight_requests -= 1
 
     def _keep_serving(self, conn: _Conn) -> None:

@@ -293,9 +293,21 @@ class StreamState(TypedDict):
     tracker: TrackerState
 
 
+class LeaseState(TypedDict):
+    """A tenant's stream as its limits count it: the tokens charged so far (the new worker
+    charges only what comes after) and whether the shared store counts it."""
+
+    tenant: str
+    prompt: int
+    completion: int
+    remote: bool
+
+
 class HandoverState(StreamState):
     """What goes over the handover socket: the stream's state, its format's version, and
-    whether the client's response closes the connection."""
+    whether the client's response closes the connection; `lease`, its tenant's count (absent
+    without tenants, or from a worker of before it was carried)."""
 
     v: int
     close: bool
+    lease: NotRequired[LeaseState | None]

@@ -326,6 +326,24 @@ class Limiter:
         if lease.headers is None:
             lease.headers = _headers(per_min, levels)
 
+    def adopt(self, name: str, prompt: int, completion: int, remote: bool) -> Lease | None:
+        """A stream of tenant `name` handed over from another worker at a reload (it was
+        admitted there): counted again here as an open stream, without a check and without
+        a request, with the tokens already charged there (only what comes after is charged
+        here). None for a tenant this process does not know."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return None
+        lease = Lease(name, slot, remote=remote and self.store is not None)
+        lease.prompt, lease.completion = prompt, completion
+        tb = self.table
+        with tb.lock():
+            tb.streams[tb.row, slot] += 1
+        lease.counted = True
+        if lease.remote and self.store is not None:
+            self.store.pend(name, 0, 0, 1)
+        return lease
+
     def charge(self, lease: Lease, prompt: int | None, completion: int | None) -> None:
         """The request's tokens so far (totals, as its usage says): what is new is charged
         (a total that steps back, a split's given-back tokens, charges nothing)."""

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from unbroken.gateway._admission import PRIORITIES
 from unbroken.gateway._headers import Headers
+from unbroken.gateway._messages import LeaseState
 from unbroken.gateway._ratelimit import Lease, Limiter, RateLimited
 from unbroken.gateway._tenants import NONE, Tenants, priority_for
 from unbroken.wire.errors import ApiError
@@ -152,6 +153,37 @@ class Tenancy:
         self._metered[relay] = lease
         if self._meter is None or self._meter.done():
             self._meter = asyncio.get_running_loop().create_task(self._meter_loop())
+
+    def lease_state(self, relay: StreamRelay) -> LeaseState | None:
+        """A stream about to be handed to another worker: its tenant and what was charged,
+        its tokens counted up to now (the receiving worker charges the rest)."""
+        lease = self._metered.get(relay)
+        if lease is None or self.limiter is None:
+            return None
+        self.charge(lease, relay.x.prompt_tokens, relay.x.sent)
+        return LeaseState(
+            tenant=lease.tenant,
+            prompt=lease.prompt,
+            completion=lease.completion,
+            remote=lease.remote,
+        )
+
+    def adopted(self, relay: StreamRelay, state: LeaseState | None) -> Lease | None:
+        """A handed-over stream's tenant count taken over here (`lease_state`)."""
+        if state is None or self.limiter is None:
+            return None
+        lease = self.limiter.adopt(
+            state["tenant"], state["prompt"], state["completion"], state["remote"]
+        )
+        if lease is not None:
+            self.metering(relay, lease)
+        return lease
+
+    def adopted_end(self, relay: StreamRelay, lease: Lease | None) -> None:
+        if lease is None or self.limiter is None:
+            return
+        self.metered_end(relay)
+        self.limiter.finish(lease)
 
     def metered_end(self, relay: StreamRelay) -> None:
         lease = self._metered.pop(relay, None)
