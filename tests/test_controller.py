@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -403,14 +405,29 @@ class Load:
             )
 
 
+def all_at_once(*starts: Callable[[], Proc]) -> list[Proc]:
+    """Start processes side by side (each start returns once its /health answers), so their
+    interpreters' imports overlap; if one fails, the others are stopped and it is raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    failed = [e for f in futures if (e := f.exception()) is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
 @pytest.fixture
 def tiered(tmp_path: Path) -> Iterator[tuple[Proc, dict[str, Proc]]]:
     """Two fp16 replicas (pool primary) and one fp8 replica (pool fallback) behind a gateway."""
-    engines = {
-        "p-1": engine(tmp_path, name="p-1"),
-        "p-2": engine(tmp_path, name="p-2"),
-        "f-1": engine(tmp_path, "--profile", "fp8", name="f-1"),
-    }
+    p1, p2, f1 = all_at_once(
+        lambda: engine(tmp_path, name="p-1"),
+        lambda: engine(tmp_path, name="p-2"),
+        lambda: engine(tmp_path, "--profile", "fp8", name="f-1"),
+    )
+    engines = {"p-1": p1, "p-2": p2, "f-1": f1}
     g = gateway(tmp_path, *(f"{'primary' if n.startswith('p') else 'fallback'}={p.url}"
                             for n, p in engines.items()))  # fmt: skip
     yield g, engines
@@ -533,6 +550,12 @@ def test_contention_detected_acted_on_and_undone(
     )
 
 
+def _primary_baselines(url: str) -> bool:
+    """The controller has a baseline for both endpoints of the primary pool."""
+    eps = [e for e in _ctl_state(url).values() if e["pool"] == "primary"]
+    return len(eps) == 2 and all(e.get("ratio") is not None for e in eps)
+
+
 def test_slow_clients_never_reroute(tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]) -> None:
     """Clients that stop reading fill the gateway's per-stream buffers; the controller reports
     them per endpoint and never marks an endpoint contended or re-routes for them."""
@@ -541,7 +564,9 @@ def test_slow_clients_never_reroute(tmp_path: Path, tiered: tuple[Proc, dict[str
     socks: list[socket.socket] = []
     try:
         with Load(g.url, users=3):
-            time.sleep(2.0)
+            # Baselines learned first: from then on a wrong reading of slow clients as
+            # contention could act (was a fixed 2 s sleep).
+            wait_for(lambda: _primary_baselines(c.url), timeout=20, what="baselines learned")
             body = json.dumps(
                 {"model": MODEL, "prompt": "never read", "max_tokens": 4000, "stream": True}
             ).encode()
@@ -680,8 +705,8 @@ def test_an_agent_still_starting_is_waited_for_not_reported_down(
         args = ("--agent", f"http://127.0.0.1:{port}", "--full-pool", "primary")
         cs[name] = controller(
             tmp_path / name, g, *args, "--degraded-pool", "fallback", settings=LOOP_SETTINGS
-        ).start()
-    c_late, c_never = cs["late"], cs["never"]
+        )
+    c_late, c_never = all_at_once(cs["late"].start, cs["never"].start)
     late = ports["late"]
     a = None
     try:
@@ -702,6 +727,9 @@ def test_an_agent_still_starting_is_waited_for_not_reported_down(
         log_late = c_late.log.read_text()
         assert "waiting for the agent" in log_late, log_late
         assert "WARNING" not in log_late, log_late
+        # Done with the agent: its exit (detaching its uprobes, seconds) overlaps the wait
+        # below for the other controller's grace to end.
+        a.signal(signal.SIGTERM)
         assert "unknown" == httpx.get(c_never.url + "/state", timeout=2).json()["agent"]
         wait_for(
             lambda: "WARNING unbroken.controller: agent unreachable" in c_never.log.read_text(),
@@ -984,10 +1012,11 @@ def test_every_gateway_replica_discovered_from_kubernetes_is_told(
     from k8s_apiserver import ApiServer, Ep
 
     g1, engines = tiered
-    g2 = gateway(tmp_path, *(f"{'primary' if n.startswith('p') else 'fallback'}={p.url}"
-                             for n, p in engines.items()), name="gateway-2")  # fmt: skip
-    g3 = gateway(tmp_path, *(f"{'primary' if n.startswith('p') else 'fallback'}={p.url}"
-                             for n, p in engines.items()), name="gateway-3")  # fmt: skip
+    eps = [f"{'primary' if n.startswith('p') else 'fallback'}={p.url}" for n, p in engines.items()]
+    g2, g3 = all_at_once(
+        lambda: gateway(tmp_path, *eps, name="gateway-2"),
+        lambda: gateway(tmp_path, *eps, name="gateway-3"),
+    )
     api = ApiServer()
     monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
