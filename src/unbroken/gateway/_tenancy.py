@@ -57,15 +57,7 @@ class Tenancy:
                 value = self.cfg.priority_keys.get(auth[7:])
         if value is None:
             return self.cfg.default_priority
-        value = value.strip().lower()
-        if value not in PRIORITIES:
-            raise ApiError(
-                400,
-                f"{self.cfg.priority_header} must be one of {', '.join(PRIORITIES)}, got {value!r}",
-                param=self.cfg.priority_header,
-                code="invalid_priority",
-            )
-        return value
+        return self._asked(value)
 
     def identify(self, request: web.Request) -> tuple[str, TenantSpec | None]:
         """The request's priority and tenant. With tenants, the key names the tenant (or
