@@ -14,13 +14,14 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from unbroken.pipeline.reload import ReloadError
-from unbroken.pipeline.rollout import RolloutError, RolloutRequest
+from unbroken.pipeline.rollout import Progress, RolloutError, RolloutRequest
 
 if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
@@ -110,57 +111,61 @@ class ControlServer:
         await resp.write_eof()
         return resp
 
-    async def convert(self, request: web.Request) -> web.Response:
-        """Move one replica to another pool (dynamic precision); answers when done."""
+    async def _change(
+        self,
+        request: web.Request,
+        model: type[Any],
+        run: Callable[[Any, Progress], Awaitable[dict[str, Any]]],
+        what: Callable[[Any], str],
+        say: Callable[[Any, dict[str, Any]], None],
+    ) -> web.Response:
+        """A conversion or a resize: validate, refuse while another change runs (409), run,
+        answer its summary when done; a bad request is 400, an unexpected failure a summary
+        that says so."""
         from pydantic import ValidationError
 
-        from unbroken.pipeline.convert import ConvertRequest
-
         try:
-            req = ConvertRequest.model_validate_json(await request.read())
-        except ValidationError as e:
-            return _error(str(e), 400)
-        if self.sup.busy:
-            return _error("a rollout, conversion or reload is already running", 409)
-
-        async def progress(ev: dict[str, Any]) -> None:
-            detail = ev.get("reason") or ev.get("new") or ""
-            log.info("convert %s -> %s: %s %s", req.endpoint, req.to_pool, ev["event"], detail)
-
-        try:
-            summary = await self.sup.convert(req, progress)
-        except RolloutError as e:
-            return _error(str(e), 400)
-        except Exception as e:
-            log.exception("conversion of %s failed", req.endpoint)
-            summary = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        return web.json_response(summary)
-
-    async def scale(self, request: web.Request) -> web.Response:
-        """Resize an autoscaled pool (the controller's autoscaler); answers when done."""
-        from pydantic import ValidationError
-
-        from unbroken.pipeline.scale import ScaleRequest
-
-        try:
-            req = ScaleRequest.model_validate_json(await request.read())
+            req = model.model_validate_json(await request.read())
         except ValidationError as e:
             return _error(str(e), 400)
         if self.sup.busy:
             return _error("a rollout, conversion, scaling or reload is already running", 409)
 
         async def progress(ev: dict[str, Any]) -> None:
-            if ev["event"] in ("started", "finished", "rollback", "drain_failed"):
-                log.info("scale %s: %s %s", req.pool, ev["event"], _brief(ev))
+            say(req, ev)
 
         try:
-            summary = await self.sup.scale(req, progress)
+            summary = await run(req, progress)
         except RolloutError as e:
             return _error(str(e), 400)
         except Exception as e:
-            log.exception("scaling of %s failed", req.pool)
+            log.exception("%s failed", what(req))
             summary = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return web.json_response(summary)
+
+    async def convert(self, request: web.Request) -> web.Response:
+        """Move one replica to another pool (dynamic precision); answers when done."""
+        from unbroken.pipeline.convert import ConvertRequest
+
+        def say(req: Any, ev: dict[str, Any]) -> None:
+            detail = ev.get("reason") or ev.get("new") or ""
+            log.info("convert %s -> %s: %s %s", req.endpoint, req.to_pool, ev["event"], detail)
+
+        return await self._change(
+            request, ConvertRequest, self.sup.convert, lambda r: f"conversion of {r.endpoint}", say
+        )
+
+    async def scale(self, request: web.Request) -> web.Response:
+        """Resize an autoscaled pool (the controller's autoscaler); answers when done."""
+        from unbroken.pipeline.scale import ScaleRequest
+
+        def say(req: Any, ev: dict[str, Any]) -> None:
+            if ev["event"] in ("started", "finished", "rollback", "drain_failed"):
+                log.info("scale %s: %s %s", req.pool, ev["event"], _brief(ev))
+
+        return await self._change(
+            request, ScaleRequest, self.sup.scale, lambda r: f"scaling of {r.pool}", say
+        )
 
     async def reload(self, request: web.Request) -> web.Response:
         try:
