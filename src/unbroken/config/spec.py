@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from unbroken.config._base import Priority, _Spec
 from unbroken.config.tenants import RateLimitSettings, TenantSpec, check_tenants
 
 __all__ = [
@@ -29,15 +30,10 @@ __all__ = [
 Name = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 ]
-Priority = Literal["critical", "standard", "sheddable"]
 
 
 class SpecError(ValueError):
     """A spec that cannot be used; the message names the field."""
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class GatewaySettings(_Spec):

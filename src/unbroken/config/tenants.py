@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from unbroken.config._base import Priority, _Spec
 
 __all__ = ["RateLimitSettings", "TenantLimits", "TenantSpec", "key_digest"]
 
-Priority = Literal["critical", "standard", "sheddable"]
 TenantName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 ]
@@ -20,10 +21,6 @@ TenantName = Annotated[
 def key_digest(key: str) -> str:
     """The spec's form of an API key: `sha256:` and the hex digest of its UTF-8 bytes."""
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class TenantLimits(_Spec):

@@ -18,7 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unbroken.clients import AdminError
 from unbroken.pipeline.backend import Backend, ReplicaHandle
-from unbroken.pipeline.rollout import Progress, RolloutError, _retire, _wait_state, surge
+from unbroken.pipeline.rollout import (
+    Progress,
+    RolloutError,
+    _retire,
+    _wait_state,
+    require_pool,
+    surge,
+)
 
 __all__ = ["ConvertRequest", "run_convert"]
 
@@ -35,11 +42,7 @@ class ConvertRequest(BaseModel):
 
 
 async def run_convert(sup: Backend, req: ConvertRequest, progress: Progress) -> dict[str, Any]:
-    target = next((p for p in sup.spec.pools if p.name == req.to_pool), None)
-    if target is None:
-        raise RolloutError(
-            f"no pool named {req.to_pool!r} (pools: {', '.join(p.name for p in sup.spec.pools)})"
-        )
+    target = require_pool(sup, req.to_pool)
     old: ReplicaHandle | None = None
     source = None
     for p in sup.spec.pools:

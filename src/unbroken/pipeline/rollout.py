@@ -114,12 +114,23 @@ async def _wait_state(
     return False
 
 
-async def run_rollout(sup: Backend, req: RolloutRequest, progress: Progress) -> dict[str, Any]:
-    pool = next((p for p in sup.spec.pools if p.name == req.pool), None)
+def find_pool(sup: Backend, name: str) -> PoolSpec | None:
+    """The pool named `name` as the backend runs it now (set_pool keeps it current)."""
+    return next((p for p in sup.spec.pools if p.name == name), None)
+
+
+def require_pool(sup: Backend, name: str) -> PoolSpec:
+    """`find_pool`, or the RolloutError a caller of rollout, convert or scale sees."""
+    pool = find_pool(sup, name)
     if pool is None:
         raise RolloutError(
-            f"no pool named {req.pool!r} (pools: {', '.join(p.name for p in sup.spec.pools)})"
+            f"no pool named {name!r} (pools: {', '.join(p.name for p in sup.spec.pools)})"
         )
+    return pool
+
+
+async def run_rollout(sup: Backend, req: RolloutRequest, progress: Progress) -> dict[str, Any]:
+    pool = require_pool(sup, req.pool)
     engine = new_engine(pool.engine, req.engine)
     new_pool = pool.model_copy(update={"engine": engine})
     olds = sup.replicas_of(pool.name)

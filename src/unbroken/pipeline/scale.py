@@ -22,9 +22,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from unbroken.clients import AdminError
-from unbroken.config.spec import PoolSpec
 from unbroken.pipeline.backend import Backend, ReplicaHandle
-from unbroken.pipeline.rollout import Progress, RolloutError, _retire, _wait_state, surge
+from unbroken.pipeline.rollout import (
+    Progress,
+    RolloutError,
+    _retire,
+    _wait_state,
+    find_pool,
+    require_pool,
+    surge,
+)
 
 __all__ = ["ScaleRequest", "run_scale"]
 
@@ -87,10 +94,6 @@ def fits(sup: Backend, pool: str, want: int) -> tuple[int, str | None]:
     return int(room), why
 
 
-def _current(sup: Backend, name: str) -> PoolSpec | None:
-    return next((p for p in sup.spec.pools if p.name == name), None)
-
-
 async def _victim(sup: Backend, pool: str) -> ReplicaHandle | None:
     """The replica that costs least to retire: fewest streams in the gateway, newest on a
     tie (its page cache and prefix cache are the coldest)."""
@@ -106,11 +109,7 @@ async def _victim(sup: Backend, pool: str) -> ReplicaHandle | None:
 
 
 async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict[str, Any]:
-    pool = next((p for p in sup.spec.pools if p.name == req.pool), None)
-    if pool is None:
-        raise RolloutError(
-            f"no pool named {req.pool!r} (pools: {', '.join(p.name for p in sup.spec.pools)})"
-        )
+    pool = require_pool(sup, req.pool)
     lo, hi = pool.min_replicas, pool.max_replicas
     if not lo <= req.replicas <= hi:
         raise RolloutError(
@@ -141,7 +140,7 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
                 errors.append(str(e))
                 return
             added.append(new.name)
-            base = _current(sup, pool.name) or pool
+            base = find_pool(sup, pool.name) or pool
             sup.set_pool(base.model_copy(update={"replicas": min(hi, base.replicas + 1)}))
 
         await asyncio.gather(*(one() for _ in range(n)))
@@ -170,7 +169,7 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
             await say(
                 "removed", old=old.name, drain_s=round(time.monotonic() - t0, 3), exit_code=code
             )
-    now = _current(sup, pool.name)
+    now = find_pool(sup, pool.name)
     summary = {
         "ok": not errors,
         "pool": pool.name,
