@@ -24,11 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PERIOD_US", "CpuCap", "CpuCapUnavailable", "remove_cgroup"]
+__all__ = ["PERIOD_US", "PREFIX", "CpuCap", "CpuCapUnavailable", "remove_cgroup", "sweep_stale"]
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 10_000
+PREFIX = "unbroken-start-"  # + the supervisor's pid + "-" + the replica's name
 
 
 class CpuCapUnavailable(RuntimeError):
@@ -122,6 +123,36 @@ def remove_cgroup(path: Path, timeout: float = 5.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def sweep_stale() -> list[str]:
+    """Remove the startup cgroups of supervisors that are gone (`unbroken-start-PID-*` whose
+    PID is no longer alive), moving what still runs in them back to their parent: a replica
+    that was starting when its supervisor was killed keeps serving (the data plane outlives
+    its supervisor) and must not stay held to the starting quota. Another live supervisor's
+    cgroups are left alone. Returns the names removed; quiet where there is no cgroup."""
+    removed: list[str] = []
+    for version, root in ((1, V1_ROOT), (2, V2_ROOT)):
+        if version == 1 and not (root / "cpu.cfs_quota_us").exists():
+            continue
+        if version == 2 and "cpu" not in _read(root / "cgroup.controllers").split():
+            continue
+        try:
+            parent = root / _own_cgroup(version).lstrip("/")
+            children = [c for c in parent.iterdir() if c.name.startswith(PREFIX)]
+        except (CpuCapUnavailable, OSError):
+            return removed
+        for cg in children:
+            owner = cg.name[len(PREFIX) :].split("-", 1)[0]
+            if not owner.isdigit() or Path(f"/proc/{owner}").exists():
+                continue
+            try:
+                remove_cgroup(cg, timeout=2.0)
+            except OSError:
+                continue
+            removed.append(cg.name)
+        break
+    return removed
 
 
 def _read(path: Path) -> str:

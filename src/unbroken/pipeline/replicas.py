@@ -333,6 +333,7 @@ class ReplicaSet:
         """SIGTERM (the engine finishes its requests), SIGKILL after `timeout`."""
         r.stopping = True
         if r.proc is None or r.proc.returncode is not None:
+            self._uncap(r)  # an engine that died while starting leaves its cgroup otherwise
             return r.proc.returncode if r.proc else None
         try:
             return await terminate(r.proc, timeout)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from unbroken.config.spec import PipelineSpec, PoolSpec
 from unbroken.pipeline.backend import ReplicaHandle
 from unbroken.pipeline.companions import Companions
 from unbroken.pipeline.control_api import ControlServer
+from unbroken.pipeline.cpucap import sweep_stale
 from unbroken.pipeline.gateway_proc import GatewayProcess, render_gateway_settings
 from unbroken.pipeline.plane import (
     PLANE_FILE,
@@ -94,6 +96,8 @@ __all__ = [
 
 # The spec diff's helpers under the names they had here before reload.py (tests use them).
 _diff, _flatten, _not_applied = diff, flatten, not_applied
+
+log = logging.getLogger("unbroken.pipeline")
 
 
 class Supervisor:
@@ -281,6 +285,8 @@ class Supervisor:
         ensure_state_dir(self.state)
         self.lock()
         self.engine_token = engine_token(self.state)
+        if swept := sweep_stale():  # a dead supervisor's starting replicas, now uncapped
+            log.info("removed startup CPU quotas left by dead supervisors: %s", ", ".join(swept))
         await asyncio.get_running_loop().run_in_executor(None, self.prepare_weights, say)
         if not await adopt_plane(self, say):
             say("starting the gateway")
