@@ -33,7 +33,11 @@ def _words(n: int, offset: int = 0) -> str:
 
 
 def _core(
-    blocks: int = 64, *, caching: bool = True, outs: list[Output] | None = None
+    blocks: int = 64,
+    *,
+    caching: bool = True,
+    outs: list[Output] | None = None,
+    budget: int = 8192,
 ) -> EngineCore:
     prof = EngineProfile(
         "test",
@@ -43,6 +47,7 @@ def _core(
         decode_per_seq_s=0.0,
         prefill_per_token_s=0.0,
         enable_prefix_caching=caching,
+        max_num_batched_tokens=budget,
     )
     sink = outs if outs is not None else []
     return EngineCore(prof, sink.extend, cache_root=root_hash(MODEL))
@@ -250,6 +255,67 @@ def test_accounting_never_leaks(ops: list[tuple], blocks: int) -> None:
     assert core.kv.num_free == blocks and core.kv_usage == 0.0
 
 
+# -- generated tokens and chunked prefill (vLLM v1's scheduler) ---------------------------
+def test_a_finished_requests_reply_stays_cached_for_the_next_turn() -> None:
+    """vLLM caches every full block a request computed, its output's too: the next turn's
+    prompt (prompt + reply + new message) hits all of it but the last sampled token, whose
+    KV was never computed."""
+    outs: list[Output] = []
+    core = _core(outs=outs)
+    first = _words(50)
+    _run(core, _seq("t1", first, max_tokens=40))
+    reply = "".join(o.text for o in outs)
+    assert len(reply.split()) == 40
+    # 50 prompt tokens + 39 of the reply computed: 5 full blocks; 6 once a block of the
+    # prompt alone would have been 3.
+    second = f"{first} {reply} {_words(10, 4)}"
+    prefill = _run(core, _seq("t2", second))
+    assert core.kv.hits == 80 and prefill == 100 - 80
+
+
+def test_a_long_prefill_is_chunked_by_the_token_budget_and_decodes_go_on() -> None:
+    """max_num_batched_tokens bounds a step: running decodes take their one token first,
+    a new prompt gets the rest of the budget each step and its first token comes with its
+    last chunk; the decoder gets a token in every one of those steps."""
+    outs: list[Output] = []
+    core = _core(blocks=1024, outs=outs, budget=512)
+    steps: list[tuple[int, int]] = []
+    core._on_step = lambda _c, p, n: steps.append((p, n))
+    core.waiting.append(_seq("decoder", _words(20), max_tokens=30))
+    core._step()  # the decoder's prefill: 20 tokens, its first token
+    core.waiting.append(_seq("long", _words(1500, 1), max_tokens=2))
+    while core.running or core.waiting:
+        core._step()
+    # Each step while "long" prefills: the decoder's token (budget 511 left) and a chunk.
+    assert steps[:4] == [(20, 1), (511, 1), (511, 1), (478, 2)], steps[:5]
+    firsts = [i for i, o in enumerate(outs) if o.seq.request_id == "long"]
+    assert len(firsts) == 2 and outs[firsts[0]].tokens == 1
+    assert sum(p for p, _ in steps) == 20 + 1500  # every prompt token computed once
+    core.kv.check([])
+
+
+def test_a_steps_time_grows_with_the_prefill_it_carries_for_everyone() -> None:
+    """The step that prefills a new prompt is every running sequence's step too: its time
+    is the decode cost plus the prefill tokens' (and no more than the budget's worth)."""
+    prof = EngineProfile(
+        "t",
+        decode_base_s=0.010,
+        decode_per_seq_s=0.001,
+        prefill_per_token_s=40e-6,
+        max_num_batched_tokens=2048,
+    )
+    core = EngineCore(prof, lambda _o: None, cache_root=root_hash(MODEL))
+    spent: list[float] = []
+    core._spend = lambda seconds, _prefill: spent.append(seconds)  # type: ignore[method-assign]
+    core.waiting.append(_seq("a", _words(8), max_tokens=20))
+    core._step()
+    core._step()  # a decode step: 10 ms + 1 ms
+    core.waiting.append(_seq("b", _words(3000, 2), max_tokens=2))
+    core._step()  # a's decode and 2,047 of b's tokens
+    core._step()  # a's decode and the other 953
+    assert [round(x * 1e3, 2) for x in spent] == [11.32, 11.0, 93.88, 50.12]
+
+
 # -- a real engine --------------------------------------------------------------------------
 def _ttft(url: str, prompt: str) -> float:
     t0 = time.monotonic()
@@ -302,5 +368,31 @@ def test_chat_prompts_hit_on_the_rendered_template(tmp_path: Path) -> None:
         # "<|system|>", 200 words (the last glued to "<|end|>"), "<|user|>": 202 shared
         # tokens, 12 whole blocks.
         assert metric(p.url, "vllm:prefix_cache_hits_total") == 192
+    finally:
+        p.stop()
+
+
+def test_a_chat_turn_hits_the_previous_turns_reply(tmp_path: Path) -> None:
+    """Over HTTP with the chat template: turn 2 carries turn 1's actual reply, and the
+    engine finds the blocks of that reply (generated tokens) in its cache, not only the
+    prompt's."""
+    p = engine(tmp_path)
+    try:
+        msgs = [
+            {"role": "system", "content": _words(200)},
+            {"role": "user", "content": _words(9, 5)},
+        ]
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 30}
+        r = httpx.post(p.url + "/v1/chat/completions", json=body, timeout=30)
+        reply = r.json()["choices"][0]["message"]["content"]
+        assert len(reply.split()) == 30
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+        r = httpx.post(p.url + "/v1/chat/completions", json={**body, "messages": msgs}, timeout=30)
+        assert r.status_code == 200
+        # Turn 1 computed its 212 prompt tokens ("<|system|>", 200 words, "<|user|>", 9
+        # words, "<|assistant|>"; a message's last word is glued to "<|end|>") and 29 of
+        # its reply (the 30th was sampled, never fed back): 241 tokens, 15 whole blocks.
+        # Without the reply's blocks it would be 13 (208 tokens).
+        assert metric(p.url, "vllm:prefix_cache_hits_total") == 240
     finally:
         p.stop()

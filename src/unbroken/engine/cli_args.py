@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("decode-base-s", float),
         ("decode-per-seq-s", float),
         ("block-size", int),
+        ("max-num-batched-tokens", int),
     ):
         p.add_argument(f"--{name}", type=kind, default=None, help="Override the profile.")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
@@ -132,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             decode_base_s=ns.decode_base_s,
             decode_per_seq_s=ns.decode_per_seq_s,
             block_size=ns.block_size,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
             enable_prefix_caching=ns.enable_prefix_caching,
         )
         lora = _lora_kwargs(ns)

@@ -58,6 +58,7 @@ class Seq:
     blocks: list[Block] = field(default_factory=list)
     num_cached_blocks: int = 0
     cached_tokens: int = 0  # prompt tokens found in the cache at first admission
+    computed: int = 0  # tokens whose KV is computed (cached hit + prefill chunks + decodes)
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     cache_root: int = 0  # the parent hash of its first block (0: the cache's own root)
 
@@ -197,16 +198,26 @@ class EngineCore:
         self.waiting = deque(s for s in self.waiting if s.request_id not in ids)
 
     def _step(self) -> None:
+        """One scheduler step, as vLLM v1's scheduler makes it: a budget of
+        `max_num_batched_tokens` tokens, spent first on the running sequences (one token each
+        when decoding, the rest of an unfinished prefill otherwise) and then on waiting ones
+        (FCFS), whose uncached prompt is cut to what the budget has left (chunked prefill).
+        A sequence samples a token only in the step that computes the last of its tokens."""
         p = self.profile
         kv = self.kv
-        prefill = 0
+        budget = p.max_num_batched_tokens
+        chunk: dict[int, int] = {}  # id(seq) -> tokens whose KV this step computes
+        for s in self.running:
+            c = min(s.num_tokens - s.computed, budget)
+            chunk[id(s)] = c
+            budget -= c
         outputs: list[Output] = []
-        # Admit (FCFS) while slots and KV allow. A sequence needs blocks for its tokens plus
-        # the one this step produces; its cached prefix blocks need no prefill. A sequence of
-        # an adapter that would exceed max_loras is set aside and keeps its place.
+        # Admit (FCFS) while slots, budget and KV allow. A sequence needs blocks for its
+        # tokens plus the one it will produce; its cached prefix blocks need no prefill. A
+        # sequence of an adapter that would exceed max_loras is set aside and keeps its place.
         loras = None if self.max_loras is None else {s.lora for s in self.running if s.lora}
         skipped: list[Seq] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             s = self.waiting[0]
             if (
                 loras is not None
@@ -232,8 +243,13 @@ class EngineCore:
                 s.cached_tokens = len(hit) * kv.block_size
                 kv.record(ntok, len(hit))
             kv.admit(s, hit, need)
-            kv.cache_full(s, ntok)  # registered now, so a sibling admitted next can hit it
-            prefill += ntok - len(hit) * kv.block_size
+            s.computed = len(hit) * kv.block_size
+            c = min(ntok - s.computed, budget)
+            chunk[id(s)] = c
+            budget -= c
+            # Registered now (vLLM caches a step's blocks when it schedules them), so a
+            # sibling admitted next can hit them.
+            kv.cache_full(s, s.computed + c)
             self.running.append(s)
             if loras is not None and s.lora is not None:
                 loras.add(s.lora)
@@ -247,25 +263,37 @@ class EngineCore:
             if kv.blocks_for(victim.num_tokens + 1) > len(victim.blocks):
                 grow -= 1
             kv.release(victim)
+            victim.computed = 0
             if not self.running:  # it alone outgrew the cache
                 outputs.append(self._too_long(victim))
                 break
             self.waiting.appendleft(victim)
             self.preemptions += 1
+        # Prefill: tokens computed for sequences not simply decoding their last sampled token.
+        prefill = 0
+        batch: list[Seq] = []
         for s in self.running:
             kv.grow(s, kv.blocks_for(s.num_tokens + 1))
-            kv.cache_full(s, s.num_tokens)  # the KV this step computes
-        if not self.running:
+            c = chunk[id(s)]
+            if c == 0:
+                continue  # no budget left for it this step: it keeps its blocks and waits
+            kv.cache_full(s, s.computed + c)  # the KV this step computes
+            if not (s.generated and c == 1 and s.computed == s.num_tokens - 1):
+                prefill += c
+            batch.append(s)
+        if not batch:
             if outputs:
                 self._deliver(outputs)
             return
-        self._spend(p.step_time(len(self.running), prefill), prefill > 0)
+        self._spend(p.step_time(len(batch), prefill), prefill > 0)
         self.steps += 1
         still: list[Seq] = []
         for s in self.running:
-            out = self._advance(s)
-            if out is not None:
-                outputs.append(out)
+            s.computed += chunk[id(s)]
+            if s.computed >= s.num_tokens:  # its last token computed: it samples one
+                out = self._advance(s)
+                if out is not None:
+                    outputs.append(out)
             if s.finished:
                 kv.release(s)
             else:
