@@ -21,7 +21,7 @@ cache_aware and round_robin. One table per workload; `--json` saves everything.
 
     python benchmarks/routing.py [--duration 20] [--users 25] [--engines 3] [--no-peer]
         [--routers latency,least_load,prefix,session,vllm-router:round_robin,...]
-        [--workloads shared-prefix,multi-turn] [--json /tmp/routing.json]
+        [--workloads shared-prefix,multi-turn,multi-turn-short,agent] [--json PATH]
         [--gateway-workers 1] [--gateway-replicas 1]
 
 `--gateway-workers N` runs each unbroken gateway with N worker processes (one port);
@@ -87,9 +87,19 @@ ENGINE_ARGS = (
     "--decode-per-seq-s",
     "0.0002",
 )
-# 24 system prompts of 1,000 words (24,000 tokens of prefixes, plus 384 questions) and 24
-# users' conversations growing to 200 + 8 x 150 = 1,400 tokens (33,600 tokens of history):
-# more than one engine's cache, less than three.
+# 24 system prompts of 1,000 words (24,000 tokens of prefixes, plus 384 questions): more than
+# one engine's cache, less than three.
+#
+# multi-turn: chat as people use it. Replies are about three times the question (LMSYS-Chat-1M,
+# a million real conversations: ~70 tokens a user message, ~215 a reply), so most of what a
+# turn carries is the assistant's earlier replies, which an engine that served them holds
+# and one that did not must prefill. 25 conversations growing to 200 + 6 x 285 = 1,910 tokens
+# (47,750 tokens of history): more than one engine's cache, less than three.
+# multi-turn-short: this table's multi-turn until 2026-12-03 (questions of 100 words, replies
+# of 50, 8 turns; 33,600 tokens of history): kept to compare, and because with replies that
+# short the turn's own question is most of what any router must prefill.
+# agent: an agent loop: a long system prompt (tool definitions), each turn a tool's output
+# appended and a short reply (the next tool call); not in the default set.
 WORKLOADS: dict[str, WorkloadSpec] = {
     "shared-prefix": SharedPrefix(
         num_groups=24,
@@ -98,8 +108,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         question_len=50,
         output_len=50,
     ),
-    "multi-turn": MultiTurn(num_turns=8, system_prompt_len=200, question_len=100, output_len=50),
+    "multi-turn": MultiTurn(num_turns=6, system_prompt_len=200, question_len=70, output_len=215),
+    "multi-turn-short": MultiTurn(
+        num_turns=8, system_prompt_len=200, question_len=100, output_len=50
+    ),
+    "agent": MultiTurn(num_turns=4, system_prompt_len=500, question_len=300, output_len=60),
 }
+DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn", "multi-turn-short")
 
 
 @dataclass
@@ -117,6 +132,7 @@ class Pass:
     hit_rate: float | None = None
     spread: float | None = None
     served: list[int] = field(default_factory=list)
+    parts: dict[str, float] | None = None  # the engines' TTFT parts (EngineWatch.ttft_parts)
     failures: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -318,6 +334,7 @@ async def one_pass(
         res.itl_p50 = pct_ms([g for r in ok for g in r.gaps], 50)
         res.hit_rate = eng["hit_rate"]
         res.spread = eng["spread"]
+        res.parts = eng["ttft_parts"]
         res.served = [e.get("requests", 0) for e in eng["engines"].values()]
         return res
     finally:
@@ -404,6 +421,42 @@ def workload_table(passes: list[Pass]) -> str:
     return table(headers, rows)
 
 
+def parts_table(passes: list[Pass]) -> str:
+    """Where a first token's time goes, by the engines' own clocks (means, ms): waiting for
+    the step then running, the step that prefilled it, and the client's TTFT less the
+    engine's (router, network, the client)."""
+    rows = []
+    for p in passes:
+        if not p.ok or p.parts is None:
+            continue
+        q = p.parts
+        rows.append(
+            [
+                p.router,
+                fmt(p.ttft_mean),
+                fmt(q["ttft_ms"]),
+                fmt(q["queue_ms"]),
+                fmt(q["prefill_ms"]),
+                fmt(q["step_ms"]),
+                fmt(q["prompt"], 0),
+                fmt(q["uncached"], 0),
+                fmt(None if p.ttft_mean is None else p.ttft_mean - q["ttft_ms"]),
+            ]
+        )
+    headers = [
+        "router",
+        "client TTFT",
+        "engine TTFT",
+        "queue (wait for the step)",
+        "prefill step",
+        "decode step (ITL)",
+        "prompt tokens",
+        "uncached tokens",
+        "outside the engine",
+    ]
+    return table(headers, rows)
+
+
 def parse_routers(text: str) -> list[str]:
     routers = [r.strip() for r in text.split(",") if r.strip()]
     for r in routers:
@@ -432,7 +485,11 @@ async def main() -> None:
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1, help="the workloads' seed")
     ap.add_argument("--routers", default=",".join(DEFAULT_ROUTERS))
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"of {', '.join(WORKLOADS)} (default: {', '.join(DEFAULT_WORKLOADS)})",
+    )
     ap.add_argument("--gateway-workers", type=int, default=1, help="unbroken gateway --workers")
     ap.add_argument(
         "--gateway-replicas",
@@ -486,6 +543,8 @@ async def main() -> None:
         spec = ", ".join(f"{k}={v}" for k, v in asdict(WORKLOADS[w]).items() if k != "name")
         print(f"\n{w} ({spec})")
         print(workload_table([p for p in passes if p.workload == w]))
+        print(f"\n{w}: TTFT parts (means, ms; per request)")
+        print(parts_table([p for p in passes if p.workload == w]))
     print(
         "\nTTFT and ITL: the client's, over the requests that succeeded. hit rate: prompt "
         "tokens found in the engines' prefix caches / prompt tokens looked up, all engines "

@@ -211,6 +211,32 @@ def test_multi_turn_run_sends_history_and_session(sim: Proc) -> None:
     assert len(by_session) == 3
 
 
+def test_ttft_parts_are_the_engines_own_account(sim: Proc) -> None:
+    """EngineWatch's TTFT parts, from vLLM's per-request phase histograms: the wait for the
+    step and the prefill step add up to the engine's TTFT, and the uncached tokens are the
+    prompt tokens the prefix cache did not hold. With a shared system prompt, later turns
+    prefill less than they carry."""
+    spec = MultiTurn(num_turns=3, system_prompt_len=64, question_len=6, output_len=40)
+
+    async def go() -> dict[str, Any]:
+        watch = EngineWatch([sim.url])
+        await watch.start()
+        cfg = LoadConfig(url=sim.url, users=3, spawn_rate=0, duration=2.0, workload=spec)
+        await LoadRun(cfg).run()
+        return await watch.stop()
+
+    res = asyncio.run(go())
+    parts = res["ttft_parts"]
+    assert parts is not None, res
+    assert abs(parts["queue_ms"] + parts["prefill_ms"] - parts["ttft_ms"]) < 0.1 * parts["ttft_ms"]
+    assert parts["step_ms"] > 0 and 0 < parts["uncached"] < parts["prompt"]
+    n = parts["prompt"] - parts["uncached"]  # hit tokens per request
+    assert n == pytest.approx(res["hits"] / (res["queries"] / parts["prompt"]))
+    w = EngineWatch(["http://a"])
+    w.before = w.after = {"http://a": {"vllm:prefix_cache_queries_total": 1.0}}
+    assert w.ttft_parts() is None  # an engine without the histograms: no parts
+
+
 def test_bench_cli_workloads(sim: Proc, tmp_path: Path) -> None:
     def bench(*args: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "unbroken", "bench", "--url", sim.url, "--users", "3"]

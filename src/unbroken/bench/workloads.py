@@ -53,6 +53,12 @@ HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 SUCCESS = "vllm:request_success_total"
 RUNNING = "vllm:num_requests_running"
+# vLLM's per-request phase histograms: arrival -> scheduled (WAITING) and scheduled -> first
+# token (PREFILL: the step that computed the request's uncached prompt), and TTFT itself.
+QUEUE = "vllm:request_queue_time_seconds"
+PREFILL = "vllm:request_prefill_time_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"  # per step: a running request's gap is one step
 
 
 @dataclass(frozen=True)
@@ -73,12 +79,19 @@ class SharedPrefix:
 @dataclass(frozen=True)
 class MultiTurn:
     """Chat conversations of `num_turns` turns; each turn adds `question_len` words from the
-    user and `output_len` from the assistant to the history the next turn carries."""
+    user and `output_len` from the assistant to the history the next turn carries.
 
-    num_turns: int = 5
-    system_prompt_len: int = 100  # one system prompt shared by every conversation; 0: none
-    question_len: int = 50
-    output_len: int = 50
+    The defaults are chat's shape: replies about three times the question (LMSYS-Chat-1M's
+    million real conversations average ~70 tokens a user message and ~215 a reply), so a
+    turn's history is mostly earlier replies, which only the engine that generated them
+    holds. (Until 2026-12-03: 5 turns, 100-word system prompt, 50-word questions and
+    replies; `unbroken bench --num-turns 5 --system-prompt-len 100 --question-len 50
+    --output-len 50` still sends that.)"""
+
+    num_turns: int = 6
+    system_prompt_len: int = 200  # one system prompt shared by every conversation; 0: none
+    question_len: int = 70
+    output_len: int = 215
     name: str = field(default="multi-turn", init=False)
 
     def __post_init__(self) -> None:
@@ -296,11 +309,49 @@ class EngineWatch:
         served = [e["requests"] for e in read]
         return {
             "engines": engines,
+            "ttft_parts": self.ttft_parts(),
             "hit_rate": hits / queries if cached and queries else None,
             "hits": hits if cached else None,
             "queries": queries if cached else None,
             "cache_counters": bool(cached),
             "spread": spread(served),
+        }
+
+    def ttft_parts(self) -> dict[str, float] | None:
+        """The engines' own account of a request's first token, means over the run (ms):
+        `queue` (arrival until the scheduler took it: the rest of the step then running),
+        `prefill` (scheduled until its first token: the step that computed its uncached
+        prompt, with everyone else's decode and prefill in it), `ttft` (the engine's TTFT),
+        `step` (the mean gap between a running request's tokens: one step); `prompt` and
+        `uncached` prompt tokens per request. None when the engines lack the series."""
+        sums = dict.fromkeys(("queue", "prefill", "ttft", "itl", "n", "ttft_n", "itl_n"), 0.0)
+        sums |= {"q": 0.0, "h": 0.0}
+        names = {"queue": QUEUE, "prefill": PREFILL, "ttft": TTFT, "itl": ITL}
+        for u in self.urls:
+            b, a = self.before.get(u), self.after.get(u)
+            if b is None or a is None or f"{PREFILL}_count" not in a:
+                return None
+
+            def d(name: str, a: dict[str, float] = a, b: dict[str, float] = b) -> float:
+                return a.get(name, 0.0) - b.get(name, 0.0)
+
+            for k, name in names.items():
+                sums[k] += d(f"{name}_sum")
+            sums["n"] += d(f"{PREFILL}_count")
+            sums["ttft_n"] += d(f"{TTFT}_count")
+            sums["itl_n"] += d(f"{ITL}_count")
+            sums["q"] += d(QUERIES)
+            sums["h"] += d(HITS)
+        n, tn = sums["n"], sums["ttft_n"]
+        if not n or not tn:
+            return None
+        return {
+            "queue_ms": sums["queue"] / n * 1e3,
+            "prefill_ms": sums["prefill"] / n * 1e3,
+            "ttft_ms": sums["ttft"] / tn * 1e3,
+            "step_ms": sums["itl"] / sums["itl_n"] * 1e3 if sums["itl_n"] else 0.0,
+            "uncached": (sums["q"] - sums["h"]) / tn,
+            "prompt": sums["q"] / tn,
         }
 
 
