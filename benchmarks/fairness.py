@@ -4,11 +4,16 @@ priority through a real gateway on a real simulator engine.
 The greedy tenant keeps `--greedy` streams in flight (each ends and is replaced at once), far
 more than the pool's cap (`--cap`), so the gateway's queue always holds a few hundred of its
 requests; the light tenant sends one short stream at a time. Three phases, each on a fresh
-gateway in front of the same engine: the light tenant alone; both, with tenants configured
-(fair queueing: the light tenant's request is served at the next free slot); both without
-tenants (one FIFO queue, as before: the light request waits behind the greedy backlog).
-Rows: the light tenant's TTFT (p50, p99) and the ratio of its p99 to the alone p99 measured
-in the same run.
+gateway in front of the same engine: the light tenant alone; the greedy tenant within the
+pool (cap - 1 streams: it never queues, so the light request never waits for a slot and what
+is left is the engine's batch and the shared CPUs: the best any admission rule can do
+without preemption); both, with tenants configured (fair queueing and the reserve: the light
+request finds the slot an over-share tenant may not take); both without tenants (one FIFO
+queue, as before: the light request waits behind the greedy backlog). Rows: the light
+tenant's TTFT (p50, p99), the ratios of its p99 to the alone and the greedy-within-the-pool
+p99 measured in the same run, and from the gateway's own
+`unbroken_gateway_tenant_queue_wait_seconds{tenant="light"}`: its mean wait for a slot and how
+many of its requests waited over 1 ms.
 
     python benchmarks/fairness.py [--light 60] [--greedy 300] [--cap 32]
 """
@@ -93,6 +98,28 @@ async def phase(url: str, light: int, greedy: int, max_tokens: int) -> list[floa
     return out
 
 
+async def light_waits(s: aiohttp.ClientSession, url: str) -> tuple[float, int] | None:
+    """The light tenant's mean wait for a slot (ms) and how many of its requests waited over
+    1 ms, from the gateway's histogram (None without tenants: no such series)."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        if (
+            line.startswith("unbroken_gateway_tenant_queue_wait_seconds")
+            and 'tenant="light"' in line
+        ):
+            name, _, value = line.rpartition(" ")
+            if name.startswith("unbroken_gateway_tenant_queue_wait_seconds_bucket"):
+                if 'le="0.001"' in name:
+                    got["fast"] = float(value)
+            else:
+                got[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
+    if not got.get("count"):
+        return None
+    return got["sum"] / got["count"] * 1000, int(got["count"] - got.get("fast", 0.0))
+
+
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-fairness-"))
     eng = engine_service(
@@ -111,8 +138,10 @@ async def run(args: argparse.Namespace) -> None:
     plain = {"queue_timeout_s": 600, "max_queue": 4096}
     rows = []
     base: float | None = None
+    within: float | None = None
     for name, cfg, greedy in (
         ("light alone", tenants, 0),
+        (f"light + greedy within the pool ({args.cap - 1} streams)", tenants, args.cap - 1),
         ("light + greedy, fair queueing", tenants, args.greedy),
         ("light + greedy, FIFO (no tenants)", plain, args.greedy),
     ):
@@ -126,17 +155,45 @@ async def run(args: argparse.Namespace) -> None:
             await wait_http(gw.url + "/health")
             await asyncio.sleep(2.0)  # the endpoint is warmed up and ready
             got = await phase(gw.url, args.light, greedy, args.max_tokens)
+            async with aiohttp.ClientSession() as s:
+                waits = await light_waits(s, gw.url)
         finally:
             gw.stop()
         p50, p99 = (percentile(got, 50) or 0.0) * 1000, (percentile(got, 99) or 0.0) * 1000
         base = p99 if base is None else base
-        rows.append([name, str(len(got)), f"{p50:.1f}", f"{p99:.1f}", f"{p99 / base:.2f}x"])
+        within = p99 if within is None and greedy else within
+        rows.append(
+            [
+                name,
+                str(len(got)),
+                f"{p50:.1f}",
+                f"{p99:.1f}",
+                f"{p99 / base:.2f}x",
+                "-" if within is None else f"{p99 / within:.2f}x",
+                "-" if waits is None else f"{waits[0]:.1f}",
+                "-" if waits is None else str(waits[1]),
+            ]
+        )
     eng.stop()
     print(
         f"greedy: {args.greedy} streams in flight ({args.max_tokens} tokens each), cap "
         f"{args.cap}; light: {args.light} streams of 8 tokens, one at a time"
     )
-    print(table(["phase", "light n", "TTFT p50 ms", "TTFT p99 ms", "p99 / alone"], rows))
+    print(
+        table(
+            [
+                "phase",
+                "light n",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "p99 / alone",
+                "p99 / within",
+                "mean slot wait ms",
+                "waited > 1 ms",
+            ],
+            rows,
+        )
+    )
 
 
 def main() -> None:

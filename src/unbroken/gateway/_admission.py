@@ -15,6 +15,12 @@ their weights, and a tenant arriving behind another's 500 waiters is next but on
 501st. Requests without a tenant are one flow (FIFO, as before tenants existed). A tenant
 whose waiters are all gone starts again at the class's virtual time (no credit, no debt).
 
+Turns alone leave a tenant's request waiting for a slot to free when an over-share tenant
+holds all of a pool; the reserve (`_fairshare`) keeps the pool's last slot(s) from a tenant
+over its weighted share while another tenant of the priority is active there and under its
+share, so that tenant's next request finds a slot at once. Slots taken for a tenant are an
+int (`_Slots`) that carries its flow, so `release` un-counts the tenant with no new argument.
+
 The queue is bounded by count and by the request bytes its waiters hold: beyond either, 429
 at once.
 
@@ -30,14 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
-from unbroken.gateway._pool import Endpoint, Pool
+from unbroken.gateway._fairshare import RESERVE_WINDOW_S, FairShare
+from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prefix import RouteHint
 from unbroken.wire.errors import ApiError
 
@@ -56,6 +64,20 @@ PRIORITIES = ("critical", "standard", "sheddable")
 _RANK = {p: i for i, p in enumerate(PRIORITIES)}
 
 
+class _Slots(int):
+    """Slots taken for a tenant: the count callers add and give back, and the tenant's flow
+    in the fair-share table (`release` un-counts it there)."""
+
+    flow: int
+
+
+class _HeldBack:
+    """`_pick_take`'s answer when there is room, but it is the reserve of another tenant."""
+
+
+HELD: Final = _HeldBack()
+
+
 @dataclass(order=True)
 class _Waiter:
     rank: int
@@ -71,6 +93,7 @@ class _Waiter:
     hint: RouteHint | None = field(compare=False, default=None)
     want: str | None = field(compare=False, default=None)  # the pool it counts toward
     tenant: str | None = field(compare=False, default=None)
+    share: float = field(compare=False, default=1.0)  # the tenant's weight
 
 
 class Admission:
@@ -105,13 +128,39 @@ class Admission:
         self._vtime = [0.0] * len(PRIORITIES)
         self._next: dict[tuple[int, str | None], float] = {}
         self._queued: dict[tuple[int, str | None], int] = {}
+        # The reserve: each tenant's slots per pool, shared by the workers (made on the first
+        # tenant request); a wake for when a tenant's reserve may have lapsed (one process:
+        # with workers the poll does it).
+        self._fair: FairShare | None = None
+        self._lapse: asyncio.TimerHandle | None = None
 
-    def _take(self, ep: Endpoint, weight: int) -> tuple[Endpoint, int]:
+    def fair(self) -> FairShare:
+        if self._fair is None:
+            self._fair = FairShare(self.shared)
+        return self._fair
+
+    def _take(self, ep: Endpoint, weight: int, flow: int | None = None) -> tuple[Endpoint, int]:
         n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
         ep.slot.add(n)
         ep.served += 1
         self.held[ep.pool] = self.held.get(ep.pool, 0) + n
-        return ep, n
+        if flow is None:
+            return ep, n
+        assert self._fair is not None
+        self._fair.add(flow, n)
+        slots = _Slots(n)
+        slots.flow = flow
+        return ep, slots
+
+    def _room(self, pool: str, model: str) -> tuple[int, int]:
+        """A pool's capacity for `model` (its ready endpoints' caps) and its free slots."""
+        cap = free = 0
+        for e in self.pool.endpoints.values():
+            if e.pool == pool and e.state == State.READY and e.healthy and model in e.models:
+                c = e.effective_cap(self.pool.default_cap)
+                cap += c
+                free += max(0, c - e.inflight)
+        return cap, free
 
     def _wants(self, model: str, priority: str) -> str | None:
         """The pool a queued request counts toward: the first of its priority's route that
@@ -141,14 +190,34 @@ class Admission:
         exclude: tuple[Endpoint, ...],
         weight: int,
         hint: RouteHint | None = None,
-    ) -> tuple[Endpoint, int] | None:
+        tenant: str | None = None,
+        share: float = 1.0,
+    ) -> tuple[Endpoint, int] | _HeldBack | None:
+        """Slots now, or None (no room), or HELD (room only in another tenant's reserve)."""
         # Full is known without the lock (waiters poll this often), and without the hint:
         # room does not need a cache-aware policy's arithmetic.
         if self.shared is not None and self._pick(model, priority, exclude, weight) is None:
             return None
         with self._lock():
             ep = self._pick(model, priority, exclude, weight, hint)
-            return None if ep is None else self._take(ep, weight)
+            if ep is None or tenant is None:
+                return None if ep is None else self._take(ep, weight)
+            fair, rank, now = self.fair(), _RANK[priority], time.monotonic()
+            while True:
+                i = fair.flow(rank, tenant, ep.pool, share)
+                if i is None:  # the table is full: no reserve for this tenant
+                    return self._take(ep, weight)
+                fair.mark(i, now)
+                n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
+                room = functools.partial(self._room, ep.pool, model)
+                if not fair.holds_back(i, n, room, now):
+                    return self._take(ep, weight, i)
+                # Another pool of the route may have room that nobody's reserve claims.
+                gone = ep.pool
+                exclude = (*exclude, *(e for e in self.pool.endpoints.values() if e.pool == gone))
+                ep = self._pick(model, priority, exclude, weight, hint)
+                if ep is None:
+                    return HELD
 
     def _others_waiting(self, rank: int) -> bool:
         """Does another worker queue a request of priority `rank` or better?"""
@@ -206,9 +275,14 @@ class Admission:
         among its priority's waiters (fair queueing)."""
         exclude = tuple(exclude)
         rank = _RANK[priority]
-        if not any(w.rank <= rank for w in self._heap) and not self._others_waiting(rank):
-            got = self._pick_take(model, priority, exclude, weight, hint)
-            if got is not None:
+        flow = (rank, tenant)
+        # Who goes first: waiters of a better priority, and of the same one unless this is a
+        # tenant with none of its own waiting here (its start tag would be the class's virtual
+        # time, the lowest: fair queueing serves it next, so it may take a free slot now).
+        ahead = rank - 1 if tenant is not None and flow not in self._queued else rank
+        if not any(w.rank <= ahead for w in self._heap) and not self._others_waiting(ahead):
+            got = self._pick_take(model, priority, exclude, weight, hint, tenant, share)
+            if isinstance(got, tuple):
                 return *got, 0.0
         if priority == "sheddable":
             raise ApiError(
@@ -230,7 +304,6 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after)},
             )
         loop = asyncio.get_running_loop()
-        flow = (rank, tenant)
         start = max(self._vtime[rank], self._next.get(flow, 0.0))
         self._next[flow] = start + 1.0 / max(share, 1e-9)
         self._queued[flow] = self._queued.get(flow, 0) + 1
@@ -247,11 +320,17 @@ class Admission:
             hint=hint,
             want=self._wants(model, priority),
             tenant=tenant,
+            share=share,
         )
         heapq.heappush(self._heap, w)
         self.depth[priority] += 1
         if w.want is not None:
             self.waiting[w.want] = self.waiting.get(w.want, 0) + 1
+            if tenant is not None:  # asking for a slot there makes it active (the reserve)
+                with self._lock():
+                    i = self.fair().flow(rank, tenant, w.want, share)
+                    if i is not None:
+                        self._fair.mark(i, time.monotonic())  # type: ignore[union-attr]
         self.queued_bytes += size
         self._publish()
         if self.shared is not None and (self._poller is None or self._poller.done()):
@@ -295,10 +374,25 @@ class Admission:
             pass
 
     def release(self, ep: Endpoint, n: int = 1) -> None:
+        if isinstance(n, _Slots) and self._fair is not None:
+            # Before the slot: a worker's tenant counts never exceed its slots (`_fairshare`).
+            self._fair.add(n.flow, -n)
+            self._fair.mark(n.flow, time.monotonic())
         ep.slot.add(-n)
         self.held[ep.pool] = self.held.get(ep.pool, 0) - n
         if self._heap:
             self.wake()
+
+    def _lapse_later(self) -> None:
+        """One process: wake the waiters again when the reserve that held one back may have
+        lapsed (nothing else may free a slot by then). Workers poll anyway."""
+        if self.shared is None and (self._lapse is None or self._lapse.cancelled()):
+            loop = asyncio.get_running_loop()
+            self._lapse = loop.call_later(RESERVE_WINDOW_S, self._lapsed)
+
+    def _lapsed(self) -> None:
+        self._lapse = None
+        self.wake()
 
     async def _poll(self) -> None:
         """Slots freed by other workers reach this one's waiters."""
@@ -312,6 +406,7 @@ class Admission:
             return
         served: list[_Waiter] = []
         full: set[tuple[str, str, int]] = set()  # requests like these found no room just now
+        held: set[tuple[str, str, int, str | None]] = set()  # ... room only in a reserve
         now = time.monotonic()
         for w in sorted(self._heap):
             if w.future.done():
@@ -326,12 +421,19 @@ class Admission:
                 if now - w.deferred < DEFER_S:
                     continue
             key = (w.model, w.priority, w.weight)
-            if not w.exclude and key in full:
+            if not w.exclude and (key in full or (*key, w.tenant) in held):
                 continue
-            got = self._pick_take(w.model, w.priority, w.exclude, w.weight, w.hint)
+            got = self._pick_take(
+                w.model, w.priority, w.exclude, w.weight, w.hint, w.tenant, w.share
+            )
             if got is None:
                 if not w.exclude:
                     full.add(key)
+                continue
+            if isinstance(got, _HeldBack):
+                if not w.exclude:
+                    held.add((*key, w.tenant))
+                self._lapse_later()
                 continue
             w.future.set_result(got)
             self._vtime[w.rank] = max(self._vtime[w.rank], w.vt)

@@ -1,0 +1,177 @@
+"""The slots each tenant holds per pool and priority, shared by the gateway's workers, and the
+reserve rule of fair queueing (issue 25; `_admission` applies it).
+
+Fair queueing orders waiters, but a pool that an over-share tenant has filled still makes
+another tenant's request wait for a slot to free: with equal-length streams started
+together, the greedy tenant's slots free in bursts a stream's length apart. The reserve:
+a tenant over its weighted share of a pool does not take the pool's last free slot(s) while
+another tenant of the same priority is active there (held a slot or asked for one within
+RESERVE_WINDOW_S) and under its share. The under-share tenant's next request then finds a
+slot at once. It is work-conserving otherwise: with one active tenant, or none under its
+share, every slot may be taken; and the slots kept back are at most one per under-share
+tenant (and at most max(1, capacity // 16) per pool, none in a pool of fewer than 4 slots),
+for as long as one of them stays active.
+
+A tenant's share of a pool is the pool's capacity (its ready endpoints' caps) times its
+weight over the weights of the tenants active there at that priority.
+
+Layout (one file beside the admission table, mapped by every worker, or anonymous memory for
+a single process): a flow is (priority, tenant, pool), registered once by name (a hash) under
+the admission lock, so every worker finds the same index; per flow its weight and when it was
+last active (CLOCK_MONOTONIC, the same in every process); and `held[row, flow]`, the slots
+worker `row` holds for it, written only by that worker. A worker clears its row when it
+starts (a row is reused after a death); a dead worker's row is also cleared once the main
+process has cleared its admission row (it holds no slot, so it can hold no tenant's slot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from unbroken.gateway._shared import MAX_WORKERS
+
+if TYPE_CHECKING:
+    from unbroken.gateway._shared import SharedCounters
+
+__all__ = ["RESERVE_WINDOW_S", "FairShare"]
+
+# How long a tenant counts as active in a pool after it last held or asked for a slot there.
+RESERVE_WINDOW_S = 5.0
+# At most capacity // RESERVE_DIV slots of a pool are kept back (at least one).
+RESERVE_DIV = 16
+RESERVE_MIN_CAP = 4  # smaller pools keep nothing back
+MAX_FLOWS = 1024  # (priority, tenant, pool) triples; beyond, a tenant gets no reserve
+SWEEP_S = 1.0  # how often dead workers' rows are looked for (only while tenants contend)
+_HDR = 8
+
+
+def reserve_cap(cap: int) -> int:
+    """The most slots a pool of `cap` keeps back: max(1, cap // RESERVE_DIV), and none below
+    RESERVE_MIN_CAP (one slot would be a third of the pool or more, kept idle for a window)."""
+    return max(1, cap // RESERVE_DIV) if cap >= RESERVE_MIN_CAP else 0
+
+
+def _hash(*parts: str) -> int:
+    h = hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True) | 1  # never 0 (a free entry)
+
+
+class FairShare:
+    def __init__(self, shared: SharedCounters | None = None) -> None:
+        self.shared = shared
+        # Made on a worker's first tenant request (never in a main process, which has no row).
+        assert shared is None or shared.row >= 0
+        self.row = 0 if shared is None else shared.row
+        rows = MAX_WORKERS if shared is not None else 1
+        size = 8 * (_HDR + 4 * MAX_FLOWS + rows * MAX_FLOWS)
+        if shared is None:
+            self._map = mmap.mmap(-1, size)
+        else:
+            path = Path(str(shared.path) + ".fair")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)  # the same size in every worker: never shrinks
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        ints = np.frombuffer(self._map, dtype=np.int64)
+        floats = np.frombuffer(self._map, dtype=np.float64)
+        self.hdr = ints[:_HDR]  # [0]: flows registered
+        o = _HDR
+        self.keys = ints[o : o + MAX_FLOWS]
+        self.groups = ints[o + MAX_FLOWS : o + 2 * MAX_FLOWS]
+        self.weight = floats[o + 2 * MAX_FLOWS : o + 3 * MAX_FLOWS]
+        self.seen = floats[o + 3 * MAX_FLOWS : o + 4 * MAX_FLOWS]
+        self.held = ints[o + 4 * MAX_FLOWS :].reshape(rows, MAX_FLOWS)
+        self.held[self.row, :] = 0  # a row reused after a worker died
+        self._index: dict[tuple[int, str, str], int] = {}  # this process's flows, by name
+        self._group_of: list[int] = []  # per flow index known here: its group's hash
+        self._members: dict[int, list[int]] = {}  # group hash -> its flows
+        self._swept = 0.0
+
+    def flow(self, rank: int, tenant: str, pool: str, weight: float) -> int | None:
+        """The index of (priority, tenant, pool), registered on first use (the caller holds
+        the admission lock when shared); None when the table is full."""
+        key = (rank, tenant, pool)
+        i = self._index.get(key)
+        if i is None:
+            h = _hash(str(rank), tenant, pool)
+            self._refresh()
+            found = np.flatnonzero(self.keys[: len(self._group_of)] == h)
+            if found.size:
+                i = int(found[0])
+            else:
+                n = int(self.hdr[0])
+                if n >= MAX_FLOWS:
+                    return None
+                self.keys[n] = h
+                self.groups[n] = _hash(str(rank), pool)
+                self.hdr[0] = n + 1
+                self._refresh()
+                i = n
+            self._index[key] = i
+        self.weight[i] = weight  # a reload may have changed it
+        return i
+
+    def _refresh(self) -> None:
+        """Learn the flows other workers registered since this one last looked."""
+        n = int(self.hdr[0])
+        for i in range(len(self._group_of), n):
+            g = int(self.groups[i])
+            self._group_of.append(g)
+            self._members.setdefault(g, []).append(i)
+
+    def mark(self, i: int, now: float) -> None:
+        self.seen[i] = now
+
+    def add(self, i: int, n: int) -> None:
+        self.held[self.row, i] += n
+
+    def holding(self, i: int) -> int:
+        return int(self.held[:, i].sum())
+
+    def holds_back(self, i: int, n: int, room: Callable[[], tuple[int, int]], now: float) -> bool:
+        """Must flow `i` leave the `n` slots it asks for to an active tenant under its share?
+        `room()`: the pool's (capacity, free slots), a pass over its endpoints, made only
+        while two tenants are active there."""
+        if int(self.hdr[0]) != len(self._group_of):
+            self._refresh()
+        members = self._members.get(self._group_of[i], ())
+        if len(members) < 2:
+            return False
+        active = [j for j in members if j == i or now - self.seen[j] < RESERVE_WINDOW_S]
+        if len(active) < 2:
+            return False
+        cap, free = room()
+        self._sweep(now)
+        wsum = float(sum(self.weight[j] for j in active))
+        if (self.holding(i) + n) * wsum <= cap * self.weight[i]:
+            return False  # within its share: it may take the last slot
+        under = sum(1 for j in active if j != i and self.holding(j) * wsum < cap * self.weight[j])
+        return free - n < min(under, reserve_cap(cap))
+
+    def _sweep(self, now: float) -> None:
+        """Rows of workers that died: the main process zeroed their admission row, so they
+        hold no slot; their tenants' counts go too (the caller holds the admission lock)."""
+        sh = self.shared
+        if sh is None or now - self._swept < SWEEP_S:
+            return
+        self._swept = now
+        dead = ~sh.inflight.any(axis=1) & self.held.any(axis=1)
+        if dead.any():
+            self.held[dead, :] = 0
+
+    def close(self) -> None:
+        del self.hdr, self.keys, self.groups, self.weight, self.seen, self.held
+        try:
+            self._map.close()
+        except BufferError:
+            pass

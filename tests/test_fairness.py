@@ -1,0 +1,256 @@
+"""Fair queueing's reserve (issue 25): a tenant over its weighted share of a full pool leaves
+the last slot to an active tenant under its share, so that tenant's next request finds a slot
+at once instead of waiting behind the greedy tenant's streams. In process for the rule (one
+admission, and two admissions sharing the workers' tables as two workers do); end to end
+through a real gateway (two workers) and simulator for the light tenant's wait and for no
+idle capacity with one tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import MODEL, engine, gateway, metric, ready_endpoint
+from test_tenants import KEYS, tenants_config
+from unbroken.gateway import _admission, _fairshare
+from unbroken.gateway._admission import Admission
+from unbroken.gateway._pool import Endpoint, Pool
+from unbroken.gateway._shared import SharedCounters, SharedSlot
+
+
+def one_pool(cap: int, **kw: object) -> tuple[Pool, Endpoint, Admission]:
+    pool = Pool(default_cap=cap)
+    ep = ready_endpoint("e")
+    pool.add(ep)
+    return pool, ep, Admission(pool, queue_timeout=5.0, **kw)  # type: ignore[arg-type]
+
+
+async def taken(adm: Admission, tenant: str, share: float = 1.0) -> tuple[Endpoint, int, float]:
+    return await adm.acquire("m", "standard", tenant=tenant, share=share)
+
+
+async def pending(adm: Admission, tenant: str, share: float = 1.0) -> asyncio.Task:  # type: ignore[type-arg]
+    """A request that should queue: its task, checked not done after a moment."""
+    t = asyncio.create_task(taken(adm, tenant, share))
+    await asyncio.sleep(0.02)
+    assert not t.done(), f"{tenant} got a slot it should have waited for"
+    return t
+
+
+def test_over_share_tenant_leaves_the_last_slot_to_an_active_light_one() -> None:
+    async def run() -> None:
+        _, ep, adm = one_pool(4)
+        # The light tenant has been active (a request a moment ago, done).
+        e, n, _ = await taken(adm, "light")
+        adm.release(e, n)
+        got = [await taken(adm, "greedy") for _ in range(3)]
+        assert ep.inflight == 3
+        # The 4th slot is free, but it is light's reserve: greedy (3 > its share 2) waits.
+        g4 = await pending(adm, "greedy")
+        assert ep.inflight == 3
+        # Light's request takes it at once (no wait).
+        e, n, waited = await taken(adm, "light")
+        assert waited == 0.0 and ep.inflight == 4
+        # Light's request ends: its slot is kept for it again, not given to greedy's waiter.
+        adm.release(e, n)
+        await asyncio.sleep(0.02)
+        assert not g4.done() and ep.inflight == 3
+        # A greedy stream ends: greedy's waiter takes that slot (greedy keeps its 3).
+        adm.release(*got[0][:2])
+        e4, n4, _ = await asyncio.wait_for(g4, 1.0)
+        assert ep.inflight == 3
+        for e, n, _ in (*got[1:], (e4, n4, 0.0)):
+            adm.release(e, n)
+        assert ep.inflight == 0 and adm.fair().held.sum() == 0
+
+    asyncio.run(run())
+
+
+def test_one_active_tenant_takes_every_slot() -> None:
+    """Work-conserving: no other tenant active, greedy fills the pool; a tenant active only
+    longer ago than the window keeps nothing back."""
+
+    async def run() -> None:
+        _, ep, adm = one_pool(4)
+        got = [await taken(adm, "greedy") for _ in range(4)]
+        assert ep.inflight == 4
+        for e, n, _ in got:
+            adm.release(e, n)
+        e, n, _ = await taken(adm, "light")
+        adm.release(e, n)
+        i = adm.fair().flow(1, "light", "default", 1.0)
+        assert i is not None
+        adm.fair().mark(i, time.monotonic() - _fairshare.RESERVE_WINDOW_S - 0.1)
+        got = [await taken(adm, "greedy") for _ in range(4)]
+        assert ep.inflight == 4
+
+    asyncio.run(run())
+
+
+def test_the_reserve_lapses_without_a_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy waiter held back gets the slot once the light tenant has been idle for the
+    window, though no slot frees meanwhile (nothing would wake it otherwise)."""
+    monkeypatch.setattr(_fairshare, "RESERVE_WINDOW_S", 0.2)
+    monkeypatch.setattr(_admission, "RESERVE_WINDOW_S", 0.2)
+
+    async def run() -> None:
+        _, ep, adm = one_pool(2)
+        e, n, _ = await taken(adm, "light")
+        adm.release(e, n)
+        await taken(adm, "greedy")
+        g2 = await pending(adm, "greedy")
+        _, _, waited = await asyncio.wait_for(g2, 1.0)
+        assert 0.1 < waited < 0.6 and ep.inflight == 2
+
+    asyncio.run(run())
+
+
+def test_shares_follow_weights() -> None:
+    """cap 8, light holding 2 and active. Heavy of weight 3 (share 6 of 8) may take the last
+    slot as its 6th; of weight 1 (share 4) it may not: light, under its share 4, is owed it."""
+
+    async def run(heavy_weight: float) -> tuple[Endpoint, Admission]:
+        _, ep, adm = one_pool(8)
+        for _ in range(2):
+            await taken(adm, "light")
+        for _ in range(5):
+            await taken(adm, "heavy", heavy_weight)
+        assert ep.inflight == 7
+        return ep, adm
+
+    async def both() -> None:
+        ep, adm = await run(3.0)
+        await taken(adm, "heavy", 3.0)
+        assert ep.inflight == 8
+        ep, adm = await run(1.0)
+        h = await pending(adm, "heavy")
+        assert ep.inflight == 7
+        await taken(adm, "light")  # within its share: the slot is its
+        assert ep.inflight == 8
+        h.cancel()
+
+    asyncio.run(both())
+
+
+def test_two_workers_share_the_counts(tmp_path: Path) -> None:
+    """Two admissions over one shared table (two workers' rows): greedy in worker 0 leaves
+    the last slot to light, whose requests come to worker 1."""
+
+    async def run() -> None:
+        path = tmp_path / "admission"
+        SharedCounters(path, create=True).close()
+        sides = []
+        for row in (0, 1):
+            sh = SharedCounters(path, row=row)
+            pool = Pool(default_cap=3)
+            ep = ready_endpoint("e")
+            ep.slot = SharedSlot(sh, 0)
+            pool.add(ep)
+            sides.append((ep, Admission(pool, queue_timeout=5.0, shared=sh)))
+        (ep0, a0), (ep1, a1) = sides
+        e, n, _ = await taken(a1, "light")
+        a1.release(e, n)
+        got = [await taken(a0, "greedy") for _ in range(2)]
+        g3 = await pending(a0, "greedy")
+        assert ep1.inflight == 2
+        e, n, waited = await taken(a1, "light")
+        assert waited == 0.0 and ep0.inflight == 3
+        assert a0.fair().holding(a0.fair().flow(1, "light", "default", 1.0) or 0) == 1
+        a1.release(e, n)
+        a0.release(*got[0][:2])
+        await asyncio.wait_for(g3, 1.0)  # worker 0's poll finds the slot greedy freed
+        assert ep1.inflight == 2
+
+    asyncio.run(run())
+
+
+def test_requests_without_tenants_are_unaffected() -> None:
+    async def run() -> None:
+        _, ep, adm = one_pool(2)
+        await adm.acquire("m", "standard")
+        _, n, _ = await adm.acquire("m", "standard")
+        assert ep.inflight == 2 and type(n) is int and adm._fair is None
+
+    asyncio.run(run())
+
+
+# -- end to end: a real gateway with two workers, a real simulator ----------------------------
+def _hog(url: str, key: str, stop: threading.Event, max_tokens: int) -> None:
+    with httpx.Client(timeout=60) as c:
+        while not stop.is_set():
+            c.post(
+                url + "/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": MODEL, "prompt": "hog", "max_tokens": max_tokens},
+            )
+
+
+def _ttft(url: str, key: str) -> float:
+    t0 = time.perf_counter()
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL, "prompt": "light", "max_tokens": 4, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        first = None
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def test_light_tenant_is_not_queued_behind_a_full_pool_of_greedy_streams(tmp_path: Path) -> None:
+    """cap 4, 2 workers; greedy keeps 10 streams of ~1.5 s in flight. Light's first request
+    waits for a greedy stream to end (light was not active); its next ones find the slot
+    greedy leaves them (TTFT far below a greedy stream's length), and while light is active
+    greedy runs 3 streams, not 4. Greedy alone: all 4 slots run."""
+    e = engine(tmp_path, "--decode-base-s", "0.02", "--max-num-seqs", "8", fast=False)
+    cfg = tenants_config(
+        tmp_path / "gw.json",
+        [
+            {"name": "light", "key": KEYS["acme"]},
+            {"name": "greedy", "key": KEYS["beta"]},
+        ],
+        queue_timeout_s=60,
+    )
+    g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", "2", "--cap", "4"))
+    stop = threading.Event()
+    hogs = [
+        threading.Thread(target=_hog, args=(g.url, KEYS["beta"], stop, 75), daemon=True)
+        for _ in range(10)
+    ]
+    try:
+        for t in hogs:
+            t.start()
+        # Greedy alone: every slot runs (the engine's running count reaches the cap).
+        deadline = time.monotonic() + 10
+        most = 0.0
+        while time.monotonic() < deadline and most < 4:
+            most = max(most, metric(e.url, "vllm:num_requests_running"))
+            time.sleep(0.05)
+        assert most == 4
+        _ttft(g.url, KEYS["acme"])  # light becomes active (this one may wait)
+        ttfts = []
+        for _ in range(5):
+            ttfts.append(_ttft(g.url, KEYS["acme"]))
+            time.sleep(0.2)
+        assert max(ttfts) < 0.5, ttfts  # a greedy stream lasts ~1.5 s
+        waited = metric(
+            g.url, "unbroken_gateway_tenant_queue_wait_seconds_bucket", tenant="light", le="0.01"
+        )
+        assert waited >= 5
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(timeout=10)
+        g.stop()
+        e.stop()
