@@ -13,11 +13,16 @@ working set but N together can), and in front of them, one after the other:
 
 Each (workload, router) pass starts from cold: fresh engine processes (empty prefix caches)
 and a fresh router. Workloads (bench/workloads.py, the same as `unbroken bench --workload`):
-shared-prefix (inference-perf's generator) and multi-turn (conversations carrying their
-history, a session id per user). Per pass: TTFT p50/p99 and ITL p50 of the client's
-requests, the cluster's prefix-cache hit rate (the engines' vllm:prefix_cache_* counters),
-busiest/least-busy engine by requests served, failures; and the TTFT ratios to vllm-router
-cache_aware and round_robin. One table per workload; `--json` saves everything.
+shared-prefix (inference-perf's generator), multi-turn (chat: conversations carrying their
+history, replies ~3x the question, a session id per user), multi-turn-short (the same with
+replies shorter than the questions: this table's multi-turn before 2026-12-03) and, on
+request, agent (long tool outputs, short replies). Per pass: TTFT p50/p99 and ITL p50 of the
+client's requests, the cluster's prefix-cache hit rate (the engines' vllm:prefix_cache_*
+counters), busiest/least-busy engine by requests served, failures; and the TTFT ratios to
+vllm-router cache_aware and round_robin (unbroken's round_robin where vllm-router's did not
+run). One table per workload, and one of the TTFT's parts by the engines' own clocks (the
+wait for the step then running, the step that prefilled the request, the prompt tokens it
+had to prefill, the time outside the engine); `--json` saves everything.
 
     python benchmarks/routing.py [--duration 20] [--users 25] [--engines 3] [--no-peer]
         [--routers latency,least_load,prefix,session,vllm-router:round_robin,...]
@@ -374,7 +379,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def workload_table(passes: list[Pass]) -> str:
     by = {p.router: p for p in passes if p.ok}
-    ca, rr = by.get("vllm-router:cache_aware"), by.get("vllm-router:round_robin")
+    # Round robin: vllm-router's, or unbroken's where vllm-router's did not run.
+    ca = by.get("vllm-router:cache_aware")
+    rr = by.get("vllm-router:round_robin") or by.get("round_robin")
     rows = []
     for p in passes:
         if not p.ok:
