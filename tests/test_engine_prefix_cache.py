@@ -396,3 +396,18 @@ def test_a_chat_turn_hits_the_previous_turns_reply(tmp_path: Path) -> None:
         assert metric(p.url, "vllm:prefix_cache_hits_total") == 240
     finally:
         p.stop()
+
+
+def test_max_num_batched_tokens_is_vllms_flag_and_chunks_the_prefill(tmp_path: Path) -> None:
+    """`unbroken engine --max-num-batched-tokens 512` (vLLM's flag): a 2,000-token prompt
+    takes four steps to its first token (512 x 3 + 464), not one."""
+    p = engine(tmp_path, "--max-num-batched-tokens", "512")
+    try:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        before = httpx.get(p.url + "/admin/state", headers=auth).json()["steps"]
+        body = {"model": MODEL, "prompt": _words(2000), "max_tokens": 1}
+        r = httpx.post(p.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+        assert httpx.get(p.url + "/admin/state", headers=auth).json()["steps"] - before == 4
+    finally:
+        p.stop()

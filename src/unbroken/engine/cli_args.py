@@ -23,7 +23,8 @@ __all__ = ["add_vllm_args", "build_parser", "main", "vllm_options"]
 
 
 def add_vllm_args(p: argparse.ArgumentParser, *, names: bool = True) -> None:
-    """vLLM's flags for names and LoRA (vllm/entrypoints/openai/cli_args.py, arg_utils)."""
+    """vLLM's flags for names, LoRA and the step's token budget (vllm/entrypoints/openai/
+    cli_args.py, arg_utils)."""
     if names:
         p.add_argument(
             "--served-model-name",
@@ -47,6 +48,12 @@ def add_vllm_args(p: argparse.ArgumentParser, *, names: bool = True) -> None:
         "--max-loras", type=int, default=1, help="Distinct adapters in one batch (default 1)."
     )
     p.add_argument("--max-lora-rank", type=int, default=16, help="Accepted for vLLM compatibility.")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="Tokens one step may compute; longer prefills are chunked (profile: 8192).",
+    )
 
 
 def _lora_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -69,7 +76,8 @@ def _lora_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 def vllm_options(extra: Sequence[str]) -> dict[str, Any]:
     """EngineConfig keyword arguments from what another parser left over: further served
     names (the values after the first of `--served-model-name A B`), `--enable-lora`,
-    `--lora-modules ...`, `--max-loras N`, `--max-lora-rank N`. ValueError on anything else."""
+    `--lora-modules ...`, `--max-loras N`, `--max-lora-rank N`, `--max-num-batched-tokens N`
+    (applied to the profile by EngineConfig). ValueError on anything else."""
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     p.add_argument("aliases", nargs="*")
     add_vllm_args(p, names=False)
@@ -79,7 +87,13 @@ def vllm_options(extra: Sequence[str]) -> dict[str, Any]:
         raise ValueError(str(e)) from None
     if rest:
         raise ValueError(f"unknown option(s): {' '.join(rest)}")
-    return {"aliases": tuple(ns.aliases), **_lora_kwargs(ns)}
+    if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens < 1:
+        raise ValueError("--max-num-batched-tokens must be at least 1")
+    return {
+        "aliases": tuple(ns.aliases),
+        "max_num_batched_tokens": ns.max_num_batched_tokens,
+        **_lora_kwargs(ns),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
         ("decode-base-s", float),
         ("decode-per-seq-s", float),
         ("block-size", int),
-        ("max-num-batched-tokens", int),
     ):
         p.add_argument(f"--{name}", type=kind, default=None, help="Override the profile.")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)

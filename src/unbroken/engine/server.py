@@ -82,6 +82,14 @@ class EngineConfig:
     max_lora_rank: int = 16
     # /v1/load_lora_adapter and /v1/unload_lora_adapter; None: VLLM_ALLOW_RUNTIME_LORA_UPDATING.
     runtime_lora_updating: bool | None = None
+    # vLLM's `--max-num-batched-tokens`: overrides the profile's (None: keep it).
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is not None:
+            self.profile = self.profile.with_overrides(
+                max_num_batched_tokens=self.max_num_batched_tokens
+            )
 
     @property
     def served_model_names(self) -> list[str]:
