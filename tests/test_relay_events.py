@@ -6,6 +6,7 @@ path exists only for speed; any difference is a bug."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -156,3 +157,74 @@ def test_decoder_fast_path_matches_the_general_decoder() -> None:
         b"x\ny",
     ]
     assert got[0] == (b'data: {"a":1}\n\n', b'{"a":1}', True)
+
+
+def _raw_event(data: bytes) -> SSEEvent:
+    (ev,) = SSEDecoder().feed(b"data: " + data + b"\n\n")
+    return ev
+
+
+_USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+_CH = {"index": 0, "text": "é", "finish_reason": None, "token_ids": [7, 8, 9]}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # vLLM's layout: cut out of the bytes
+        orjson.dumps({"id": "a", "choices": [_CH], "usage": _USAGE}),
+        # other layouts: re-encoded by the general path, or cut where the layout allows
+        orjson.dumps({"usage": _USAGE, "choices": [_CH]}),
+        orjson.dumps({"choices": [{**_CH, "token_ids": [7, 8, 9], "x": 1}], "usage": _USAGE}),
+        orjson.dumps({"choices": [_CH], "usage": {**_USAGE, "d": {"a": 1}}}),
+        orjson.dumps({"choices": [_CH]}),
+        orjson.dumps({"choices": [_CH], "x": [{"token_ids": [1]}], "usage": _USAGE}),
+        json.dumps({"choices": [_CH], "usage": _USAGE}).encode(),  # spaces, \\u escapes
+        json.dumps({"choices": [_CH], "usage": _USAGE}, separators=(",", ":")).encode(),
+    ],
+)
+@pytest.mark.parametrize(
+    "wants", [(False, False, False), (False, True, False), (True, False, True)]
+)
+def test_fast_path_strip_equals_general_path_on_any_layout(
+    data: bytes, wants: tuple[bool, bool, bool]
+) -> None:
+    """What the client did not ask for is cut out of the engine's bytes only where the
+    layout makes that exact; the client gets the same JSON either way."""
+    a, b = _relay(False, True, wants), _relay(False, True, wants)
+    ev = _raw_event(data)
+    fast = a._fast(ev)
+    out: list[bytes] = []
+    verdict, n = b._event(ev, False, out)
+    assert verdict is None
+    if fast is None:  # left to the general path: nothing accounted yet
+        assert _state(a) == _state(_relay(False, True, wants))
+        return
+    assert fast[0] == n
+    assert orjson.loads(fast[1][6:]) == orjson.loads(out[0][6:])
+    assert _state(a) == _state(b)
+
+
+def test_fast_path_takes_vllm_layout_and_cuts_bytes() -> None:
+    """The usual augmented event is taken by the fast path without a re-encode: the bytes
+    the client gets are the engine's, less usage and with the ids null."""
+    data = orjson.dumps({"id": "a", "choices": [_CH], "usage": _USAGE})
+    got = _relay(False, True, (False, False, False))._fast(_raw_event(data))
+    assert got is not None and got[0] == 3
+    want = data.replace(b'"token_ids":[7,8,9]', b'"token_ids":null')
+    assert got[1] == b"data: " + want[: want.index(b',"usage"')] + b"}\n\n"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"x":"\xff","choices":[{"index":0,"text":"a"}]}',  # not UTF-8 in a skipped field
+        b'{"choices":[{"index":0,"text":"a"}]}x',
+        b'{"choices":[{"index":0,"text":"a"}]',
+    ],
+)
+def test_fast_path_refuses_what_the_general_path_refuses(data: bytes) -> None:
+    r = _relay(False, True, (False, False, False))
+    ev = _raw_event(data)
+    assert r._fast(ev) is None
+    assert r._event(ev, False, [])[0] == "protocol"

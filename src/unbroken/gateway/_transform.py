@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import orjson
-from orjson import JSONDecodeError as _JSONDecodeError
-from orjson import loads as _loads
+from msgspec import UNSET, UnsetType
 
 from unbroken.gateway._relay import StreamTracker
 from unbroken.wire.sse import SSEEvent, encode_json
@@ -57,6 +57,95 @@ def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
         elif not isinstance(ch.get("text") or "", str):
             return False
     return True
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    role: msgspec.Raw | UnsetType = UNSET
+
+
+class _TextChoice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: msgspec.Raw | None = None
+
+
+class _ChatChoice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: msgspec.Raw | None = None
+
+
+class _TextChunk(msgspec.Struct):
+    """The fields of a completion chunk the fast path reads (the rest is skipped, after
+    being validated as JSON)."""
+
+    choices: list[_TextChoice] | None = None
+    usage: _Usage | None = None
+    error: msgspec.Raw | UnsetType = UNSET
+    prompt_token_ids: msgspec.Raw | None = None
+    id: msgspec.Raw | UnsetType = UNSET
+    created: msgspec.Raw | UnsetType = UNSET
+    model: msgspec.Raw | UnsetType = UNSET
+
+
+class _ChatChunk(msgspec.Struct):
+    choices: list[_ChatChoice] | None = None
+    usage: _Usage | None = None
+    error: msgspec.Raw | UnsetType = UNSET
+    prompt_token_ids: msgspec.Raw | None = None
+    id: msgspec.Raw | UnsetType = UNSET
+    created: msgspec.Raw | UnsetType = UNSET
+    model: msgspec.Raw | UnsetType = UNSET
+
+
+_TEXT = msgspec.json.Decoder(_TextChunk)
+_CHAT = msgspec.json.Decoder(_ChatChunk)
+_IDS = b'"token_ids":['
+_USAGE = b'}],"usage":{'  # the end of `choices`, then usage
+
+
+def _raw(v: msgspec.Raw | UnsetType) -> Any:
+    """A field kept raw, decoded (None when absent, as `dict.get`)."""
+    return None if v is UNSET else msgspec.json.decode(v)
+
+
+def _strip(data: bytes, ids: bool, usage: bool) -> bytes | None:
+    """`data` (valid JSON, just decoded) without its top-level `usage` (`usage`) and with
+    its one choice's `token_ids` null (`ids`), cut out of the bytes as vLLM lays them out:
+    `..."token_ids":[...]}],"usage":{...}}` (the ids the choice's last member, usage the
+    chunk's). None for another layout: the caller re-encodes.
+
+    Safe on valid JSON: outside a string, `"token_ids":[` and `,"usage":{` can only be
+    those keys (inside one their quotes would be escaped); the ids key must occur once and
+    a list of ints holds no `]`; no `}` between the usage key and the last two bytes makes
+    usage the top-level object's last member, an object with none inside."""
+    n = len(data)
+    if data[n - 1] != 125:  # }
+        return None
+    if usage:
+        i = data.rfind(_USAGE)
+        if i < 0 or data.find(b"}", i + 1) != n - 2:
+            return None
+        if not ids:
+            return data[:i] + b"}]}"
+        j = data.find(_IDS)
+        if j < 0 or data.find(b"]", j) != i - 1 or data.find(_IDS, j + 1, i) >= 0:
+            return None
+        return data[: j + 12] + b"null}]}"
+    j = data.find(_IDS)
+    if j < 0 or data.find(_IDS, j + 1) >= 0:
+        return None
+    return data[: j + 12] + b"null" + data[data.find(b"]", j) + 1 :]
 
 
 class Transform:
@@ -135,50 +224,66 @@ class Transform:
     def _fast(self, ev: SSEEvent) -> tuple[int, bytes | None] | None:
         """The usual event of a first leg, accounted as `_account` and `observe_obj` would:
         (tokens, bytes for the client or None to drop it), or None when `_event` must take
-        it (not a one-choice chunk, prompt ids, an abort, an error, not JSON)."""
+        it (not a one-choice chunk, prompt ids, an abort, an error, not JSON, a shape the
+        typed decode refuses). Nothing is changed before it is known that this path takes
+        the event.
+
+        The event is decoded into a typed struct of the few fields the accounting reads
+        (msgspec: the whole document is still parsed and validated, but no dict is built),
+        and what the client did not ask for is cut out of the engine's own bytes
+        (`_strip`) instead of a re-encode."""
         data = ev.data
         if data is None or data[:1] != b"{":
             return None
         try:
-            obj = _loads(data)
-        except _JSONDecodeError:
+            obj = (_CHAT if self.chat else _TEXT).decode(data)
+            if not data.isascii():
+                data.decode()  # msgspec does not check UTF-8 in the fields it skips; orjson does
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             return None
-        if type(obj) is not dict or "error" in obj or obj.get("prompt_token_ids") is not None:
+        if obj.error is not UNSET or obj.prompt_token_ids is not None:
             return None
-        choices = obj.get("choices")
-        if type(choices) is not list or len(choices) != 1:
+        choices = obj.choices
+        if choices is None or len(choices) != 1:
             return None
         ch = choices[0]
-        if (
-            type(ch) is not dict
-            or ch.get("index", 0) != 0
-            or ch.get("prompt_token_ids") is not None
-        ):
+        if ch.index != 0 or ch.prompt_token_ids is not None:
             return None
-        fr = ch.get("finish_reason")
+        fr = ch.finish_reason
         if fr == "abort":
             return None
-        tracker = self.tracker
+        role = False
         if self.chat:
-            d = ch.get("delta")
-            if type(d) is not dict:
+            d = ch.delta
+            if d is None:
                 return None
-            text = d.get("content")
-            if "role" in d:
-                tracker.role_sent.add(0)
+            text = d.content
+            role = d.role is not UNSET
         else:
-            text = ch.get("text")
-        if text is not None and type(text) is not str:
-            return None  # not a chunk: `_event` says so
-        ids = ch.get("token_ids")
-        if ids is not None and type(ids) is not list:
-            ids = None
-        u = obj.get("usage")
-        n = self._count(u, ids, 1 if text else 0)
+            text = ch.text
+        ids = ch.token_ids
+        u = obj.usage
+        raw = ev.raw
+        if self.augmented:
+            cut_ids = ids is not None and not self.want_ids
+            cut_usage = u is not None and not self.want_cont
+            if cut_ids or cut_usage:
+                stripped = _strip(data, cut_ids, cut_usage)
+                if stripped is None:
+                    return None  # not laid out as vLLM lays it out: `_event` re-encodes
+                raw = b"data: " + stripped + b"\n\n"
+        # Taken: account (as `_count` and `observe_obj`).
+        if u is not None and u.completion_tokens is not None:
+            n = self._count_usage(u.completion_tokens, u.prompt_tokens, ids)
+        else:
+            n = self._count(None, ids, 1 if text else 0)
+        tracker = self.tracker
+        if role:
+            tracker.role_sent.add(0)
         if tracker.id is None:
-            tracker.id = obj.get("id")
-            tracker.created = obj.get("created")
-            tracker.model = obj.get("model")
+            tracker.id = _raw(obj.id)
+            tracker.created = _raw(obj.created)
+            tracker.model = _raw(obj.model)
         if text:
             t = tracker.texts.get(0)
             if t is None:
@@ -188,17 +293,23 @@ class Transform:
             tracker.token_events += 1
         if fr:
             tracker.finish[0] = fr
-        if self.augmented:
-            changed = False
-            if ids is not None and not self.want_ids:
-                ch["token_ids"] = None
-                changed = True
-            if u is not None and not self.want_cont:
-                del obj["usage"]
-                changed = True
-            if changed:
-                return n, encode_json(obj)
-        return n, ev.raw
+        return n, raw
+
+    def _count_usage(self, ct: int, pt: int | None, ids: list[int] | None) -> int:
+        """`_count` for an event whose usage carries an int `completion_tokens`."""
+        n = ct - self.leg_count
+        if n < 0:
+            n = 0
+        self.leg_count = ct
+        if self.legs == 1 and self.prompt_tokens is None:
+            self.prompt_tokens = pt
+        if n:
+            if ids is not None and len(ids) == n:
+                self.gen_ids.extend(ids)
+            else:
+                self.ids_ok = False
+        self.sent = self.leg_base + ct
+        return n
 
     def _count(self, u: Any, ids: list[int] | None, text_events: int) -> int:
         """An event's tokens as the engine counts them: from its usage (cumulative per leg),
