@@ -15,7 +15,11 @@ p99 measured in the same run, and from the gateway's own
 `unbroken_gateway_tenant_queue_wait_seconds{tenant="light"}`: its mean wait for a slot and how
 many of its requests waited over 1 ms.
 
-    python benchmarks/fairness.py [--light 60] [--greedy 300] [--cap 32]
+`--before SRC` adds the fair-queueing phase once more with the gateway run from another
+source tree (e.g. `git archive COMMIT src | tar -x -C DIR`, then `--before DIR/src`): the
+same run's figure for the code before a change.
+
+    python benchmarks/fairness.py [--light 60] [--greedy 300] [--cap 32] [--before SRC]
 """
 
 from __future__ import annotations
@@ -139,18 +143,21 @@ async def run(args: argparse.Namespace) -> None:
     rows = []
     base: float | None = None
     within: float | None = None
-    for name, cfg, greedy in (
-        ("light alone", tenants, 0),
-        (f"light + greedy within the pool ({args.cap - 1} streams)", tenants, args.cap - 1),
-        ("light + greedy, fair queueing", tenants, args.greedy),
-        ("light + greedy, FIFO (no tenants)", plain, args.greedy),
-    ):
+    phases: list[tuple[str, dict[str, object], int, str | None]] = [
+        ("light alone", tenants, 0, None),
+        (f"light + greedy within the pool ({args.cap - 1} streams)", tenants, args.cap - 1, None),
+        ("light + greedy, fair queueing", tenants, args.greedy, None),
+    ]
+    if args.before:
+        phases.append(("light + greedy, fair queueing, before", tenants, args.greedy, args.before))
+    phases.append(("light + greedy, FIFO (no tenants)", plain, args.greedy, None))
+    for name, cfg, greedy, src in phases:
         path = tmp / f"gw-{len(rows)}.json"
         path.write_text(json.dumps(cfg))
         gw, _ = gateway_service(
             eng.url, args=("--config", str(path), "--cap", str(args.cap), "--workers", "1")
         )
-        gw.start(tmp, f"gateway-{len(rows)}")
+        gw.start(tmp, f"gateway-{len(rows)}", env={"PYTHONPATH": src} if src else None)
         try:
             await wait_http(gw.url + "/health")
             await asyncio.sleep(2.0)  # the endpoint is warmed up and ready
@@ -202,6 +209,7 @@ def main() -> None:
     ap.add_argument("--greedy", type=int, default=300)
     ap.add_argument("--cap", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--before", help="a source tree (its src/) to run the gateway from, once more")
     asyncio.run(run(ap.parse_args()))
 
 

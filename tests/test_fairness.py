@@ -99,13 +99,14 @@ def test_the_reserve_lapses_without_a_release(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(_admission, "RESERVE_WINDOW_S", 0.2)
 
     async def run() -> None:
-        _, ep, adm = one_pool(2)
+        _, ep, adm = one_pool(4)
         e, n, _ = await taken(adm, "light")
         adm.release(e, n)
-        await taken(adm, "greedy")
-        g2 = await pending(adm, "greedy")
-        _, _, waited = await asyncio.wait_for(g2, 1.0)
-        assert 0.1 < waited < 0.6 and ep.inflight == 2
+        for _ in range(3):
+            await taken(adm, "greedy")
+        g4 = await pending(adm, "greedy")
+        _, _, waited = await asyncio.wait_for(g4, 1.0)
+        assert 0.1 < waited < 0.6 and ep.inflight == 4
 
     asyncio.run(run())
 
@@ -147,7 +148,7 @@ def test_two_workers_share_the_counts(tmp_path: Path) -> None:
         sides = []
         for row in (0, 1):
             sh = SharedCounters(path, row=row)
-            pool = Pool(default_cap=3)
+            pool = Pool(default_cap=4)
             ep = ready_endpoint("e")
             ep.slot = SharedSlot(sh, 0)
             pool.add(ep)
@@ -155,16 +156,30 @@ def test_two_workers_share_the_counts(tmp_path: Path) -> None:
         (ep0, a0), (ep1, a1) = sides
         e, n, _ = await taken(a1, "light")
         a1.release(e, n)
-        got = [await taken(a0, "greedy") for _ in range(2)]
-        g3 = await pending(a0, "greedy")
-        assert ep1.inflight == 2
+        got = [await taken(a0, "greedy") for _ in range(3)]
+        g4 = await pending(a0, "greedy")
+        assert ep1.inflight == 3
         e, n, waited = await taken(a1, "light")
-        assert waited == 0.0 and ep0.inflight == 3
+        assert waited == 0.0 and ep0.inflight == 4
         assert a0.fair().holding(a0.fair().flow(1, "light", "default", 1.0) or 0) == 1
         a1.release(e, n)
         a0.release(*got[0][:2])
-        await asyncio.wait_for(g3, 1.0)  # worker 0's poll finds the slot greedy freed
-        assert ep1.inflight == 2
+        await asyncio.wait_for(g4, 1.0)  # worker 0's poll finds the slot greedy freed
+        assert ep1.inflight == 3
+
+    asyncio.run(run())
+
+
+def test_small_pools_keep_nothing_back() -> None:
+    """Under 4 slots, one kept back would be a third of the pool or more: none is."""
+
+    async def run() -> None:
+        _, ep, adm = one_pool(3)
+        e, n, _ = await taken(adm, "light")
+        adm.release(e, n)
+        for _ in range(3):
+            await taken(adm, "greedy")
+        assert ep.inflight == 3
 
     asyncio.run(run())
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import itertools
 import time
@@ -208,9 +207,11 @@ class Admission:
                 if i is None:  # the table is full: no reserve for this tenant
                     return self._take(ep, weight)
                 fair.mark(i, now)
+                active = fair.contended(i, now)
+                if active is None:
+                    return self._take(ep, weight, i)
                 n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
-                room = functools.partial(self._room, ep.pool, model)
-                if not fair.holds_back(i, n, room, now):
+                if not fair.holds_back(i, n, active, *self._room(ep.pool, model), now):
                     return self._take(ep, weight, i)
                 # Another pool of the route may have room that nobody's reserve claims.
                 gone = ep.pool

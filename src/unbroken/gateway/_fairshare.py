@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,6 +91,13 @@ class FairShare:
         self.seen = floats[o + 3 * MAX_FLOWS : o + 4 * MAX_FLOWS]
         self.held = ints[o + 4 * MAX_FLOWS :].reshape(rows, MAX_FLOWS)
         self.held[self.row, :] = 0  # a row reused after a worker died
+        # The per-request reads and writes, through memoryviews (a numpy scalar access costs
+        # several times as much): int64 and float64 views of the same map, and offsets.
+        self._q = memoryview(self._map).cast("q")
+        self._d = memoryview(self._map).cast("d")
+        self._seen0 = o + 3 * MAX_FLOWS
+        self._row0 = o + 4 * MAX_FLOWS + self.row * MAX_FLOWS
+        self._weights: dict[int, float] = {}  # what this process last wrote per flow
         self._index: dict[tuple[int, str, str], int] = {}  # this process's flows, by name
         self._group_of: list[int] = []  # per flow index known here: its group's hash
         self._members: dict[int, list[int]] = {}  # group hash -> its flows
@@ -118,7 +124,9 @@ class FairShare:
                 self._refresh()
                 i = n
             self._index[key] = i
-        self.weight[i] = weight  # a reload may have changed it
+        if self._weights.get(i) != weight:  # new here, or a reload changed it
+            self._weights[i] = weight
+            self.weight[i] = weight
         return i
 
     def _refresh(self) -> None:
@@ -130,27 +138,32 @@ class FairShare:
             self._members.setdefault(g, []).append(i)
 
     def mark(self, i: int, now: float) -> None:
-        self.seen[i] = now
+        self._d[self._seen0 + i] = now
 
     def add(self, i: int, n: int) -> None:
-        self.held[self.row, i] += n
+        self._q[self._row0 + i] += n
 
     def holding(self, i: int) -> int:
         return int(self.held[:, i].sum())
 
-    def holds_back(self, i: int, n: int, room: Callable[[], tuple[int, int]], now: float) -> bool:
-        """Must flow `i` leave the `n` slots it asks for to an active tenant under its share?
-        `room()`: the pool's (capacity, free slots), a pass over its endpoints, made only
-        while two tenants are active there."""
-        if int(self.hdr[0]) != len(self._group_of):
+    def contended(self, i: int, now: float) -> list[int] | None:
+        """The flows active beside flow `i` in its pool and priority (itself included), or
+        None when it is alone there: then nothing is kept back, and the caller need not
+        look at the pool's room."""
+        if self._q[0] != len(self._group_of):
             self._refresh()
         members = self._members.get(self._group_of[i], ())
         if len(members) < 2:
-            return False
-        active = [j for j in members if j == i or now - self.seen[j] < RESERVE_WINDOW_S]
-        if len(active) < 2:
-            return False
-        cap, free = room()
+            return None
+        d, o = self._d, self._seen0
+        active = [j for j in members if j == i or now - d[o + j] < RESERVE_WINDOW_S]
+        return active if len(active) > 1 else None
+
+    def holds_back(
+        self, i: int, n: int, active: list[int], cap: int, free: int, now: float
+    ) -> bool:
+        """Must flow `i` leave the `n` slots it asks for to an active tenant under its share?
+        `active`: `contended`'s answer; `cap`, `free`: the pool's capacity and free slots."""
         self._sweep(now)
         wsum = float(sum(self.weight[j] for j in active))
         if (self.holding(i) + n) * wsum <= cap * self.weight[i]:
@@ -170,6 +183,8 @@ class FairShare:
             self.held[dead, :] = 0
 
     def close(self) -> None:
+        self._q.release()
+        self._d.release()
         del self.hdr, self.keys, self.groups, self.weight, self.seen, self.held
         try:
             self._map.close()
