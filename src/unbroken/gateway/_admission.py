@@ -203,12 +203,8 @@ class Admission:
                 return None if ep is None else self._take(ep, weight)
             fair, rank, now = self.fair(), _RANK[priority], time.monotonic()
             while True:
-                i = fair.flow(rank, tenant, ep.pool, share)
-                if i is None:  # the table is full: no reserve for this tenant
-                    return self._take(ep, weight)
-                fair.mark(i, now)
-                active = fair.contended(i, now)
-                if active is None:
+                i, active = fair.enter(rank, tenant, ep.pool, share, now)
+                if active is None:  # alone there (or i None: the table is full, no reserve)
                     return self._take(ep, weight, i)
                 n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
                 if not fair.holds_back(i, n, active, *self._room(ep.pool, model), now):
@@ -377,8 +373,7 @@ class Admission:
     def release(self, ep: Endpoint, n: int = 1) -> None:
         if isinstance(n, _Slots) and self._fair is not None:
             # Before the slot: a worker's tenant counts never exceed its slots (`_fairshare`).
-            self._fair.add(n.flow, -n)
-            self._fair.mark(n.flow, time.monotonic())
+            self._fair.leave(n.flow, n, time.monotonic())
         ep.slot.add(-n)
         self.held[ep.pool] = self.held.get(ep.pool, 0) - n
         if self._heap:

@@ -137,6 +137,22 @@ class FairShare:
             self._group_of.append(g)
             self._members.setdefault(g, []).append(i)
 
+    def enter(
+        self, rank: int, tenant: str, pool: str, weight: float, now: float
+    ) -> tuple[int | None, list[int] | None]:
+        """A request of the flow asks for a slot in `pool`: its index (None: the table is
+        full), marked active, and `contended`'s answer for it (None when alone)."""
+        i = self.flow(rank, tenant, pool, weight)
+        if i is None:
+            return None, None
+        self._d[self._seen0 + i] = now
+        return i, self.contended(i, now)
+
+    def leave(self, i: int, n: int, now: float) -> None:
+        """`n` slots of flow `i` given back (it was active until now)."""
+        self._q[self._row0 + i] -= n
+        self._d[self._seen0 + i] = now
+
     def mark(self, i: int, now: float) -> None:
         self._d[self._seen0 + i] = now
 
