@@ -1,12 +1,15 @@
-"""The gateway package is a one-way stack: no module imports, at run time, one that imports it
-back (directly or through others). Runtime means any import the interpreter executes, at
-module level or inside a function; imports under `if TYPE_CHECKING:` (annotations only) are
-left out. A cycle makes the import order matter and hides which module is the lower layer, so
-a newcomer cannot read the package bottom-up; this test names the cycle it finds."""
+"""The gateway package is a one-way stack: no module imports one that imports it back
+(directly or through others), counting every import: at module level, inside a function,
+and under `if TYPE_CHECKING:` (annotations only). A cycle makes the import order matter and
+hides which module is the lower layer, so a newcomer cannot read the package bottom-up; an
+annotation-only cycle does the second as much as a runtime one. Two tests: runtime imports
+(a cycle there can break the import itself), and all imports; each names the cycle it
+finds."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,13 +41,35 @@ def runtime_imports(tree: ast.AST) -> set[str]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    """Module (file stem) → the gateway modules it imports at run time."""
+def all_imports(tree: ast.AST) -> set[str]:
+    """Absolute module names `tree` imports anywhere, `if TYPE_CHECKING:` blocks included."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            if node.module == PACKAGE:
+                out.update(f"{PACKAGE}.{a.name}" for a in node.names)
+    return out
+
+
+# Annotation-only edges that still close a cycle, each to be removed here once its module
+# no longer needs it: the test fails while one is listed but gone, so the list cannot go
+# stale. `_latency` names `_pool.Endpoint` and `PickRequest` for its annotations while
+# `_pool` imports `_latency` (the default policy): it is to take `PickRequest` from
+# `_policy` and read endpoints through a protocol of its own, as `_adapters` does.
+PENDING: set[tuple[str, str]] = {("_latency", "_pool")}
+
+
+def graph(imports: Callable[[ast.AST], set[str]] = runtime_imports) -> dict[str, set[str]]:
+    """Module (file stem) → the gateway modules it imports (by `imports`: at run time, or
+    all of them)."""
     mods = {p.stem: p for p in GATEWAY.glob("*.py")}
     g: dict[str, set[str]] = {}
     for name, path in mods.items():
         deps = set()
-        for imp in runtime_imports(ast.parse(path.read_text())):
+        for imp in imports(ast.parse(path.read_text())):
             parts = imp.split(".")
             if imp.startswith(PACKAGE + ".") and parts[2] in mods and parts[2] != name:
                 deps.add(parts[2])
@@ -100,15 +125,29 @@ def test_the_checker_finds_a_cycle_and_skips_type_checking() -> None:
     found = runtime_imports(tree)
     assert "unbroken.gateway._pool" in found and "unbroken.gateway._main" in found
     assert "unbroken.gateway._server" not in found
+    assert "unbroken.gateway._server" in all_imports(tree) and found <= all_imports(tree)
 
 
-def test_no_runtime_import_cycle_in_the_gateway() -> None:
-    g = graph()
-    assert len(g) > 20, "the gateway's modules were not found"
+def fail_on_cycles(g: dict[str, set[str]], what: str) -> None:
     found = cycles(g)
     if found:
         edges = {
             " ".join(scc): sorted(f"{a}->{b}" for a in scc for b in g[a] if b in scc)
             for scc in found
         }
-        pytest.fail(f"import cycles in the gateway: {edges}")
+        pytest.fail(f"{what} import cycles in the gateway: {edges}")
+
+
+def test_no_runtime_import_cycle_in_the_gateway() -> None:
+    g = graph()
+    assert len(g) > 20, "the gateway's modules were not found"
+    fail_on_cycles(g, "runtime")
+
+
+def test_no_import_cycle_in_the_gateway_counting_annotations() -> None:
+    g = graph(all_imports)
+    assert len(g) > 20, "the gateway's modules were not found"
+    for a, b in sorted(PENDING):
+        assert b in g.get(a, set()), f"{a} no longer imports {b}: remove it from PENDING"
+        g[a].discard(b)
+    fail_on_cycles(g, "annotation-only or runtime")

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from unbroken.gateway._policy import Candidate
 
 if TYPE_CHECKING:
-    from unbroken.gateway._pool import Endpoint, PickRequest, RoutingPolicy
+    from unbroken.gateway._policy import PickRequest, RoutingPolicy
 
-__all__ = ["AdapterAffinity", "AdapterSettings", "LoraInfo", "parse_lora_info"]
+__all__ = ["AdapterAffinity", "AdapterCandidate", "AdapterSettings", "LoraInfo", "parse_lora_info"]
 
 _METRIC = "vllm:lora_requests_info"
 
@@ -158,11 +160,25 @@ class AdapterSettings:
     balance_rel: float = 0.25
 
 
-class AdapterAffinity:
+class AdapterCandidate(Candidate, Protocol):
+    """An endpoint as adapter affinity reads it: also the engine's own view of its adapters
+    (`_pool.Endpoint` is the one kind; a protocol, so that this module need not import the
+    pool, which imports it)."""
+
+    lora: LoraInfo | None
+
+
+# Whatever endpoint type the pool routes (`_pool.Endpoint`), read as an AdapterCandidate.
+Endpoint = TypeVar("Endpoint", bound=AdapterCandidate)
+
+
+class AdapterAffinity(Generic[Endpoint]):
     """The configured policy, with adapter requests narrowed to warm candidates (module
     doc). Every other attribute is the wrapped policy's (`wants_hint`, its index, ...)."""
 
-    def __init__(self, inner: RoutingPolicy, settings: AdapterSettings | None = None) -> None:
+    def __init__(
+        self, inner: RoutingPolicy[Endpoint], settings: AdapterSettings | None = None
+    ) -> None:
         self.inner = inner
         self.s = settings or AdapterSettings()
         self.sent: dict[str, dict[str, float]] = {}  # adapter -> endpoint -> last admit

@@ -16,7 +16,7 @@ from unbroken.wire.http import bearer_auth_middleware, error_middleware
 from unbroken.wire.openai import parse_request
 
 if TYPE_CHECKING:
-    from unbroken.gateway._server import Gateway
+    from unbroken.gateway._control import GatewayControl
 
 __all__ = ["admin_app"]
 
@@ -70,7 +70,7 @@ def _parse(model: type[M], body: bytes) -> M:
     return parse_request(model, body or b"{}")[0]
 
 
-def admin_app(gw: Gateway, token: str) -> web.Application:
+def admin_app(gw: GatewayControl, token: str) -> web.Application:
     @web.middleware
     async def synced(request: web.Request, handler: Any) -> web.StreamResponse:
         """A change is answered once every worker serves with it (one process: at once)."""

@@ -29,7 +29,7 @@ from unbroken.k8s.discovery import K8sSettings, ServiceRef, SliceEndpoint, Slice
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from unbroken.gateway._server import Gateway
+    from unbroken.gateway._control import GatewayControl
 
 __all__ = ["Discovery", "K8sSettings", "cap_share"]
 
@@ -44,7 +44,7 @@ def cap_share(total: int, replicas: int, rank: int) -> int:
 
 
 class Discovery:
-    def __init__(self, gw: Gateway, settings: K8sSettings) -> None:
+    def __init__(self, gw: GatewayControl, settings: K8sSettings) -> None:
         self.gw = gw
         self.s = settings
         self.managed: dict[str, str] = {}  # endpoint name → pool, for endpoints we added

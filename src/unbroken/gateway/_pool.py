@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from unbroken.gateway._adapters import AdapterAffinity, LoraInfo
 from unbroken.gateway._latency import EndpointLatency, LatencyAware
+from unbroken.gateway._policy import PickRequest, RoutingPolicy
 from unbroken.gateway._prefix import RouteHint
 
 __all__ = [
@@ -245,22 +246,6 @@ def _backlog(sink: Any) -> int:
     return n
 
 
-@dataclass(frozen=True, slots=True)
-class PickRequest:
-    """What a routing policy may look at besides the candidates: the request's prompt as
-    block names and its session key (`hint`, None where the gateway computed none), and
-    whether it is a new request or a retry or continuation (`fresh`)."""
-
-    model: str
-    priority: str
-    hint: RouteHint | None = None
-    fresh: bool = True
-
-
-class RoutingPolicy(Protocol):
-    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None: ...
-
-
 class LeastLoad:
     """The least-loaded candidate (in-flight + engine queue + KV); ties go to the one picked
     longest ago, so equal loads round-robin."""
@@ -283,13 +268,13 @@ class LeastLoad:
 class Pool:
     """All endpoints the gateway knows, by name."""
 
-    def __init__(self, default_cap: int, policy: RoutingPolicy | None = None) -> None:
+    def __init__(self, default_cap: int, policy: RoutingPolicy[Endpoint] | None = None) -> None:
         self.default_cap = default_cap
         self.endpoints: dict[str, Endpoint] = {}
         self.pool_order: list[str] = []
         self.routes: dict[str, list[str]] = {}
         self.routes_override: dict[str, list[str]] = {}
-        self.policy: RoutingPolicy = AdapterAffinity(policy or LatencyAware())
+        self.policy: RoutingPolicy[Endpoint] = AdapterAffinity(policy or LatencyAware())
         # Names each pool serves per the spec (`GatewaySettings.pool_models`), known before
         # any of its replicas runs: a pool autoscaled to 0 still takes requests for them.
         self.pool_models: dict[str, list[str]] = {}
