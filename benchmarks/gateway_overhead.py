@@ -302,6 +302,13 @@ async def main() -> None:
     )
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run a 1-worker gateway from another source tree (its src/ directory, "
+        "e.g. `git worktree add /tmp/base HEAD~1` then /tmp/base/src), as 'baseline 1 "
+        "worker': before and after a change in the same run",
+    )
+    ap.add_argument(
         "--client",
         choices=("lean", "bench"),
         default="lean",
@@ -336,12 +343,18 @@ async def main() -> None:
     gwn, _ = gateway_service(eng.url, args=(*cap, "--workers", str(args.workers)))
     env = {"UNBROKEN_ADMIN_TOKEN": "bench"}
     gw1.start(logs, "gateway-1", env=env)
+    gwb: Service | None = None
+    if args.baseline:
+        gwb, _ = gateway_service(eng.url, args=cap)
+        gwb.start(logs, "gateway-baseline", env={**env, "PYTHONPATH": args.baseline})
     gwn.start(logs, f"gateway-{args.workers}", env=env)
     peer: Service | None = None
     try:
         await wait_http(eng.url + "/health")
         await wait_http(gw1.url + "/health")
         await wait_http(gwn.url + "/health")
+        if gwb is not None:
+            await wait_http(gwb.url + "/health")
         if peer_exe:
             peer, peer_why = await start_peer(peer_exe, eng.url, logs, args.peer_policy)
         await asyncio.sleep(2.5)  # the gateways' warm-up completions, endpoints ready
@@ -364,6 +377,16 @@ async def main() -> None:
                 log=f"{logs}/vllm-router.log",
             ),
         ]
+        if gwb is not None and gwb.proc:
+            targets.insert(
+                2,
+                Target(
+                    "baseline 1 worker",
+                    gwb.url,
+                    gwb.proc.pid,
+                    log=f"{logs}/gateway-baseline.log",
+                ),
+            )
         live = [t for t in targets if t.url]
         for t in live:
             t.idle_pss = tree_pss_bytes(t.pid) if t.pid else 0
@@ -414,6 +437,8 @@ async def main() -> None:
             peer.stop()
         gw1.stop()
         gwn.stop()
+        if gwb is not None:
+            gwb.stop()
         eng.stop()
 
 

@@ -713,7 +713,7 @@ class StreamRelay:
             self.ep.observe_first(self, now - self._started)  # type: ignore[union-attr]
         elif self._last_event:
             gap = now - self._last_event
-            self.ep.observe_gap(gap)  # type: ignore[union-attr]
+            self.ep.latency.gap(gap)  # type: ignore[union-attr]  # (`Endpoint.observe_gap`)
             self._gaps += 1
             if gap > self._gap_max:
                 self._gap_max = gap
@@ -726,6 +726,24 @@ class StreamRelay:
             self._tmo.reschedule(now + limit)
             self._rearm_at = now + limit / 4
         try:
+            if len(events) == 1 and self._last_token and self.x.plain_leg:
+                # The usual read: one token event of a first leg after its first token,
+                # `_take` and `_emit` inline (a read's Python is most of a chunk's CPU).
+                ev = events[0]
+                got = self.x._fast(ev) if ev.plain else None
+                if got is not None:
+                    n, raw = got
+                    if n:
+                        t = time.monotonic()
+                        self._itl.observe(t - self._last_token)
+                        if n > 1:
+                            self._itl.observe_zeros(n - 1)
+                        self._last_token = t
+                    sink = self.sink
+                    if self._outq or sink is None or not sink.send_nowait(raw):
+                        self._outq.append(raw)
+                        self._wake_up()
+                    return
             verdict = self._take(events)
         except (ClientGone, SlowClient) as e:
             self._exc = e

@@ -161,6 +161,7 @@ class Transform:
         "leg_base",
         "leg_count",
         "legs",
+        "plain_leg",
         "prompt_ids",
         "prompt_tokens",
         "rewrite",
@@ -193,12 +194,14 @@ class Transform:
         self.legs = 0
         self.rewrite = False  # this leg continues another: events are made the original's
         self.wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
+        self.plain_leg = True  # neither: `_fast` may take its usual events
         self.detail: str | None = None  # why the leg broke, when the transform saw it
 
     def new_leg(self, *, rewrite: bool, wrap_chat: bool = False) -> None:
         self.legs += 1
         self.leg_base, self.leg_count = self.sent, 0
         self.rewrite, self.wrap_chat = rewrite, wrap_chat
+        self.plain_leg = not rewrite and not wrap_chat
         self.detail = None
 
     def take(self, events: list[SSEEvent], out: list[bytes]) -> tuple[int, str | None]:
@@ -206,14 +209,13 @@ class Transform:
         the verdict "done" at a proper end, a reason at a break, None otherwise."""
         tokens = 0
         rewrite = self.rewrite
-        fast = not rewrite and not self.wrap_chat
+        fast = self.plain_leg
         for ev in events:
             if fast and ev.plain:
                 got = self._fast(ev)
                 if got is not None:
                     tokens += got[0]
-                    if got[1] is not None:
-                        out.append(got[1])
+                    out.append(got[1])
                     continue
             verdict, n = self._event(ev, rewrite, out)
             tokens += n
@@ -221,9 +223,9 @@ class Transform:
                 return tokens, verdict
         return tokens, None
 
-    def _fast(self, ev: SSEEvent) -> tuple[int, bytes | None] | None:
+    def _fast(self, ev: SSEEvent) -> tuple[int, bytes] | None:
         """The usual event of a first leg, accounted as `_account` and `observe_obj` would:
-        (tokens, bytes for the client or None to drop it), or None when `_event` must take
+        (tokens, bytes for the client), or None when `_event` must take
         it (not a one-choice chunk, prompt ids, an abort, an error, not JSON, a shape the
         typed decode refuses). Nothing is changed before it is known that this path takes
         the event.
