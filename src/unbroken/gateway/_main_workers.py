@@ -110,6 +110,7 @@ class WorkerProcesses(Gateway):
     n_workers: int
     shutdown_timeout: float  # what a worker allows its streams if this process dies
     workers: list[Worker]
+    generation: int  # of the workers serving now (a reload starts the next)
     replaced: int  # workers that died and were replaced
     reloads: int
     stopping: bool
