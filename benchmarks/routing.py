@@ -448,6 +448,7 @@ def parts_table(passes: list[Pass]) -> str:
                 fmt(q["prompt"], 0),
                 fmt(q["uncached"], 0),
                 fmt(None if p.ttft_mean is None else p.ttft_mean - q["ttft_ms"]),
+                str(round(q.get("preemptions", 0))),
             ]
         )
     headers = [
@@ -460,6 +461,7 @@ def parts_table(passes: list[Pass]) -> str:
         "prompt tokens",
         "uncached tokens",
         "outside the engine",
+        "preemptions",
     ]
     return table(headers, rows)
 

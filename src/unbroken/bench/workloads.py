@@ -59,6 +59,7 @@ QUEUE = "vllm:request_queue_time_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"  # per step: a running request's gap is one step
+PREEMPTIONS = "vllm:num_preemptions_total"
 
 
 @dataclass(frozen=True)
@@ -323,9 +324,11 @@ class EngineWatch:
         `prefill` (scheduled until its first token: the step that computed its uncached
         prompt, with everyone else's decode and prefill in it), `ttft` (the engine's TTFT),
         `step` (the mean gap between a running request's tokens: one step); `prompt` and
-        `uncached` prompt tokens per request. None when the engines lack the series."""
+        `uncached` prompt tokens per request; `preemptions` (all engines, over the run: a
+        preempted request is recomputed, and waiting requests wait for the room). None when
+        the engines lack the series."""
         sums = dict.fromkeys(("queue", "prefill", "ttft", "itl", "n", "ttft_n", "itl_n"), 0.0)
-        sums |= {"q": 0.0, "h": 0.0}
+        sums |= {"q": 0.0, "h": 0.0, "pre": 0.0}
         names = {"queue": QUEUE, "prefill": PREFILL, "ttft": TTFT, "itl": ITL}
         for u in self.urls:
             b, a = self.before.get(u), self.after.get(u)
@@ -342,6 +345,7 @@ class EngineWatch:
             sums["itl_n"] += d(f"{ITL}_count")
             sums["q"] += d(QUERIES)
             sums["h"] += d(HITS)
+            sums["pre"] += d(PREEMPTIONS)
         n, tn = sums["n"], sums["ttft_n"]
         if not n or not tn:
             return None
@@ -352,6 +356,7 @@ class EngineWatch:
             "step_ms": sums["itl"] / sums["itl_n"] * 1e3 if sums["itl_n"] else 0.0,
             "uncached": (sums["q"] - sums["h"]) / tn,
             "prompt": sums["q"] / tn,
+            "preemptions": sums["pre"],
         }
 
 

@@ -52,6 +52,11 @@ class AffinitySettings:
     prefill_s_per_token: float = 40e-6  # what an uncached prompt token costs to prefill
     blocks_per_endpoint: int = 16384  # index bound per endpoint (~ its KV cache, in blocks)
     home_blocks: int = 4  # a new prefix's home is credited with this many leading blocks
+    # What a session's home is credited with: None, the whole prompt (the `session` policy:
+    # the conversation lives there); a number, at most that many blocks: a prior that breaks
+    # near-ties, so the prefix index (where the history really is) keeps a conversation
+    # and load places a new one (`prefix`).
+    session_blocks: int | None = None
     balance_abs: float = 8.0  # no credit above min load x (1 + balance_rel) + balance_abs
     balance_rel: float = 0.25
 
@@ -113,7 +118,10 @@ class CacheAware(LatencyAware):
             # this request) gets no credit, so hashing's uneven share of sessions does not
             # become one replica's queue; the overflow goes where it costs least.
             if h is not None and h.inflight < self._session_bound(candidates):
-                held[candidates.index(h)] = hint.chars  # the conversation lives there
+                i = candidates.index(h)
+                sb = self.a.session_blocks
+                credit = hint.chars if sb is None else min(hint.chars, sb * bc)
+                held[i] = max(held[i], credit)  # the conversation lives there
         elif self.a.use_prefix and blocks and not any(held):
             h = home(blocks[0].to_bytes(4, "little"), candidates)
             if h is not None:

@@ -60,6 +60,10 @@ def _latency(cfg: GatewaySettings) -> LatencySettings:
 def _affinity(cfg: GatewaySettings, *, prefix: bool) -> AffinitySettings:
     return AffinitySettings(
         use_prefix=prefix,
+        # `prefix`: a session key is a tie-breaking prior, not a home the whole conversation
+        # is credited to: hashing's uneven share of conversations filled one replica's KV
+        # cache (docs/bench.md, "Multi-turn: where a first token's time goes").
+        session_blocks=AffinitySettings.home_blocks if prefix else None,
         prefill_s_per_token=cfg.prefill_us_per_token / 1e6,
         blocks_per_endpoint=cfg.prefix_index_blocks,
     )
