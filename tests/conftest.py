@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,101 @@ def shared_gateway(logdir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
     yield g, a, b
     for p in (g, a, b):
         p.stop()
+
+
+# -- running in parallel (pytest-xdist, `-n` in pyproject's addopts) ---------------------------
+#
+# Most of this suite waits on processes, sockets and timers, so its files run on two workers
+# (`--dist loadfile`: a file's module fixtures, its engines and pipelines, are started once).
+# A test marked `serial` runs with no other test of the run beside it: the real-vLLM servers
+# (pinned one per core) and the demo (a SCHED_FIFO load generator, latency ratios) measure or
+# load the whole machine, and another test beside them would make both slower and flakier.
+
+# Files whose tests run alone (node ids start with these): files this conftest's owners may
+# not mark themselves; the others carry `pytestmark = pytest.mark.serial`.
+SERIAL_FILES: tuple[str, ...] = ()
+
+# The files that take longest, first: a worker that starts the longest file last finishes
+# minutes after the other. Measured with `--durations=0` on 2026-12-03 (seconds, serial run).
+SLOW_FIRST: tuple[str, ...] = ()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Serial files first (nothing runs beside them), then the slowest files, then the rest in
+    collection order; each file's tests stay together and in their order."""
+    for item in items:
+        if item.nodeid.startswith(SERIAL_FILES):
+            item.add_marker(pytest.mark.serial)
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        f = item.nodeid.split("::", 1)[0]
+        serial = item.get_closest_marker("serial") is not None
+        return (0 if serial else 1, rank.get(f, len(rank)), first[f])
+
+    items.sort(key=key)  # stable: a file's tests keep their order
+
+
+class RunLock:
+    """A readers-writer lock over the workers of one run (flock(2) on two files in the run's
+    base temporary directory, released by the kernel if a worker dies). A test takes it
+    shared, a `serial` test exclusive. Writers come first: one waiting holds the gate, so no
+    new test starts and it waits only for those already running."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._gate = open(directory / "serial.gate", "a+")  # held for the run
+        self._main = open(directory / "serial.lock", "a+")
+        self.held: str | None = None
+
+    def take(self, exclusive: bool) -> None:
+        want = "exclusive" if exclusive else "shared"
+        if self.held == want:
+            return
+        self.release()
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        fcntl.flock(self._main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.held = want
+
+    def release(self) -> None:
+        if self.held is None:
+            return
+        fcntl.flock(self._main, fcntl.LOCK_UN)
+        if self.held == "exclusive":
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.held = None
+
+
+_RUN_LOCK: RunLock | None = None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    """Under xdist, run a test (setup, call and teardown, before pytest-timeout's timer starts)
+    holding the run's lock: exclusive for a `serial` test, kept to the end of its file's
+    serial tests so that its module fixtures (vLLM servers) never share the machine either."""
+    global _RUN_LOCK
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    if _RUN_LOCK is None:
+        _RUN_LOCK = RunLock(Path(str(item.config.option.basetemp)).parent)
+    serial = item.get_closest_marker("serial") is not None
+    _RUN_LOCK.take(exclusive=serial)
+    try:
+        return (yield)
+    finally:
+        keep = (
+            serial
+            and nextitem is not None
+            and nextitem.get_closest_marker("serial") is not None
+            and nextitem.nodeid.split("::", 1)[0] == item.nodeid.split("::", 1)[0]
+        )
+        if not keep:
+            _RUN_LOCK.release()

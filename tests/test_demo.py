@@ -198,6 +198,7 @@ def test_rrproxy_passes_a_backend_failure_on_to_the_client(tmp_path: Path) -> No
 # -- the whole demo, scaled down -------------------------------------------------------------
 
 
+@pytest.mark.serial  # a SCHED_FIFO load generator and latency ratios: the machine to itself
 def test_demo_end_to_end(tmp_path: Path) -> None:
     """Both passes (standard deployment, unbroken) with 40 users and short windows: same
     phases, the seed table's rows in results.json, unbroken's zero dropped and corrupted
@@ -220,6 +221,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
             "5",
             "--deadline",
             "2",
+            "--settle",  # the rollout's end to the kill, and the replacement to the window's end
+            "2",
+            "--after-kill",
+            "2",
             "--weights-size",
             "64MiB",
             "--max-ttft-ratio",
@@ -241,6 +246,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     for row in data["seed_table"]:
         assert set(row) >= {"metric", "standard", "unbroken", "unit"}
     assert data["config"]["passes"] == ["standard", "unbroken"]
+    phases = data["config"]["phases"]
+    assert (phases["settle_s"], phases["after_kill_s"], phases["ramp_s"]) == (2, 2, 3), phases
     std = json.loads((tmp_path / "standard" / "results.json").read_text())
     for run in (data, std):
         kinds = {e["event"] for e in run["events"]}

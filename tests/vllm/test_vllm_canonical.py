@@ -11,7 +11,8 @@ from vllmstack import Stack, references
 
 from helpers import metric
 
-pytestmark = pytest.mark.timeout(1500)
+# serial: the two vLLM servers are pinned one per core; nothing else of the run beside them
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.serial]
 
 
 def test_sigkill_mid_stream_is_byte_exact_on_a_canonical_model(stack_canonical: Stack) -> None:

@@ -37,7 +37,8 @@ from helpers import TOKEN, admin, gateway, metric, wait_for
 from unbroken.gateway._stream import STALL_LEARN
 
 # Install, model build and two server starts land in the first test: minutes on 2 cores.
-pytestmark = pytest.mark.timeout(1500)
+# serial: the two vLLM servers are pinned one per core; nothing else of the run beside them
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.serial]
 
 A_ARGS = ("--stream-interval", "4")
 # Streams a disruption hits: as long as the model's 1,024-token context allows, so that vLLM

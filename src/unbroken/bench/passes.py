@@ -70,8 +70,12 @@ class Phases:
     # then the routes: ~10 s with the default spec) is over before the rollout's window.
     recovery_s: float = 12.0
     deadline_s: float = 5.0
+    # The rollout's end to the SIGKILL (chaos).
     settle_s: float = 4.0
+    # The killed replica's replacement to the chaos window's end.
     after_kill_s: float = 4.0
+    # The last user's start to the steady window (connections and first requests settle).
+    ramp_s: float = 3.0
 
 
 @dataclass
@@ -316,7 +320,7 @@ async def run_pass(
                 marks[name] = load.now()
                 load.mark(name, **data)
 
-            await asyncio.sleep(cfg.users / cfg.spawn_rate + 3.0)
+            await asyncio.sleep(cfg.users / cfg.spawn_rate + phases.ramp_s)
             phase = "steady"
             mark("steady_start")
             await asyncio.sleep(phases.steady_s)

@@ -148,6 +148,18 @@ def demo(
         ),
     ] = 12.0,
     deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
+    settle: Annotated[
+        float, typer.Option(help="Seconds from the rollout's end to the SIGKILL of a replica.")
+    ] = 4.0,
+    after_kill: Annotated[
+        float,
+        typer.Option(
+            help="Seconds from the killed replica's replacement to the chaos window's end."
+        ),
+    ] = 4.0,
+    ramp: Annotated[
+        float, typer.Option(help="Seconds from the last user's start to the steady window.")
+    ] = 3.0,
     weights_size: Annotated[str, typer.Option(help="Weights per pool (generated once).")] = "1GiB",
     max_ttft_ratio: Annotated[
         float, typer.Option(help="Pass when p99.9 TTFT (rollout, contention) <= this x steady.")
@@ -174,8 +186,10 @@ def demo(
 
     setup_logging(False)
     logging.getLogger().setLevel(logging.WARNING)
-    if recovery < 0:
-        fail("--recovery must be >= 0 seconds")
+    waits = {"recovery": recovery, "settle": settle, "after-kill": after_kill, "ramp": ramp}
+    for name, v in waits.items():
+        if v < 0:
+            fail(f"--{name} must be >= 0 seconds")
     settings = DemoSettings(
         users=users,
         phases=Phases(
@@ -183,6 +197,9 @@ def demo(
             contention=Contention(seconds=contention, extra_ms=contention_extra_ms),
             recovery_s=recovery,
             deadline_s=deadline,
+            settle_s=settle,
+            after_kill_s=after_kill,
+            ramp_s=ramp,
         ),
         weights_size=weights_size,
         max_ratio=max_ttft_ratio,
