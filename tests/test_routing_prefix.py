@@ -209,6 +209,36 @@ def test_session_homes_are_bounded_to_a_share_of_the_mean_load() -> None:
     assert pol.pick(eps, _req(_hint("a long conversation " * 200, session=other))) is b
 
 
+def test_prefix_routing_places_conversations_by_load_and_keeps_them_by_history() -> None:
+    """`prefix` (the default): a session key is only a prior. Conversations whose sessions
+    all hash to `a` start where load is least, not all on `a` (the hash's uneven share of
+    long conversations filled one replica's KV cache), and each next turn, carrying the
+    history, goes where its history is, its session's home or not."""
+    pol = make_policy(GatewaySettings())
+    assert isinstance(pol, CacheAware) and pol.a.session_blocks == pol.a.home_blocks
+    a, b, c = _ep("a"), _ep("b"), _ep("c")
+    eps = [a, b, c]
+    mine = [s for s in (f"s{i}" for i in range(1000)) if home(s.encode(), eps) is a][:9]
+    system = _words(200, 60)
+    first: dict[str, str] = {}
+    for i, s in enumerate(mine):
+        turn = _req(_hint(f"{system} {_words(70, i)}", session=s))
+        got = pol.pick(eps, turn)
+        assert got is not None
+        got.slot.add(1)  # the stream runs on
+        pol.on_admit(got, turn)
+        first[s] = got.name
+    assert [e.inflight for e in eps] == [3, 3, 3]  # by load, though every home is `a`
+    for e in eps:
+        e.slot.add(-3)
+    for i, s in enumerate(mine):  # the next turn: the same prompt, a reply and a question
+        prompt = f"{system} {_words(70, i)} {_words(215, 7)} {_words(70, 8)}"
+        got = pol.pick(eps, _req(_hint(prompt, session=s)))
+        assert got is not None and got.name == first[s], s
+    # The session policy still credits a home with the whole conversation.
+    assert POLICIES["session"](GatewaySettings(), None).a.session_blocks is None  # type: ignore[attr-defined]
+
+
 def test_slo_spill_sends_standard_work_to_a_clearly_faster_tier_and_keeps_critical() -> None:
     """The fp16 tier is busy, the fp8 tier idle: standard and sheddable work spills, critical
     stays; with a target the first tier meets, standard stays too."""
