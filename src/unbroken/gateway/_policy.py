@@ -41,6 +41,9 @@ class Candidate(Protocol):
     adapters: dict[str, str]  # LoRA adapter -> its base model
 
     @property
+    def inflight(self) -> int: ...  # this gateway's streams and requests on it
+
+    @property
     def load(self) -> float: ...  # in flight + engine queue + weighted KV use
 
 
