@@ -39,7 +39,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -75,9 +75,10 @@ class _HeldBack:
 
 
 HELD: Final = _HeldBack()
+_Kind = tuple[str, str, int, str | None]  # a waiter's model, priority, weight, tenant
 
 
-@dataclass(order=True)
+@dataclass(eq=False)  # identity: finding one in the queue is a C-level scan
 class _Waiter:
     rank: int
     vt: float  # virtual start tag within its priority (fair queueing over tenants)
@@ -93,6 +94,9 @@ class _Waiter:
     want: str | None = field(compare=False, default=None)  # the pool it counts toward
     tenant: str | None = field(compare=False, default=None)
     share: float = field(compare=False, default=1.0)  # the tenant's weight
+
+    def __lt__(self, other: _Waiter) -> bool:  # its turn: priority, start tag, arrival
+        return (self.rank, self.vt, self.seq) < (other.rank, other.vt, other.seq)
 
 
 class Admission:
@@ -131,6 +135,10 @@ class Admission:
         # tenant request); a wake for when a tenant's reserve may have lapsed (one process:
         # with workers the poll does it).
         self._fair: FairShare | None = None
+        # The kinds of waiters queued (model, priority, weight, tenant) and how many of each,
+        # and how many waiters exclude endpoints: `wake` stops once every kind is blocked.
+        self._kinds: dict[_Kind, int] = {}
+        self._excluding = 0
         self._lapse: asyncio.TimerHandle | None = None
 
     def fair(self) -> FairShare:
@@ -277,7 +285,8 @@ class Admission:
         # tenant with none of its own waiting here (its start tag would be the class's virtual
         # time, the lowest: fair queueing serves it next, so it may take a free slot now).
         ahead = rank - 1 if tenant is not None and flow not in self._queued else rank
-        if not any(w.rank <= ahead for w in self._heap) and not self._others_waiting(ahead):
+        mine = any(self.depth[PRIORITIES[r]] for r in range(ahead + 1))  # as the queue's
+        if not mine and not self._others_waiting(ahead):
             got = self._pick_take(model, priority, exclude, weight, hint, tenant, share)
             if isinstance(got, tuple):
                 return *got, 0.0
@@ -320,6 +329,7 @@ class Admission:
             share=share,
         )
         heapq.heappush(self._heap, w)
+        self._counted(w, 1)
         self.depth[priority] += 1
         if w.want is not None:
             self.waiting[w.want] = self.waiting.get(w.want, 0) + 1
@@ -354,21 +364,30 @@ class Admission:
             self._forget(w)
 
     def _forget(self, w: _Waiter) -> None:
+        h = self._heap
         try:
-            self._heap.remove(w)
-            heapq.heapify(self._heap)
-            self.depth[w.priority] -= 1
-            self.queued_bytes -= w.size
-            if w.want is not None:
-                self.waiting[w.want] -= 1
-            flow = (w.rank, w.tenant)
-            left = self._queued[flow] = self._queued[flow] - 1
-            if left <= 0:  # idle again: its next waiter starts at the class's time
-                del self._queued[flow]
-                self._next.pop(flow, None)
-            self._publish()
+            i = h.index(w)
         except ValueError:
-            pass
+            return
+        # Out of the heap in O(log n): the last entry takes its place and moves up or down.
+        last = h.pop()
+        if i < len(h):
+            h[i] = last
+            if i > 0 and last < h[(i - 1) // 2]:
+                heapq._siftdown(h, 0, i)  # type: ignore[attr-defined]
+            else:
+                heapq._siftup(h, i)  # type: ignore[attr-defined]
+        self._counted(w, -1)
+        self.depth[w.priority] -= 1
+        self.queued_bytes -= w.size
+        if w.want is not None:
+            self.waiting[w.want] -= 1
+        flow = (w.rank, w.tenant)
+        left = self._queued[flow] = self._queued[flow] - 1
+        if left <= 0:  # idle again: its next waiter starts at the class's time
+            del self._queued[flow]
+            self._next.pop(flow, None)
+        self._publish()
 
     def release(self, ep: Endpoint, n: int = 1) -> None:
         if isinstance(n, _Slots) and self._fair is not None:
@@ -378,6 +397,39 @@ class Admission:
         self.held[ep.pool] = self.held.get(ep.pool, 0) - n
         if self._heap:
             self.wake()
+
+    def _in_order(self) -> Iterator[_Waiter]:
+        """The waiters in their turn's order, lazily: a pass that stops after a few (a slot
+        freed in a full pool) costs a few heap steps, not a sort of the whole queue (about a
+        millisecond for a few hundred waiters, at every release). The heap must not change
+        meanwhile (`wake` forgets the served after its pass)."""
+        h = self._heap
+        if not h:
+            return
+        front = [(h[0].rank, h[0].vt, h[0].seq, 0)]
+        while front:
+            i = heapq.heappop(front)[3]
+            yield h[i]
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(h):
+                    w = h[c]
+                    heapq.heappush(front, (w.rank, w.vt, w.seq, c))
+
+    def _counted(self, w: _Waiter, d: int) -> None:
+        if w.exclude:
+            self._excluding += d
+            return
+        kind = (w.model, w.priority, w.weight, w.tenant)
+        left = self._kinds[kind] = self._kinds.get(kind, 0) + d
+        if left <= 0:
+            del self._kinds[kind]
+
+    def _all_blocked(self, full: set[tuple[str, str, int]], held: set[_Kind]) -> bool:
+        """Has this pass found every kind of waiter queued without room (or only another
+        tenant's reserve)? Then none behind can be served either."""
+        if self._excluding:
+            return False
+        return all(k[:3] in full or k in held for k in self._kinds)
 
     def _lapse_later(self) -> None:
         """One process: wake the waiters again when the reserve that held one back may have
@@ -402,13 +454,15 @@ class Admission:
             return
         served: list[_Waiter] = []
         full: set[tuple[str, str, int]] = set()  # requests like these found no room just now
-        held: set[tuple[str, str, int, str | None]] = set()  # ... room only in a reserve
+        held: set[_Kind] = set()  # ... room only in a reserve
         now = time.monotonic()
-        for w in sorted(self._heap):
+        # Whether another worker queues better: the same for every waiter of a rank here.
+        elsewhere = [False] + [self._others_waiting(r - 1) for r in range(1, len(PRIORITIES))]
+        for w in self._in_order():
             if w.future.done():
                 served.append(w)
                 continue
-            if w.rank > 0 and self._others_waiting(w.rank - 1):
+            if elsewhere[w.rank]:
                 # Defer only while there is room: the clock runs from when a slot is free.
                 if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
                     w.deferred = None
@@ -425,11 +479,15 @@ class Admission:
             if got is None:
                 if not w.exclude:
                     full.add(key)
+                    if self._all_blocked(full, held):
+                        break
                 continue
             if isinstance(got, _HeldBack):
+                self._lapse_later()
                 if not w.exclude:
                     held.add((*key, w.tenant))
-                self._lapse_later()
+                    if self._all_blocked(full, held):
+                        break
                 continue
             w.future.set_result(got)
             self._vtime[w.rank] = max(self._vtime[w.rank], w.vt)
