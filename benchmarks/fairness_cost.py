@@ -73,7 +73,50 @@ def measure(n: int, repeat: int) -> dict[str, float]:
                 return best / n * 1e6
 
             out[f"{mode}|{case}"] = asyncio.run(run())
+    for light in (False, True):
+        out[f"one process|release + wake, 270 waiters{', light active' if light else ''}"] = (
+            asyncio.run(backlog(light, n // 20))
+        )
     return out
+
+
+async def backlog(light: bool, rounds: int) -> float:
+    """Microseconds per release of a greedy slot while 270 greedy requests wait (the wake
+    that hands it on included), the pool full (32); `light`: another tenant active."""
+    from unbroken.gateway._admission import Admission
+    from unbroken.gateway._pool import Endpoint, Pool, State
+
+    pool = Pool(default_cap=32)
+    ep = Endpoint(name="e", url="http://e")
+    ep.models = {"m"}
+    ep.set_state(State.READY)
+    pool.add(ep)
+    adm = Admission(pool, queue_timeout=600.0, max_queue=10_000)
+
+    def greedy() -> asyncio.Task[tuple[Endpoint, int, float]]:
+        return asyncio.create_task(adm.acquire("m", "standard", tenant="greedy"))
+
+    if light:
+        e, k, _ = await adm.acquire("m", "standard", tenant="light")
+        adm.release(e, k)
+    held = [await adm.acquire("m", "standard", tenant="greedy") for _ in range(31 if light else 32)]
+    tasks = [greedy() for _ in range(270)]
+    await asyncio.sleep(0.05)
+    spent = 0.0
+    for _ in range(rounds):
+        e, k, _ = held.pop(0)
+        t0 = time.perf_counter()
+        adm.release(e, k)
+        spent += time.perf_counter() - t0
+        await asyncio.sleep(0)
+        for t in [t for t in tasks if t.done()]:
+            tasks.remove(t)
+            held.append(t.result())
+            tasks.append(greedy())
+        await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    return spent / rounds * 1e6
 
 
 def main() -> None:

@@ -95,7 +95,9 @@ class FairShare:
         # several times as much): int64 and float64 views of the same map, and offsets.
         self._q = memoryview(self._map).cast("q")
         self._d = memoryview(self._map).cast("d")
+        self._weight0 = o + 2 * MAX_FLOWS
         self._seen0 = o + 3 * MAX_FLOWS
+        self._rows = rows
         self._row0 = o + 4 * MAX_FLOWS + self.row * MAX_FLOWS
         self._weights: dict[int, float] = {}  # what this process last wrote per flow
         self._index: dict[tuple[int, str, str], int] = {}  # this process's flows, by name
@@ -160,6 +162,9 @@ class FairShare:
         self._q[self._row0 + i] += n
 
     def holding(self, i: int) -> int:
+        """Slots flow `i` holds, all workers together."""
+        if self._rows == 1:
+            return self._q[self._row0 + i]
         return int(self.held[:, i].sum())
 
     def contended(self, i: int, now: float) -> list[int] | None:
@@ -181,10 +186,11 @@ class FairShare:
         """Must flow `i` leave the `n` slots it asks for to an active tenant under its share?
         `active`: `contended`'s answer; `cap`, `free`: the pool's capacity and free slots."""
         self._sweep(now)
-        wsum = float(sum(self.weight[j] for j in active))
-        if (self.holding(i) + n) * wsum <= cap * self.weight[i]:
+        d, w0 = self._d, self._weight0
+        wsum = sum(d[w0 + j] for j in active)
+        if (self.holding(i) + n) * wsum <= cap * d[w0 + i]:
             return False  # within its share: it may take the last slot
-        under = sum(1 for j in active if j != i and self.holding(j) * wsum < cap * self.weight[j])
+        under = sum(1 for j in active if j != i and self.holding(j) * wsum < cap * d[w0 + j])
         return free - n < min(under, reserve_cap(cap))
 
     def _sweep(self, now: float) -> None:
