@@ -79,7 +79,7 @@ class _General(Transform):
 
     __slots__ = ()
 
-    def _fast(self, ev: Any) -> None:
+    def _fast(self, *event: Any) -> None:  # (raw, data); an SSEEvent in older trees
         return None
 
 

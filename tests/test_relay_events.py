@@ -41,6 +41,11 @@ def _state(r: Transform) -> dict[str, Any]:
     }
 
 
+def _fast(x: Transform, ev: SSEEvent) -> Any:
+    assert ev.plain and ev.data is not None
+    return x._fast(ev.raw, ev.data)
+
+
 def _event(obj: dict[str, Any]) -> SSEEvent:
     (ev,) = SSEDecoder().feed(b"data: " + orjson.dumps(obj) + b"\n\n")
     return ev
@@ -73,7 +78,7 @@ def _chunk(
 
 
 def _both(r_fast: Transform, r_slow: Transform, ev: SSEEvent) -> tuple[Any, Any]:
-    fast = r_fast._fast(ev)
+    fast = _fast(r_fast, ev)
     out: list[bytes] = []
     verdict, n = r_slow._event(ev, False, out)
     assert verdict is None
@@ -130,7 +135,7 @@ def test_fast_path_equals_general_path(
 )
 def test_fast_path_leaves_the_rest_to_the_general_path(obj: dict[str, Any]) -> None:
     r = _relay(False, True, (False, False, False))
-    assert r._fast(_event(obj)) is None
+    assert _fast(r, _event(obj)) is None
     assert _state(r) == _state(_relay(False, True, (False, False, False)))
 
 
@@ -193,7 +198,7 @@ def test_fast_path_strip_equals_general_path_on_any_layout(
     layout makes that exact; the client gets the same JSON either way."""
     a, b = _relay(False, True, wants), _relay(False, True, wants)
     ev = _raw_event(data)
-    fast = a._fast(ev)
+    fast = _fast(a, ev)
     out: list[bytes] = []
     verdict, n = b._event(ev, False, out)
     assert verdict is None
@@ -209,7 +214,7 @@ def test_fast_path_takes_vllm_layout_and_cuts_bytes() -> None:
     """The usual augmented event is taken by the fast path without a re-encode: the bytes
     the client gets are the engine's, less usage and with the ids null."""
     data = orjson.dumps({"id": "a", "choices": [_CH], "usage": _USAGE})
-    got = _relay(False, True, (False, False, False))._fast(_raw_event(data))
+    got = _fast(_relay(False, True, (False, False, False)), _raw_event(data))
     assert got is not None and got[0] == 3
     want = data.replace(b'"token_ids":[7,8,9]', b'"token_ids":null')
     assert got[1] == b"data: " + want[: want.index(b',"usage"')] + b"}\n\n"
@@ -226,5 +231,5 @@ def test_fast_path_takes_vllm_layout_and_cuts_bytes() -> None:
 def test_fast_path_refuses_what_the_general_path_refuses(data: bytes) -> None:
     r = _relay(False, True, (False, False, False))
     ev = _raw_event(data)
-    assert r._fast(ev) is None
+    assert _fast(r, ev) is None
     assert r._event(ev, False, [])[0] == "protocol"

@@ -684,8 +684,36 @@ class StreamRelay:
         self._wake_up()
 
     def _on_body(self, chunk: bytes) -> None:
+        dec = self._dec
+        if self._last_token and self.x.plain_leg and self._verdict is None:
+            data = dec.one(chunk)
+            if data is not None:
+                # The usual read: one plain token event of a first leg after its first
+                # token, accounted, observed and written right here (a read's Python is most
+                # of a chunk's CPU). Anything else goes through `_events`.
+                self._clock()
+                got = self.x._fast(chunk, data)
+                if got is None:
+                    self._forward([SSEEvent(chunk, data, True)])
+                    return
+                n, raw = got
+                if n:
+                    t = time.monotonic()
+                    self._itl.observe(t - self._last_token)
+                    if n > 1:
+                        self._itl.observe_zeros(n - 1)
+                    self._last_token = t
+                sink = self.sink
+                try:
+                    if self._outq or sink is None or not sink.send_nowait(raw):
+                        self._outq.append(raw)
+                        self._wake_up()
+                except (ClientGone, SlowClient) as e:
+                    self._exc = e
+                    self._end_leg("client")
+                return
         try:
-            events = self._dec.feed(chunk)
+            events = dec.feed(chunk)
         except EventTooLarge as e:
             self.x.detail = str(e)
             self._end_leg(PROTOCOL)
@@ -704,8 +732,13 @@ class StreamRelay:
         self._end_leg("eof")
 
     def _events(self, events: list[SSEEvent]) -> None:
-        if self._verdict is not None:
-            return
+        if self._verdict is None:
+            self._clock()
+            self._forward(events)
+
+    def _clock(self) -> None:
+        """A read with events came: the leg's first-event time or its gap, and its stall
+        limit re-armed."""
         now = self._loop.time()
         if self._first:
             self._first = False
@@ -725,25 +758,9 @@ class StreamRelay:
             limit = self._stall_limit()
             self._tmo.reschedule(now + limit)
             self._rearm_at = now + limit / 4
+
+    def _forward(self, events: list[SSEEvent]) -> None:
         try:
-            if len(events) == 1 and self._last_token and self.x.plain_leg:
-                # The usual read: one token event of a first leg after its first token,
-                # `_take` and `_emit` inline (a read's Python is most of a chunk's CPU).
-                ev = events[0]
-                got = self.x._fast(ev) if ev.plain else None
-                if got is not None:
-                    n, raw = got
-                    if n:
-                        t = time.monotonic()
-                        self._itl.observe(t - self._last_token)
-                        if n > 1:
-                            self._itl.observe_zeros(n - 1)
-                        self._last_token = t
-                    sink = self.sink
-                    if self._outq or sink is None or not sink.send_nowait(raw):
-                        self._outq.append(raw)
-                        self._wake_up()
-                    return
             verdict = self._take(events)
         except (ClientGone, SlowClient) as e:
             self._exc = e

@@ -128,13 +128,11 @@ def _strip(data: bytes, ids: bool, usage: bool) -> bytes | None:
     Safe on valid JSON: outside a string, `"token_ids":[` and `,"usage":{` can only be
     those keys (inside one their quotes would be escaped); the ids key must occur once and
     a list of ints holds no `]`; no `}` between the usage key and the last two bytes makes
-    usage the top-level object's last member, an object with none inside."""
-    n = len(data)
-    if data[n - 1] != 125:  # }
-        return None
+    usage the top-level object's last member, an object with none inside (the last byte
+    then closes the chunk)."""
     if usage:
         i = data.rfind(_USAGE)
-        if i < 0 or data.find(b"}", i + 1) != n - 2:
+        if i < 0 or data.find(b"}", i + 1) != len(data) - 2:
             return None
         if not ids:
             return data[:i] + b"}]}"
@@ -212,7 +210,7 @@ class Transform:
         fast = self.plain_leg
         for ev in events:
             if fast and ev.plain:
-                got = self._fast(ev)
+                got = self._fast(ev.raw, ev.data)  # type: ignore[arg-type]  # plain: data
                 if got is not None:
                     tokens += got[0]
                     out.append(got[1])
@@ -223,7 +221,7 @@ class Transform:
                 return tokens, verdict
         return tokens, None
 
-    def _fast(self, ev: SSEEvent) -> tuple[int, bytes] | None:
+    def _fast(self, raw: bytes, data: bytes) -> tuple[int, bytes] | None:
         """The usual event of a first leg, accounted as `_account` and `observe_obj` would:
         (tokens, bytes for the client), or None when `_event` must take
         it (not a one-choice chunk, prompt ids, an abort, an error, not JSON, a shape the
@@ -233,9 +231,9 @@ class Transform:
         The event is decoded into a typed struct of the few fields the accounting reads
         (msgspec: the whole document is still parsed and validated, but no dict is built),
         and what the client did not ask for is cut out of the engine's own bytes
-        (`_strip`) instead of a re-encode."""
-        data = ev.data
-        if data is None or data[:1] != b"{":
+        (`_strip`) instead of a re-encode. `raw` is a plain event (`SSEEvent.plain`), `data`
+        its data."""
+        if data[:1] != b"{":
             return None
         try:
             obj = (_CHAT if self.chat else _TEXT).decode(data)
@@ -265,7 +263,6 @@ class Transform:
             text = ch.text
         ids = ch.token_ids
         u = obj.usage
-        raw = ev.raw
         if self.augmented:
             cut_ids = ids is not None and not self.want_ids
             cut_usage = u is not None and not self.want_cont

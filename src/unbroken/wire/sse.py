@@ -65,6 +65,22 @@ class SSEDecoder:
         self._cr = False  # the last chunk ended in CR: maybe the first half of a CRLF
         self.max_event = max_event
 
+    def one(self, chunk: bytes) -> bytes | None:
+        """The data of `chunk` when it is exactly one plain `data:` event and nothing is
+        buffered (the usual read: one token of one stream), consumed as `feed` would; else
+        None and nothing consumed (then `feed`). Spares the usual read its event object."""
+        if (
+            not self._buf
+            and not self._cr
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+            and (self.max_event is None or len(chunk) <= self.max_event)
+        ):
+            return chunk[6:-2]
+        return None
+
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if (
             not self._buf
