@@ -249,9 +249,14 @@ def test_bench_cli_workloads(sim: Proc, tmp_path: Path) -> None:
     assert "prefix-cache hit rate" in r.stderr
     raw = json.loads((tmp_path / "results.json").read_text())
     assert raw["engines"]["engines"][sim.url]["requests"] > 0
-    assert "num_turns=5" in raw["meta"]["workload"]
+    # multi-turn's own defaults (chat's shape), not shared-prefix's lengths
+    assert "num_turns=6" in raw["meta"]["workload"]
+    assert "question_len=70" in raw["meta"]["workload"]
+    assert "output_len=6" in raw["meta"]["workload"]
     r = bench("--workload", "shared-prefix", "--num-groups", "2", "--output-len", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "not measured (give the engines' URLs with --engine-metrics)" in r.stderr
+    assert "output_len=4" in json.loads((tmp_path / "results.json").read_text())["meta"]["workload"]
     assert bench("--workload", "sharegpt").returncode == 2
+    assert bench("--workload", "shared-prefix", "--num-turns", "3").returncode == 2
     assert bench("--workload", "multi-turn", "--num-turns", "0").returncode == 2

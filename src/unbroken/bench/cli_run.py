@@ -48,12 +48,13 @@ class BenchOptions:
     max_error_rate: float = 0.01
     out: Path = Path("bench-out")
     workload: str = "random"
-    num_groups: int = 10
-    num_prompts_per_group: int = 10
-    system_prompt_len: int = 100
-    question_len: int = 50
-    output_len: int = 50
-    num_turns: int = 5
+    # None: the workload's own default (SharedPrefix: inference-perf's; MultiTurn: chat's shape)
+    num_groups: int | None = None
+    num_prompts_per_group: int | None = None
+    system_prompt_len: int | None = None
+    question_len: int | None = None
+    output_len: int | None = None
+    num_turns: int | None = None
     seed: int = 1
     engine_metrics: list[str] | None = None
 
@@ -75,17 +76,25 @@ def _workload(o: BenchOptions) -> WorkloadSpec | None:
 
     if o.workload not in ("random", "shared-prefix", "multi-turn"):
         raise BenchOptionError("--workload must be random, shared-prefix or multi-turn")
+    lengths = {
+        "system_prompt_len": o.system_prompt_len,
+        "question_len": o.question_len,
+        "output_len": o.output_len,
+    }
     try:
         if o.workload == "shared-prefix":
-            return SharedPrefix(
-                o.num_groups,
-                o.num_prompts_per_group,
-                o.system_prompt_len,
-                o.question_len,
-                o.output_len,
-            )
+            if o.num_turns is not None:
+                raise ValueError("--num-turns is multi-turn's option")
+            given = lengths | {
+                "num_groups": o.num_groups,
+                "num_prompts_per_group": o.num_prompts_per_group,
+            }
+            return SharedPrefix(**{k: v for k, v in given.items() if v is not None})
         if o.workload == "multi-turn":
-            return MultiTurn(o.num_turns, o.system_prompt_len, o.question_len, o.output_len)
+            if o.num_groups is not None or o.num_prompts_per_group is not None:
+                raise ValueError("--num-groups and --num-prompts-per-group are shared-prefix's")
+            given = lengths | {"num_turns": o.num_turns}
+            return MultiTurn(**{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise BenchOptionError(f"--workload {o.workload}: {e}") from None
     return None

@@ -64,18 +64,35 @@ def bench(
             "shared_prefix) or multi-turn (conversations carrying their history)."
         ),
     ] = "random",
-    num_groups: Annotated[int, typer.Option(help="shared-prefix: system prompts.")] = 10,
+    num_groups: Annotated[
+        int | None, typer.Option(help="shared-prefix: system prompts [default: 10].")
+    ] = None,
     num_prompts_per_group: Annotated[
-        int, typer.Option(help="shared-prefix: questions per system prompt.")
-    ] = 10,
+        int | None, typer.Option(help="shared-prefix: questions per system prompt [default: 10].")
+    ] = None,
     system_prompt_len: Annotated[
-        int, typer.Option(help="Words of the shared system prompt (multi-turn: 0 for none).")
-    ] = 100,
-    question_len: Annotated[int, typer.Option(help="Words per question / user turn.")] = 50,
+        int | None,
+        typer.Option(
+            help="Words of the shared system prompt [default: shared-prefix 100, multi-turn "
+            "200; multi-turn: 0 for none]."
+        ),
+    ] = None,
+    question_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Words per question / user turn [default: shared-prefix 50, multi-turn 70]."
+        ),
+    ] = None,
     output_len: Annotated[
-        int, typer.Option(help="Tokens per answer (workloads other than random).")
-    ] = 50,
-    num_turns: Annotated[int, typer.Option(help="multi-turn: turns per conversation.")] = 5,
+        int | None,
+        typer.Option(
+            help="Tokens per answer, workloads other than random [default: shared-prefix 50, "
+            "multi-turn 215]."
+        ),
+    ] = None,
+    num_turns: Annotated[
+        int | None, typer.Option(help="multi-turn: turns per conversation [default: 6].")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the prompts.")] = 1,
     engine_metrics: Annotated[
         list[str] | None,
