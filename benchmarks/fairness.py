@@ -14,7 +14,8 @@ tenant's TTFT (p50, p99), the ratios of its p99 to the alone and the greedy-with
 p99 measured in the same run, and from the gateway's own
 `unbroken_gateway_tenant_queue_wait_seconds{tenant="light"}`: its mean wait for a slot and how
 many of its requests waited over 1 ms; and the engine's own mean TTFT over the phase (all its
-requests, greedy's too: arrival at the engine to first token, i.e. the batch's share).
+requests, greedy's too: arrival at the engine to first token, i.e. the batch's share); the
+gateway's CPU per request answered over the phase (the cost of the backlog it holds).
 
 `--before SRC` adds the fair-queueing phase once more with the gateway run from another
 source tree (e.g. `git archive COMMIT src | tar -x -C DIR`, then `--before DIR/src`): the
@@ -38,7 +39,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import engine_service, gateway_service, table, wait_http
+from _common import engine_service, gateway_service, table, tree_cpu_seconds, wait_http
 from unbroken.bench.stats import percentile
 from unbroken.config.tenants import key_digest
 
@@ -137,6 +138,17 @@ async def engine_ttft(s: aiohttp.ClientSession, url: str) -> tuple[float, float]
     return got["sum"], got["count"]
 
 
+async def requests_done(s: aiohttp.ClientSession, url: str) -> float:
+    """Requests the gateway has answered (all tenants, all statuses)."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("unbroken_gateway_requests_total{")
+    )
+
+
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-fairness-"))
     eng = engine_service(
@@ -176,12 +188,17 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(2.0)  # the endpoint is warmed up and ready
             async with aiohttp.ClientSession() as s:
                 e0 = await engine_ttft(s, eng.url)
+                r0 = await requests_done(s, gw.url)
+            assert gw.proc is not None
+            c0 = tree_cpu_seconds(gw.proc.pid)
             # FIFO: each light request waits ~2 s behind the backlog; 60 of them tell as much.
             n = args.light if cfg is tenants else min(args.light, 60)
             got = await phase(gw.url, n, greedy, args.max_tokens)
             async with aiohttp.ClientSession() as s:
                 waits = await light_waits(s, gw.url)
                 e1 = await engine_ttft(s, eng.url)
+                r1 = await requests_done(s, gw.url)
+            cpu_ms = (tree_cpu_seconds(gw.proc.pid) - c0) / max(r1 - r0, 1) * 1000
             eng_ms = (e1[0] - e0[0]) / max(e1[1] - e0[1], 1) * 1000
         finally:
             gw.stop()
@@ -199,6 +216,7 @@ async def run(args: argparse.Namespace) -> None:
                 "-" if waits is None else f"{waits[0]:.1f}",
                 "-" if waits is None else str(waits[1]),
                 f"{eng_ms:.1f}",
+                f"{cpu_ms:.2f}",
             ]
         )
     eng.stop()
@@ -218,6 +236,7 @@ async def run(args: argparse.Namespace) -> None:
                 "mean slot wait ms",
                 "waited > 1 ms",
                 "engine TTFT mean ms",
+                "gateway CPU ms / request",
             ],
             rows,
         )
