@@ -1,10 +1,13 @@
-"""Gateway metrics (`unbroken_gateway_*`). Per-endpoint gauges are read from the pool at
-scrape time by a collector, so the request path never touches them."""
+"""Gateway metrics (`unbroken_gateway_*`): `GatewayMetrics` defines the registry, its
+counters and histograms, and the label values exported at 0 from the start. Per-endpoint
+gauges are read from the pool at scrape time by a collector (`_metrics_gauges`), so the
+request path never touches them; the per-token histograms are `_metrics_histogram`'s; the
+main process's merge of its workers' expositions is `_metrics_merge`.
+"""
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
@@ -15,20 +18,32 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from unbroken.gateway._admission import PRIORITIES, Admission
-from unbroken.gateway._pool import CONDITIONS, Pool, State
+from unbroken.gateway._metrics_gauges import _PoolCollector as _PoolCollector
+from unbroken.gateway._metrics_gauges import _PrefixCollector as _PrefixCollector
+from unbroken.gateway._metrics_histogram import FastHistogram
+from unbroken.gateway._metrics_histogram import _HistChild as _HistChild
+from unbroken.gateway._metrics_merge import _SUMMED as _SUMMED
+from unbroken.gateway._metrics_merge import PER_WORKER_GAUGES, merge_expositions, retire
+from unbroken.gateway._metrics_merge import _add as _add
+from unbroken.gateway._metrics_merge import _Families as _Families
+from unbroken.gateway._metrics_merge import _render as _render
+from unbroken.gateway._pool import Pool
 from unbroken.wire.errors import ApiError
 from unbroken.wire.metrics import register_standard_metrics
 
-__all__ = ["GatewayMetrics"]
+# FastHistogram, PER_WORKER_GAUGES, merge_expositions and retire (and the private names
+# imported above) are re-exported: they were defined here before the split (issue 22).
+__all__ = [
+    "PER_WORKER_GAUGES",
+    "FastHistogram",
+    "GatewayMetrics",
+    "merge_expositions",
+    "retire",
+]
 
 disable_created_metrics()
 
@@ -96,122 +111,6 @@ TENANT_REASONS = (
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 
 
-class _PrefixCollector(Collector):
-    """The prefix index's own estimate of its hit rate, from the policy's counters (summed
-    over workers like every counter); nothing when the policy keeps no index."""
-
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        pol = self.pool.policy
-        lookup, hit = getattr(pol, "lookup_blocks", None), getattr(pol, "hit_blocks", None)
-        if not isinstance(lookup, int) or not isinstance(hit, int):
-            return
-        yield CounterMetricFamily(
-            "unbroken_gateway_prefix_lookup_blocks",
-            "Prompt blocks (prefix_block_chars each) of the legs admitted by a prefix-aware "
-            "policy.",
-            value=lookup,
-        )
-        yield CounterMetricFamily(
-            "unbroken_gateway_prefix_hit_blocks",
-            "Of those, the leading blocks the gateway's prefix index credited to the replica "
-            "chosen: its estimate of the engines' prefix-cache hits.",
-            value=hit,
-        )
-
-
-class _PoolCollector(Collector):
-    def __init__(self, pool: Pool, admission: Admission, sinks: Sized | None = None) -> None:
-        self.pool = pool
-        self.admission = admission
-        self.sinks = sinks
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["endpoint", "pool"]
-        inflight = GaugeMetricFamily(
-            "unbroken_gateway_inflight", "Requests in flight per endpoint.", labels=labels
-        )
-        cap = GaugeMetricFamily(
-            "unbroken_gateway_endpoint_cap", "In-flight cap per endpoint.", labels=labels
-        )
-        load = GaugeMetricFamily(
-            "unbroken_gateway_endpoint_load",
-            "Load score used for picking (in-flight + waiting + KV).",
-            labels=labels,
-        )
-        state = GaugeMetricFamily(
-            "unbroken_gateway_endpoint_state",
-            "1 for the endpoint's current state.",
-            labels=[*labels, "state"],
-        )
-        healthy = GaugeMetricFamily(
-            "unbroken_gateway_endpoint_healthy",
-            "1 when the endpoint passes its health checks.",
-            labels=labels,
-        )
-        condition = GaugeMetricFamily(
-            "unbroken_gateway_endpoint_condition",
-            "1 for the condition the controller last set (normal, contended, recovering).",
-            labels=[*labels, "condition"],
-        )
-        slow = GaugeMetricFamily(
-            "unbroken_gateway_endpoint_slow_clients",
-            "Streams of this endpoint whose client is behind by 64 KiB or more.",
-            labels=labels,
-        )
-        for e in list(self.pool.endpoints.values()):
-            lv = [e.name, e.pool]
-            for c in CONDITIONS:
-                condition.add_metric([*lv, c], 1 if e.condition == c else 0)
-            slow.add_metric(lv, e.slow_clients)
-            inflight.add_metric(lv, e.inflight)
-            cap.add_metric(lv, e.effective_cap(self.pool.default_cap))
-            load.add_metric(lv, e.load)
-            healthy.add_metric(lv, 1 if e.healthy else 0)
-            for s in State:
-                state.add_metric([*lv, str(s)], 1 if e.state == s else 0)
-        depth = GaugeMetricFamily(
-            "unbroken_gateway_queue_depth",
-            "Requests waiting for a slot, by priority.",
-            labels=["priority"],
-        )
-        queued = self.admission.queue_depth()
-        for p in PRIORITIES:
-            depth.add_metric([p], queued[p])
-        buffered = GaugeMetricFamily(
-            "unbroken_gateway_stream_buffered_bytes",
-            "Bytes held for clients reading slower than their engine writes.",
-        )
-        buffered.add_metric([], sum(s.buffered for s in list(self.sinks or ())))
-        streams = GaugeMetricFamily("unbroken_gateway_active_streams", "Streams being relayed.")
-        streams.add_metric([], len(self.sinks or ()))
-        demand = GaugeMetricFamily(
-            "unbroken_gateway_pool_demand",
-            "Per pool, sequences running on its endpoints plus requests queued for it (the "
-            "first pool of their priority's route serving their model): the autoscaling "
-            "signal, desired replicas = ceil(demand / target).",
-            labels=["pool"],
-        )
-        want = self.admission.demand()
-        for name in {*self.pool.pool_order, *want}:
-            demand.add_metric([name], want.get(name, 0))
-        yield from (
-            inflight,
-            cap,
-            load,
-            state,
-            healthy,
-            condition,
-            slow,
-            depth,
-            buffered,
-            streams,
-            demand,
-        )
-
-
 class _PoolLabels(Collector):
     """Exports nothing; at each scrape it initialises the labelled children of the pools
     endpoints belong to, so a pool's counters read 0 from its first scrape."""
@@ -226,64 +125,10 @@ class _PoolLabels(Collector):
         return iter(())
 
 
-class _HistChild:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect_left(self.bounds, v)] += 1
-        self.sum += v
-
-    def observe_zeros(self, k: int) -> None:
-        """`k` observations of 0 (the tokens after the first of one read)."""
-        self.counts[bisect_left(self.bounds, 0.0)] += k
-
-
-class FastHistogram(Collector):
-    """A labelled histogram for the per-token path: an observation is a bisect and two
-    additions (prometheus_client's takes a lock per bucket and per sum, about 3x the time,
-    which the gateway's single-threaded event loop does not need). Exposed the same way."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: list[str],
-        buckets: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name, self.doc, self.labelnames = name, documentation, labelnames
-        self.bounds = tuple(float(b) for b in buckets)
-        self._children: dict[tuple[str, ...], _HistChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _HistChild:
-        c = self._children.get(values)
-        if c is None:
-            c = self._children[values] = _HistChild(self.bounds)
-        return c
-
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        for values, c in list(self._children.items()):
-            acc = 0
-            buckets = []
-            for le, n in zip(les, c.counts, strict=True):
-                acc += n
-                buckets.append((le, acc))
-            fam.add_metric(list(values), buckets, c.sum)
-        yield fam
-
-
 class GatewayMetrics:
+    """The gateway's registry: every counter and histogram it exports, the scrape-time
+    collectors, and the label values that read 0 from the start."""
+
     def __init__(self, pool: Pool, admission: Admission, sinks: Any = None) -> None:
         r = self.registry = CollectorRegistry()
         r.register(_PoolLabels(pool, self))  # first: runs before the counters are collected
@@ -488,80 +333,3 @@ class GatewayMetrics:
             return await handler(request)
 
         return middleware
-
-
-# Gauges that each worker holds for its own streams: the gateway's value is their sum. Every
-# other gauge (endpoints, caps, queue depth, build info) is the main process's, which sees the
-# shared admission table.
-PER_WORKER_GAUGES = frozenset(
-    {
-        "unbroken_gateway_active_streams",
-        "unbroken_gateway_stream_buffered_bytes",
-        "unbroken_gateway_endpoint_slow_clients",
-        "unbroken_gateway_pool_demand",
-    }
-)
-
-
-_Families = dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]]
-
-
-def merge_expositions(main: str, workers: list[str], retired: str = "") -> str:
-    """One exposition for the whole gateway: the main process's families, with the workers'
-    counters, histograms and per-worker gauges added up sample by sample; `retired` holds
-    the counters of workers that have exited (see `retire`), so no counter ever goes back."""
-    fams: _Families = {}
-    _add(fams, main, lambda typ, name: True, summed=False)
-    for text in (*workers, retired):
-        _add(fams, text, lambda typ, name: typ in _SUMMED or name in PER_WORKER_GAUGES)
-    return _render(fams)
-
-
-def retire(retired: str, worker: str) -> str:
-    """Fold an exited worker's last exposition into the retired counters: its counters,
-    histograms and summaries are kept (what it served happened), its gauges are not (it holds
-    no stream any more)."""
-    fams: _Families = {}
-    for text in (retired, worker):
-        _add(fams, text, lambda typ, name: typ in _SUMMED)
-    return _render(fams)
-
-
-_SUMMED = ("counter", "histogram", "summary")
-
-
-def _add(
-    fams: _Families, text: str, keep: Callable[[str, str], bool], *, summed: bool = True
-) -> None:
-    """Parse `text` into `fams`: the families `keep(type, name)` accepts, each sample added
-    to what is there (or, not `summed`, set)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for f in text_string_to_metric_families(text):
-        if not keep(f.type, f.name):
-            continue
-        samples = fams.setdefault(f.name, (f.type, f.documentation, {}))[2]
-        for s in f.samples:
-            key = (s.name, tuple(sorted(s.labels.items())))
-            samples[key] = samples.get(key, 0.0) + s.value if summed else s.value
-
-
-def _render(fams: _Families) -> str:
-    out: list[str] = []
-    for name, (typ, doc, samples) in fams.items():
-        doc = doc.replace("\\", r"\\").replace("\n", r"\n")
-        # A counter's family is named with its _total, as prometheus_client writes it: under
-        # the bare name, parsers (prometheus_client's, Prometheus's metadata) see an untyped
-        # x_total series instead of a counter.
-        fname = f"{name}_total" if typ == "counter" else name
-        out.append(f"# HELP {fname} {doc}\n# TYPE {fname} {typ}\n")
-        for (sname, labels), v in samples.items():
-            lab = ",".join(
-                '{}="{}"'.format(
-                    k, str(val).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-                )
-                for k, val in labels
-            )
-            head = f"{sname}{{{lab}}}" if lab else sname
-            out.append(f"{head} {floatToGoString(v)}\n")
-    return "".join(out)
