@@ -44,6 +44,11 @@ from unbroken.bench.stats import percentile
 from unbroken.config.tenants import key_digest
 
 MODEL = "unbroken-sim"
+# A short step so that a phase is quick; its cost grows 64 % from 1 to 32 sequences, a
+# CPU's slope more than a GPU's (the fp16 profile's 20 ms + 0.15 ms a sequence grows 24 %).
+FAST_STEPS = (
+    "--decode-base-s", "0.005", "--decode-per-seq-s", "0.0001", "--prefill-per-token-s", "0.00001",
+)  # fmt: skip
 LIGHT, GREEDY = "sk-light", "sk-greedy"
 
 
@@ -151,10 +156,8 @@ async def requests_done(s: aiohttp.ClientSession, url: str) -> float:
 
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-fairness-"))
-    eng = engine_service(
-        "--max-num-seqs", str(args.cap), "--decode-base-s", "0.005",
-        "--decode-per-seq-s", "0.0001", "--prefill-per-token-s", "0.00001",
-    ).start(tmp, "engine")  # fmt: skip
+    steps = FAST_STEPS if args.engine == "fast" else ("--profile", args.engine)
+    eng = engine_service("--max-num-seqs", str(args.cap), *steps).start(tmp, "engine")
     await wait_http(eng.url + "/health")
     tenants = {
         "tenants": [
@@ -222,7 +225,8 @@ async def run(args: argparse.Namespace) -> None:
     eng.stop()
     print(
         f"greedy: {args.greedy} streams in flight ({args.max_tokens} tokens each), cap "
-        f"{args.cap}; light: {args.light} streams of 8 tokens, one at a time"
+        f"{args.cap}; light: {args.light} streams of 8 tokens, one at a time; engine steps: "
+        f"{args.engine}"
     )
     print(
         table(
@@ -250,6 +254,12 @@ def main() -> None:
     ap.add_argument("--greedy", type=int, default=300)
     ap.add_argument("--cap", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--engine",
+        choices=("fast", "fp16", "fp8"),
+        default="fast",
+        help="the engine's step model: fast (5 ms + 0.1 ms a sequence) or a simulator profile",
+    )
     ap.add_argument("--before", help="a source tree (its src/) to run the gateway from, once more")
     asyncio.run(run(ap.parse_args()))
 
