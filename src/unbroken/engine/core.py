@@ -61,6 +61,8 @@ class Seq:
     computed: int = 0  # tokens whose KV is computed (cached hit + prefill chunks + decodes)
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     cache_root: int = 0  # the parent hash of its first block (0: the cache's own root)
+    n: int = 1  # its request's n: sequences index // n .. share one prompt (metrics)
+    preemptions: int = 0  # times preempted (vllm:request_num_preemptions)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +115,7 @@ class EngineCore:
         )
         self.steps = 0
         self.preemptions = 0
+        self.deferred = 0  # waiting sequences the last step set aside for the LoRA budget
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         if cuda is not None:
@@ -253,6 +256,7 @@ class EngineCore:
             self.running.append(s)
             if loras is not None and s.lora is not None:
                 loras.add(s.lora)
+        self.deferred = len(skipped)
         if skipped:
             self.waiting.extendleft(reversed(skipped))
         # Every running sequence needs room for one more token; preempt the newest until the
@@ -268,6 +272,7 @@ class EngineCore:
                 outputs.append(self._too_long(victim))
                 break
             self.waiting.appendleft(victim)
+            victim.preemptions += 1
             self.preemptions += 1
         # Prefill: tokens computed for sequences not simply decoding their last sampled token.
         prefill = 0

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from unbroken.wire.metrics import register_standard_metrics
 
-__all__ = ["EngineMetrics", "FinishedSeq", "LoraInfo"]
+__all__ = ["EngineMetrics", "FinishedSeq", "LoraInfo", "cache_config_info"]
 
 disable_created_metrics()
 
@@ -38,6 +38,9 @@ TTFT_BUCKETS = (
     20.0,
     40.0,
     80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 ITL_BUCKETS = (
     0.01,
@@ -83,6 +86,72 @@ E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# vllm/v1/engine/__init__.py FinishReason; vllm/v1/metrics/stats.py PromptTokenStats.ALL_SOURCES;
+# vllm/v1/metrics/cache_hit_source.py CacheHitSource; vllm/v1/metrics/loggers.py ADMISSION_REASONS.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+# vLLM 0.32's CacheConfig().metrics_info() (every field, as str), the labels of
+# vllm:cache_config_info besides `engine`; cache_config_info() fills in the simulator's own.
+CACHE_CONFIG_DEFAULTS: dict[str, str] = {
+    "block_size": "16",
+    "user_specified_block_size": "False",
+    "kv_cache_layout": "None",
+    "prefix_match_unit": "None",
+    "gpu_memory_utilization": "0.92",
+    "cache_dtype": "auto",
+    "is_attention_free": "False",
+    "num_gpu_blocks_override": "None",
+    "sliding_window": "None",
+    "enable_prefix_caching": "True",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_cache_retention_interval": "0",
+    "kv_cache_dtype_skip_layers": "[]",
+    "mamba_page_size_padded": "None",
+    "skip_page_size_padded": "None",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_ssm_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "replayssm_buffer_len": "16",
+    "use_replayssm": "False",
+    "use_kda_recoverssm": "False",
+    "num_gpu_blocks": "None",
+    "num_cpu_blocks": "None",
+    "effective_attention_block_size": "None",
+    "kv_cache_size_tokens": "None",
+    "kv_cache_max_concurrency": "None",
+    "hash_block_size": "None",
+    "cache_hit_alignment_tokens": "None",
+    "kv_sharing_fast_prefill": "False",
+    "swa_bounded_replay": "True",
+    "kv_cache_memory_bytes": "None",
+    "kv_offloading_size": "None",
+    "kv_offloading_backend": "native",
+    "_block_size_resolved": "True",
+}
+
+
+def cache_config_info(
+    *, block_size: int, num_blocks: int, enable_prefix_caching: bool, max_model_len: int
+) -> dict[str, str]:
+    """vllm:cache_config_info's labels for the simulator's KV cache: vLLM's defaults, with the
+    values its engine fills in after profiling (blocks, size in tokens, max concurrency as
+    kv_cache_size_tokens / max_model_len) taken from the simulated cache."""
+    size = num_blocks * block_size
+    return CACHE_CONFIG_DEFAULTS | {
+        "block_size": str(block_size),
+        "user_specified_block_size": str(block_size != 16),
+        "enable_prefix_caching": str(enable_prefix_caching),
+        "num_gpu_blocks": str(num_blocks),
+        "kv_cache_size_tokens": str(size),
+        "kv_cache_max_concurrency": str(size / max_model_len),
+    }
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -99,9 +168,21 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 
 class FinishedSeq:
     """The timestamps (monotonic) of one finished sequence, as vLLM's FinishedRequestStats:
-    arrival at the API, first admission to the batch, first and last token."""
+    arrival at the API, first admission to the batch, first and last token; its token counts
+    (prompt, of them found in the prefix cache, generated), its max_tokens and preemptions."""
 
-    __slots__ = ("arrival", "finish", "first", "generated", "last", "prompt", "scheduled")
+    __slots__ = (
+        "arrival",
+        "cached",
+        "finish",
+        "first",
+        "generated",
+        "last",
+        "max_tokens",
+        "preemptions",
+        "prompt",
+        "scheduled",
+    )
 
     def __init__(
         self,
@@ -113,9 +194,13 @@ class FinishedSeq:
         finish: float,
         prompt: int,
         generated: int,
+        cached: int = 0,
+        max_tokens: int = 0,
+        preemptions: int = 0,
     ) -> None:
         self.arrival, self.scheduled, self.first, self.last = arrival, scheduled, first, last
         self.finish, self.prompt, self.generated = finish, prompt, generated
+        self.cached, self.max_tokens, self.preemptions = cached, max_tokens, preemptions
 
 
 class LoraInfo:
@@ -157,11 +242,38 @@ class EngineMetrics:
         labels = ["model_name", "engine"]
         self._lv = (model_name, "0")
         self.running = Gauge(
-            "vllm:num_requests_running", "Requests in model execution batches.", labels, registry=r
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            labels,
+            registry=r,
         ).labels(*self._lv)
         self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be processed.", labels, registry=r
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            labels,
+            registry=r,
         ).labels(*self._lv)
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            [*labels, "reason"],
+            registry=r,
+        )
+        self.waiting_capacity = by_reason.labels(*self._lv, "capacity")
+        self.waiting_deferred = by_reason.labels(*self._lv, "deferred")
+        sleep = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+            "level 2.",
+            [*labels, "sleep_state"],
+            registry=r,
+        )
+        # The simulator never sleeps (no /sleep endpoint): vLLM's default values.
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            sleep.labels(*self._lv, state).set(value)
         self.kv_usage = Gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
@@ -180,8 +292,54 @@ class EngineMetrics:
             labels,
             registry=r,
         ).labels(*self._lv)
+        # Registered by vLLM whatever the configuration; the simulator has no KV connector,
+        # multi-modal input or MFU estimate, so they stay at 0 as on a vLLM without those.
+        for name, doc in (
+            (
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, "
+                "in terms of number of queried tokens.",
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, "
+                "in terms of number of cached tokens.",
+            ),
+            (
+                "vllm:mm_cache_queries",
+                "Multi-modal cache queries, in terms of number of queried items.",
+            ),
+            ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+            (
+                "vllm:estimated_flops_per_gpu_total",
+                "Estimated number of floating point operations per GPU (for Model Flops "
+                "Utilization calculations).",
+            ),
+            (
+                "vllm:estimated_read_bytes_per_gpu_total",
+                "Estimated number of bytes read from memory per GPU (for Model Flops "
+                "Utilization calculations).",
+            ),
+            (
+                "vllm:estimated_write_bytes_per_gpu_total",
+                "Estimated number of bytes written to memory per GPU (for Model Flops "
+                "Utilization calculations).",
+            ),
+        ):
+            Counter(name, doc, labels, registry=r).labels(*self._lv)
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        for reason in ADMISSION_REASONS:
+            rejections.labels(model_name, reason)
         self.preemptions = Counter(
-            "vllm:num_preemptions", "Cumulative preemptions.", labels, registry=r
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            labels,
+            registry=r,
         ).labels(*self._lv)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -199,7 +357,7 @@ class EngineMetrics:
         ).labels(*self._lv)
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
-            "Histogram of end-to-end request latency in seconds.",
+            "Histogram of e2e request latency in seconds.",
             labels,
             buckets=E2E_BUCKETS,
             registry=r,
@@ -252,13 +410,82 @@ class EngineMetrics:
             [*labels, "finished_reason"],
             registry=r,
         )
-        for reason in ("stop", "length", "abort"):
+        for reason in FINISH_REASONS:
             self._success.labels(*self._lv, reason)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
         ).labels(*self._lv)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*labels, "source"],
+            registry=r,
+        )
+        self.prompt_computed, self.prompt_local_hit, _ = (
+            by_source.labels(*self._lv, s) for s in PROMPT_SOURCES
+        )
+        self.prompt_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            labels,
+            registry=r,
+        ).labels(*self._lv)
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.",
+            [*labels, "source"],
+            registry=r,
+        )
+        for source in CACHE_HIT_SOURCES:
+            cached_by_source.labels(*self._lv, source)
+        self.cached_device = cached_by_source.labels(*self._lv, "device")
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        ).labels(*self._lv)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels,
+            buckets=ITERATION_TOKENS_BUCKETS,
+            registry=r,
+        ).labels(*self._lv)
+        self.max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            labels,
+            buckets=token_buckets,
+            registry=r,
+        ).labels(*self._lv)
+        self.params_n = Histogram(
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            labels,
+            buckets=REQUEST_PARAMS_N_BUCKETS,
+            registry=r,
+        ).labels(*self._lv)
+        self.params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            labels,
+            buckets=token_buckets,
+            registry=r,
+        ).labels(*self._lv)
+        self.request_preemptions = Histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            labels,
+            buckets=REQUEST_NUM_PREEMPTIONS_BUCKETS,
+            registry=r,
+        ).labels(*self._lv)
+        self.prefill_kv_computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            labels,
+            buckets=token_buckets,
+            registry=r,
         ).labels(*self._lv)
         self.weights_load = Gauge(
             "unbroken_engine_weights_load_seconds",
@@ -278,6 +505,39 @@ class EngineMetrics:
         )
         self.lora: LoraInfo | None = None if max_loras is None else LoraInfo(r, max_loras)
 
+    def log_cache_config(self, info: dict[str, str]) -> None:
+        """vllm:cache_config_info, set once at start as vLLM's log_engine_initialized: a gauge
+        at 1 whose labels are the cache config's fields plus `engine` (no `model_name`)."""
+        gauge = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*info, "engine"],
+            registry=self.registry,
+        )
+        gauge.labels(*info.values(), self._lv[1]).set(1)
+
+    def step(self, tokens: int, waiting: int, deferred: int) -> None:
+        """Per engine step: its tokens (prompt tokens computed + tokens sampled, vLLM's
+        iteration_tokens_total) and the waiting requests by reason (deferred: set aside for the
+        LoRA budget)."""
+        self.iteration_tokens.observe(tokens)
+        self.waiting_capacity.set(waiting - deferred)
+        self.waiting_deferred.set(deferred)
+
+    def prefilled(self, prompt: int, cached: int) -> None:
+        """A sequence's prompt done (its first token): prompt tokens by source, as vLLM counts
+        them when a request leaves prefill."""
+        self.prompt_computed.inc(prompt - cached)
+        if cached:
+            self.prompt_local_hit.inc(cached)
+            self.prompt_cached.inc(cached)
+
+    def request_done(self, n: int, max_generated: int) -> None:
+        """A request (one prompt's n sequences) finished, as vLLM's parent request records it
+        once its last child finishes: its `n` and the most tokens one of them generated."""
+        self.params_n.observe(n)
+        self.max_generation_tokens.observe(max_generated)
+
     def success(self, finished_reason: str) -> None:
         self._success.labels(*self._lv, finished_reason).inc()
 
@@ -291,5 +551,9 @@ class EngineMetrics:
         self.inference_time.observe(f.last - f.scheduled)
         self.request_prompt_tokens.observe(f.prompt)
         self.request_generation_tokens.observe(f.generated)
+        self.request_preemptions.observe(f.preemptions)
+        self.prefill_kv_computed.observe(f.prompt - f.cached)
+        if f.max_tokens:
+            self.params_max_tokens.observe(f.max_tokens)
         if f.generated > 1:
             self.tpot.observe((f.last - f.first) / (f.generated - 1))

@@ -27,7 +27,7 @@ from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
 from unbroken.engine.kvcache import root_hash
 from unbroken.engine.lora import LoadedAdapter, LoRAModule, LoRARegistry, runtime_lora_updating
-from unbroken.engine.metrics import EngineMetrics, FinishedSeq
+from unbroken.engine.metrics import EngineMetrics, FinishedSeq, cache_config_info
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.render import ChatFormat, CompletionFormat
 from unbroken.engine.request import INT64_MAX, INT64_MIN, RequestState, client_request_id
@@ -131,6 +131,15 @@ class Engine:
         self.metrics = EngineMetrics(
             cfg.model_name, cfg.profile.max_model_len, cfg.max_loras if cfg.enable_lora else None
         )
+        prof = cfg.profile
+        self.metrics.log_cache_config(
+            cache_config_info(
+                block_size=prof.block_size,
+                num_blocks=prof.num_blocks,
+                enable_prefix_caching=prof.enable_prefix_caching,
+                max_model_len=prof.max_model_len,
+            )
+        )
         self.loras: LoRARegistry | None = None
         self._adapter_models: dict[str, TextModel] = {}
         if cfg.enable_lora:
@@ -191,6 +200,7 @@ class Engine:
             m.running.set(len(core.running))
             m.waiting.set(len(core.waiting))
             m.kv_usage.set(core.kv_usage)
+            m.step(prefill + produced, len(core.waiting), core.deferred)
             if produced:
                 m.generation_tokens.inc(produced)
             if core.preemptions > self._preemptions_seen:
@@ -200,6 +210,7 @@ class Engine:
             if queries > self._prefix_seen[0]:
                 m.prefix_queries.inc(queries - self._prefix_seen[0])
                 m.prefix_hits.inc(hits - self._prefix_seen[1])
+                m.cached_device.inc(hits - self._prefix_seen[1])
                 self._prefix_seen = (queries, hits)
             if m.lora is not None:
                 m.lora.record(*core.lora_stats())
@@ -226,6 +237,7 @@ class Engine:
                 if st.first[i] is None:
                     st.first[i] = now
                     m.ttft.observe(now - st.arrival)
+                    m.prefilled(o.seq.prompt_tokens, o.seq.cached_tokens)
                 else:
                     m.itl.observe(now - st.last[i])
                 st.last[i] = now
@@ -240,10 +252,18 @@ class Engine:
                         finish=now,
                         prompt=o.seq.prompt_tokens,
                         generated=st.tokens[i] + o.tokens,
+                        cached=o.seq.cached_tokens,
+                        max_tokens=o.seq.max_tokens,
+                        preemptions=o.seq.preemptions,
                     ),
                     o.finish_reason,
                 )
             st.deliver(o)
+            if o.finish_reason is not None:
+                n = o.seq.n
+                group = range(i - i % n, i - i % n + n)
+                if all(st.finish[j] is not None for j in group):
+                    m.request_done(n, max(st.tokens[j] for j in group))
         if self.core is not None and not self.core.running:
             m.running.set(0)
             m.kv_usage.set(self.core.kv_usage)
@@ -510,6 +530,7 @@ class Engine:
                         token_ids=ids if j == 0 else list(ids),  # each grows by its output
                         lora=lora,
                         cache_root=root,
+                        n=req.n,
                     )
                 )
         return seqs
