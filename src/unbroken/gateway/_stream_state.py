@@ -153,6 +153,8 @@ class RelayState:
         return self._last_event
 
     async def _send(self, data: bytes) -> None:
+        """To the client from the stream's task, in order; the first write prepares the
+        response (its headers, which name the endpoint)."""
         if self.sink is None:
             assert self.ep is not None
             self.resp = web.StreamResponse(
