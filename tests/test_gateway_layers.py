@@ -59,7 +59,7 @@ def all_imports(tree: ast.AST) -> set[str]:
 # stale. `_latency` names `_pool.Endpoint` and `PickRequest` for its annotations while
 # `_pool` imports `_latency` (the default policy): it is to take `PickRequest` from
 # `_policy` and read endpoints through a protocol of its own, as `_adapters` does.
-PENDING: set[tuple[str, str]] = {("_latency", "_pool")}
+PENDING: set[tuple[str, str]] = set()
 
 
 def graph(imports: Callable[[ast.AST], set[str]] = runtime_imports) -> dict[str, set[str]]:

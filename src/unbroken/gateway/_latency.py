@@ -50,12 +50,26 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from unbroken.gateway._policy import Candidate
 
 if TYPE_CHECKING:
-    from unbroken.gateway._pool import Endpoint, PickRequest
+    from unbroken.gateway._policy import PickRequest
 
-__all__ = ["EndpointLatency", "LatencyAware", "LatencySettings"]
+__all__ = ["EndpointLatency", "LatencyAware", "LatencyCandidate", "LatencySettings"]
+
+
+class LatencyCandidate(Candidate, Protocol):
+    """An endpoint as the latency-aware pick reads it (`_pool.Endpoint` is the one kind; a
+    protocol, so that this module need not import the pool, which imports it)."""
+
+    latency: EndpointLatency
+    _rr: int  # when it was last picked: ties go to the one picked longest ago
+
+
+# Whatever endpoint type the pool routes (`_pool.Endpoint`), read as a LatencyCandidate.
+Endpoint = TypeVar("Endpoint", bound=LatencyCandidate)
 
 
 @dataclass(frozen=True)
