@@ -215,7 +215,7 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
 def state_message(
     pool: Pool, seq: int, closing: str | None, replicas: list[int], now: float
 ) -> StateMsg:
-    """The whole state the workers serve from (`_main.MainGateway.snapshot`)."""
+    """The whole state the workers serve from (`_main_gateway.MainGateway.snapshot`)."""
     return {
         "t": "state",
         "seq": seq,

@@ -1,7 +1,7 @@
 """The gateway process: public OpenAI routes, the admin API on its own port, the prober.
 
 `Gateway` is all of it in one process (`_run.serve`, `--workers 1`). With more workers the
-main process (`_main.MainGateway`) owns the listening socket, the admin API, the prober and
+main process (`_main_gateway.MainGateway`) owns the listening socket, the admin API, the prober and
 discovery, and supervises worker processes (`_worker.WorkerGateway`) that serve the public
 routes; both are Gateways. How a process is started and stopped is in `_run`/`_process`.
 """
