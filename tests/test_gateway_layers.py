@@ -164,8 +164,9 @@ def test_the_relays_layers_keep_slots() -> None:
     assert "__dict__" not in dir(StreamRelay)
 
 
-# Names `_stream` and `_metrics` defined before their split (issue 22), importable from there
-# until every caller imports them from their new modules (then this list goes).
+# Names `_stream`, `_metrics`, `_transform` and `_admission` defined before their split
+# (issue 22), importable from there until every caller imports them from their new modules
+# (then this list goes).
 MOVED = {
     "_stream": [
         "RelayHost",
@@ -188,6 +189,28 @@ MOVED = {
         "_SUMMED",
         "_add",
         "_render",
+    ],
+    "_transform": [
+        "_Usage",
+        "_Delta",
+        "_TextChoice",
+        "_ChatChoice",
+        "_TextChunk",
+        "_ChatChunk",
+        "_TEXT",
+        "_CHAT",
+        "_IDS",
+        "_USAGE",
+        "_raw",
+        "_strip",
+        "_has_text",
+        "_is_chunk",
+    ],
+    "_admission": [
+        "PRIORITIES",
+        "_RANK",
+        "_Kind",
+        "_Waiter",
     ],
 }
 

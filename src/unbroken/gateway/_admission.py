@@ -30,6 +30,9 @@ waiters; a new request does not pass one of equal or better priority waiting in 
 and waiters poll for slots that other workers free every `POLL_S`, leaving a slot for up to
 `DEFER_S` to a better priority queued in another worker. Queue bounds (count, bytes) are per
 worker.
+
+The waiter and the heap that orders waiters are `_admission_queue`'s; the reserve's table is
+`_fairshare`'s.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
+from unbroken.gateway._admission_queue import _RANK, PRIORITIES, _Kind, _Waiter, in_order, remove
 from unbroken.gateway._fairshare import RESERVE_WINDOW_S, FairShare
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prefix import RouteHint
@@ -51,6 +54,8 @@ from unbroken.wire.errors import ApiError
 if TYPE_CHECKING:
     from unbroken.gateway._shared import SharedCounters
 
+# `PRIORITIES`, `_RANK`, `_Kind` and `_Waiter` (now `_admission_queue`) were defined here
+# before the split (issue 22) and are still importable from here.
 __all__ = ["POLL_S", "PRIORITIES", "Admission"]
 
 # How often queued requests look for slots freed by other workers.
@@ -58,9 +63,6 @@ POLL_S = 0.005
 # How long a queued request leaves a freed slot to a better-priority request queued in another
 # worker (which may need another pool or model, so not forever).
 DEFER_S = 0.2
-
-PRIORITIES = ("critical", "standard", "sheddable")
-_RANK = {p: i for i, p in enumerate(PRIORITIES)}
 
 
 class _Slots(int):
@@ -75,28 +77,6 @@ class _HeldBack:
 
 
 HELD: Final = _HeldBack()
-_Kind = tuple[str, str, int, str | None]  # a waiter's model, priority, weight, tenant
-
-
-@dataclass(eq=False)  # identity: finding one in the queue is a C-level scan
-class _Waiter:
-    rank: int
-    vt: float  # virtual start tag within its priority (fair queueing over tenants)
-    seq: int
-    model: str = field(compare=False)
-    priority: str = field(compare=False)
-    exclude: tuple[Endpoint, ...] = field(compare=False)
-    future: asyncio.Future[tuple[Endpoint, int]] = field(compare=False)
-    weight: int = field(compare=False, default=1)
-    size: int = field(compare=False, default=0)
-    deferred: float | None = field(compare=False, default=None)
-    hint: RouteHint | None = field(compare=False, default=None)
-    want: str | None = field(compare=False, default=None)  # the pool it counts toward
-    tenant: str | None = field(compare=False, default=None)
-    share: float = field(compare=False, default=1.0)  # the tenant's weight
-
-    def __lt__(self, other: _Waiter) -> bool:  # its turn: priority, start tag, arrival
-        return (self.rank, self.vt, self.seq) < (other.rank, other.vt, other.seq)
 
 
 class Admission:
@@ -364,19 +344,8 @@ class Admission:
             self._forget(w)
 
     def _forget(self, w: _Waiter) -> None:
-        h = self._heap
-        try:
-            i = h.index(w)
-        except ValueError:
+        if not remove(self._heap, w):
             return
-        # Out of the heap in O(log n): the last entry takes its place and moves up or down.
-        last = h.pop()
-        if i < len(h):
-            h[i] = last
-            if i > 0 and last < h[(i - 1) // 2]:
-                heapq._siftdown(h, 0, i)  # type: ignore[attr-defined]
-            else:
-                heapq._siftup(h, i)  # type: ignore[attr-defined]
         self._counted(w, -1)
         self.depth[w.priority] -= 1
         self.queued_bytes -= w.size
@@ -397,23 +366,6 @@ class Admission:
         self.held[ep.pool] = self.held.get(ep.pool, 0) - n
         if self._heap:
             self.wake()
-
-    def _in_order(self) -> Iterator[_Waiter]:
-        """The waiters in their turn's order, lazily: a pass that stops after a few (a slot
-        freed in a full pool) costs a few heap steps, not a sort of the whole queue (about a
-        millisecond for a few hundred waiters, at every release). The heap must not change
-        meanwhile (`wake` forgets the served after its pass)."""
-        h = self._heap
-        if not h:
-            return
-        front = [(h[0].rank, h[0].vt, h[0].seq, 0)]
-        while front:
-            i = heapq.heappop(front)[3]
-            yield h[i]
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < len(h):
-                    w = h[c]
-                    heapq.heappush(front, (w.rank, w.vt, w.seq, c))
 
     def _counted(self, w: _Waiter, d: int) -> None:
         if w.exclude:
@@ -458,7 +410,7 @@ class Admission:
         now = time.monotonic()
         # Whether another worker queues better: the same for every waiter of a rank here.
         elsewhere = [False] + [self._others_waiting(r - 1) for r in range(1, len(PRIORITIES))]
-        for w in self._in_order():
+        for w in in_order(self._heap):
             if w.future.done():
                 served.append(w)
                 continue

@@ -10,7 +10,10 @@ A token-path leg of a chat stream (`wrap_chat`) is a /v1/completions stream turn
 chunks here.
 
 The usual event, one choice on a first leg, is accounted inline (`_fast`); everything else
-goes through `_event`. `tests/test_relay_events.py` holds the two to the same result.
+goes through `_event`. `tests/test_relay_events.py` holds the two to the same result. The
+fast path's msgspec structs and byte cutting are `_transform_fast`'s; the general path's
+chunk-shape helpers (is it a chunk, has it text, a completions chunk as chat) are
+`_transform_shape`'s.
 """
 
 from __future__ import annotations
@@ -19,131 +22,30 @@ from typing import Any
 
 import msgspec
 import orjson
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET
 
 from unbroken.gateway._relay import StreamTracker
+from unbroken.gateway._transform_fast import _CHAT, _TEXT, _raw, _strip
+from unbroken.gateway._transform_fast import _IDS as _IDS
+from unbroken.gateway._transform_fast import _USAGE as _USAGE
+from unbroken.gateway._transform_fast import _ChatChoice as _ChatChoice
+from unbroken.gateway._transform_fast import _ChatChunk as _ChatChunk
+from unbroken.gateway._transform_fast import _Delta as _Delta
+from unbroken.gateway._transform_fast import _TextChoice as _TextChoice
+from unbroken.gateway._transform_fast import _TextChunk as _TextChunk
+from unbroken.gateway._transform_fast import _Usage as _Usage
+from unbroken.gateway._transform_shape import _as_chat, _has_text, _is_chunk
 from unbroken.wire.sse import SSEEvent, encode_json
 
+# `PROTOCOL` and `Transform` are this module's; the msgspec structs, `_strip`, `_raw` (now
+# `_transform_fast`) and `_has_text`, `_is_chunk` (now `_transform_shape`) were defined here
+# before the split (issue 22) and are still importable from here.
 __all__ = ["PROTOCOL", "Transform"]
 
 # The break of a leg whose engine violated the protocol (not SSE, an event that is not a
 # completion chunk, an event past the size bound): none of its bytes reach the client.
 PROTOCOL = "protocol"
 _COMMENT = b": \n\n"  # an upstream comment (keep-alive), forwarded without its text
-
-
-def _has_text(obj: dict[str, Any]) -> bool:
-    for ch in obj.get("choices") or ():
-        if isinstance(ch, dict) and (ch.get("text") or (ch.get("delta") or {}).get("content")):
-            return True
-    return False
-
-
-def _is_chunk(obj: dict[str, Any], chat: bool) -> bool:
-    """Is `obj` a completion (or chat) chunk the relay and a client can read? Cheap: one
-    look at each choice, which carries at most a few tokens."""
-    choices = obj.get("choices")
-    if not isinstance(choices, list):
-        return False
-    for ch in choices:
-        if not isinstance(ch, dict) or not isinstance(ch.get("index", 0), int):
-            return False
-        if chat:
-            d = ch.get("delta")
-            if d is not None and not (
-                isinstance(d, dict) and isinstance(d.get("content") or "", str)
-            ):
-                return False
-        elif not isinstance(ch.get("text") or "", str):
-            return False
-    return True
-
-
-class _Usage(msgspec.Struct):
-    completion_tokens: int | None = None
-    prompt_tokens: int | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-    role: msgspec.Raw | UnsetType = UNSET
-
-
-class _TextChoice(msgspec.Struct):
-    index: int = 0
-    text: str | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: msgspec.Raw | None = None
-
-
-class _ChatChoice(msgspec.Struct):
-    index: int = 0
-    delta: _Delta | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: msgspec.Raw | None = None
-
-
-class _TextChunk(msgspec.Struct):
-    """The fields of a completion chunk the fast path reads (the rest is skipped, after
-    being validated as JSON)."""
-
-    choices: list[_TextChoice] | None = None
-    usage: _Usage | None = None
-    error: msgspec.Raw | UnsetType = UNSET
-    prompt_token_ids: msgspec.Raw | None = None
-    id: msgspec.Raw | UnsetType = UNSET
-    created: msgspec.Raw | UnsetType = UNSET
-    model: msgspec.Raw | UnsetType = UNSET
-
-
-class _ChatChunk(msgspec.Struct):
-    choices: list[_ChatChoice] | None = None
-    usage: _Usage | None = None
-    error: msgspec.Raw | UnsetType = UNSET
-    prompt_token_ids: msgspec.Raw | None = None
-    id: msgspec.Raw | UnsetType = UNSET
-    created: msgspec.Raw | UnsetType = UNSET
-    model: msgspec.Raw | UnsetType = UNSET
-
-
-_TEXT = msgspec.json.Decoder(_TextChunk)
-_CHAT = msgspec.json.Decoder(_ChatChunk)
-_IDS = b'"token_ids":['
-_USAGE = b'}],"usage":{'  # the end of `choices`, then usage
-
-
-def _raw(v: msgspec.Raw | UnsetType) -> Any:
-    """A field kept raw, decoded (None when absent, as `dict.get`)."""
-    return None if v is UNSET else msgspec.json.decode(v)
-
-
-def _strip(data: bytes, ids: bool, usage: bool) -> bytes | None:
-    """`data` (valid JSON, just decoded) without its top-level `usage` (`usage`) and with
-    its one choice's `token_ids` null (`ids`), cut out of the bytes as vLLM lays them out:
-    `..."token_ids":[...]}],"usage":{...}}` (the ids the choice's last member, usage the
-    chunk's). None for another layout: the caller re-encodes.
-
-    Safe on valid JSON: outside a string, `"token_ids":[` and `,"usage":{` can only be
-    those keys (inside one their quotes would be escaped); the ids key must occur once and
-    a list of ints holds no `]`; no `}` between the usage key and the last two bytes makes
-    usage the top-level object's last member, an object with none inside (the last byte
-    then closes the chunk)."""
-    if usage:
-        i = data.rfind(_USAGE)
-        if i < 0 or data.find(b"}", i + 1) != len(data) - 2:
-            return None
-        if not ids:
-            return data[:i] + b"}]}"
-        j = data.find(_IDS)
-        if j < 0 or data.find(b"]", j) != i - 1 or data.find(_IDS, j + 1, i) >= 0:
-            return None
-        return data[: j + 12] + b"null}]}"
-    j = data.find(_IDS)
-    if j < 0 or data.find(_IDS, j + 1) >= 0:
-        return None
-    return data[: j + 12] + b"null" + data[data.find(b"]", j) + 1 :]
 
 
 class Transform:
@@ -365,7 +267,7 @@ class Transform:
             tracker.observe_obj(obj)
             return "error_event", 0
         if self.wrap_chat:
-            obj = self._as_chat(obj)
+            obj = _as_chat(obj)
         n, aborted, changed = self._account(obj, rewrite)
         if aborted:
             # vLLM ended the request itself (shutdown): a break, not a finish. Its text
@@ -440,33 +342,6 @@ class Transform:
                 elif not choices and not self.want_usage:
                     changed = None
         return n, aborted, changed
-
-    def _as_chat(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """A /v1/completions chunk of a token-path leg, as the chat stream's chunk."""
-        choices = []
-        for ch in obj.get("choices") or ():
-            if not isinstance(ch, dict):
-                continue
-            c: dict[str, Any] = {
-                "index": ch.get("index", 0),
-                "delta": {"content": ch.get("text") or ""},
-                "logprobs": None,
-                "finish_reason": ch.get("finish_reason"),
-            }
-            for k in ("stop_reason", "token_ids"):
-                if k in ch:
-                    c[k] = ch[k]
-            choices.append(c)
-        out: dict[str, Any] = {
-            "id": obj.get("id"),
-            "object": "chat.completion.chunk",
-            "created": obj.get("created"),
-            "model": obj.get("model"),
-            "choices": choices,
-        }
-        if "usage" in obj:
-            out["usage"] = obj["usage"]
-        return out
 
     def _rewrite(self, obj: dict[str, Any]) -> bytes | None:
         """An event of a continuation leg, as the original stream would have sent it."""
