@@ -18,7 +18,15 @@ def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests never touch the user's state; the CUDA stub cache is shared across the run."""
     base = tmp_path_factory.mktemp("unbroken")
     os.environ["UNBROKEN_STATE_DIR"] = str(base / "state")
-    os.environ.setdefault("UNBROKEN_CACHE_DIR", str(base / "cache"))
+    cache = os.environ.setdefault("UNBROKEN_CACHE_DIR", str(base / "cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and cache == str(base / "cache"):
+        # One CUDA stub for the run's workers (its build is atomic): an agent attaches its
+        # uprobes once per library file and detaches each in ~0.1 s, so a stub per worker
+        # made every agent's exit take twice as long (test_exporter_and_clean_exit's 20 s).
+        shared = tmp_path_factory.getbasetemp().parent / "cuda"
+        shared.mkdir(exist_ok=True)
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        (Path(cache) / "cuda").symlink_to(shared, target_is_directory=True)
     yield
     for up in UPS:  # a pipeline's data plane outlives a killed supervisor: leave none behind
         up.kill_orphans()
@@ -59,9 +67,33 @@ def shared_gateway(logdir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
 # not mark themselves; the others carry `pytestmark = pytest.mark.serial`.
 SERIAL_FILES: tuple[str, ...] = ()
 
-# The files that take longest, first: a worker that starts the longest file last finishes
-# minutes after the other. Measured with `--durations=0` on 2026-12-03 (seconds, serial run).
-SLOW_FIRST: tuple[str, ...] = ()
+# The files that take longest, first (the workers take files as they free up, so the last
+# file a worker takes should be a short one). From a serial run's `--durations=0` of
+# 2026-12-03 on a loaded 2-core machine (seconds: 251, 196, 161, 142, 124, 119, 109, 90...).
+SLOW_FIRST: tuple[str, ...] = tuple(
+    f"tests/{name}.py"
+    for name in (
+        "test_controller",
+        "test_hardening_pipeline",
+        "test_rollout",
+        "test_tenants",
+        "test_reliability_supervisor",
+        "test_pipeline",
+        "test_malformed",
+        "test_gateway_handover",
+        "test_k8s_discovery",
+        "test_migration",
+        "test_gateway_reload",
+        "test_up_reload",
+        "test_gateway",
+        "test_multimodel",
+        "test_hardening",
+        "test_reliability_gwmain",
+        "test_gateway_workers",
+        "test_bench",
+        "test_tenants_redis",
+    )
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
