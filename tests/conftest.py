@@ -60,8 +60,10 @@ def shared_gateway(logdir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
 # Most of this suite waits on processes, sockets and timers, so its files run on two workers
 # (`--dist loadfile`: a file's module fixtures, its engines and pipelines, are started once).
 # A test marked `serial` runs with no other test of the run beside it: the real-vLLM servers
-# (pinned one per core) and the demo (a SCHED_FIFO load generator, latency ratios) measure or
-# load the whole machine, and another test beside them would make both slower and flakier.
+# (pinned one per core) and the demo (a SCHED_FIFO load generator, latency ratios) load the
+# whole machine, and an eBPF agent attaches to (and on exit detaches from) the CUDA library
+# of every engine on it, the other worker's included; beside another test each is slower,
+# and flakier.
 
 # Files whose tests run alone (node ids start with these): files this conftest's owners may
 # not mark themselves; the others carry `pytestmark = pytest.mark.serial`.
@@ -97,20 +99,23 @@ SLOW_FIRST: tuple[str, ...] = tuple(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Serial files first (nothing runs beside them), then the slowest files, then the rest in
-    collection order; each file's tests stay together and in their order."""
+    """Files with serial tests first (nothing runs beside those), then the slowest files, then
+    the rest in collection order; each file's tests stay together and in their order."""
     for item in items:
         if item.nodeid.startswith(SERIAL_FILES):
             item.add_marker(pytest.mark.serial)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     first: dict[str, int] = {}
+    serial: set[str] = set()  # files with a serial test: kept whole (module fixtures start once)
     for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::", 1)[0], i)
+        f = item.nodeid.split("::", 1)[0]
+        first.setdefault(f, i)
+        if item.get_closest_marker("serial") is not None:
+            serial.add(f)
 
     def key(item: pytest.Item) -> tuple[int, int, int]:
         f = item.nodeid.split("::", 1)[0]
-        serial = item.get_closest_marker("serial") is not None
-        return (0 if serial else 1, rank.get(f, len(rank)), first[f])
+        return (0 if f in serial else 1, rank.get(f, len(rank)), first[f])
 
     items.sort(key=key)  # stable: a file's tests keep their order
 

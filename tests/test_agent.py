@@ -43,7 +43,11 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+# serial: an agent attaches to every engine's CUDA library on the machine (tests/conftest.py)
+pytestmark = [
+    pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+    pytest.mark.serial,
+]
 
 
 def _started() -> Iterator[Agent]:

@@ -691,6 +691,7 @@ def test_a_suspicion_that_lost_its_traffic_is_confirmed_by_probes(
     assert entered["endpoint"] == victim, decisions
 
 
+@pytest.mark.serial  # an eBPF agent: see tests/conftest.py
 def test_an_agent_still_starting_is_waited_for_not_reported_down(
     tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
 ) -> None:
@@ -748,6 +749,7 @@ def test_an_agent_still_starting_is_waited_for_not_reported_down(
     os.geteuid() != 0 or not Path("/sys/kernel/btf/vmlinux").exists(),
     reason="a live agent (eBPF loaded) needs root and kernel BTF (CI runs as root)",
 )
+@pytest.mark.serial  # an eBPF agent: see tests/conftest.py
 def test_a_live_agent_silent_about_an_endpoint_is_reported(
     tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
 ) -> None:
@@ -930,6 +932,7 @@ controller: {exit_dwell_s: 1.0, min_dwell_s: 1.0, recover_step_s: 0.3}
     os.geteuid() != 0 or not Path("/sys/kernel/btf/vmlinux").exists(),
     reason="the eBPF agent needs root and kernel BTF (CI runs as root)",
 )
+@pytest.mark.serial  # an eBPF agent: see tests/conftest.py
 def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
     """`unbroken up` as root starts the agent; the controller judges primary-1 by the CUDA
     launch latency the agent's uprobes measure (not by engine metrics), and acts."""
