@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -37,6 +36,21 @@ def _up_argv(spec: Path) -> list[str]:
             "--admin-port", str(admin), str(spec)]  # fmt: skip
 
 
+def _flocked(path: Path) -> bool:
+    """Whether a process holds an flock on `path` (/proc/locks; probing with flock itself
+    could make the holder's own non-blocking attempt fail)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in Path("/proc/locks").read_text().splitlines():
+        f = line.split()
+        if len(f) > 5 and f[1] == "FLOCK" and f[5] == key:
+            return True
+    return False
+
+
 def test_one_pipeline_per_state_dir_private_dir_and_engine_token(tmp_path: Path) -> None:
     """Two `unbroken up` 0.3 s apart on one state directory used to both start (the guard was
     run.json, written at the end of start-up). The state directory was 0755, and the engines
@@ -50,7 +64,9 @@ def test_one_pipeline_per_state_dir_private_dir_and_engine_token(tmp_path: Path)
         start_new_session=True,
     )  # fmt: skip
     try:
-        time.sleep(0.3)
+        # The second starts once the first holds the directory (a fixed 0.3 s was, on a loaded
+        # machine, before the first had started: then the second was the pipeline, for good).
+        wait_for(lambda: _flocked(state / "lock"), timeout=60, what="the first's state lock")
         second = subprocess.run(_up_argv(spec), env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1, second.stdout + second.stderr
         assert "UNBROKEN_STATE_DIR" in second.stdout + second.stderr
