@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import MODEL, Up, wait_for
+from helpers import MODEL, Up, kill_plane, wait_for
 from unbroken.engine.weights import make_weights
 from unbroken.wire.http import free_port
 
@@ -106,6 +106,7 @@ def test_one_pipeline_per_state_dir_private_dir_and_engine_token(tmp_path: Path)
         if first.poll() is None:
             first.send_signal(signal.SIGTERM)
             first.wait(60)
+        kill_plane(state)  # a supervisor stopped while starting leaves its data plane serving
 
 
 def test_replacement_retries_until_it_serves_and_rollout_reports_the_gap(tmp_path: Path) -> None:
