@@ -38,3 +38,19 @@ async def test_wait_ok_waits_through_refusals_and_errors() -> None:
                 await wait_ok(s, url, timeout=5, check=dead)
         finally:
             await runner.cleanup()
+
+
+def test_free_port_is_outside_the_ephemeral_range_unrepeated_and_bindable() -> None:
+    """Ports from the kernel's ephemeral range can be taken by another process's outgoing
+    connection between the pick and the server's bind (the suite on two workers hit it)."""
+    import socket
+    from pathlib import Path
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if low - 10_000 >= 1_000:
+        assert all(10_000 <= p < low for p in ports), (low, min(ports), max(ports))
+    for p in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

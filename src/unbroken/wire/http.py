@@ -7,10 +7,12 @@ import collections
 import contextlib
 import hmac
 import logging
+import random
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -342,18 +344,43 @@ def client_session(
 
 
 _HANDED: collections.deque[int] = collections.deque(maxlen=256)
+_PICK = random.Random()  # its own generator: a caller's random.seed() must not repeat ports
+PORT_FLOOR = 10_000  # below: well-known services' habits (and root-only under 1024)
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, and not one this process handed out recently: the kernel may give
-    the same ephemeral port to two binds in a row (a gateway once got its public and admin
-    ports equal, and could not listen)."""
+    """A port free now, for a server this process is about to start, and not one it handed
+    out recently. Picked at random below the kernel's ephemeral range: a port the kernel
+    hands to `bind(port 0)` is one it also gives to outgoing connections, so between this
+    check and the server's bind another process's client could take it (the suite on two
+    workers met exactly that: a gateway that could not listen), and two binds in a row can
+    get the same one (a gateway once got its public and admin ports equal). Falls back to
+    the kernel's choice where the range below is too small."""
+    top = _ephemeral_floor()
     for _ in range(50):
+        if top - PORT_FLOOR >= 1_000:
+            port = _PICK.randrange(PORT_FLOOR, top)
+        else:
+            port = 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
             port = int(s.getsockname()[1])
         if port not in _HANDED:
             break
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
     _HANDED.append(port)
     return port
 
