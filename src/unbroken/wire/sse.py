@@ -69,27 +69,23 @@ class SSEDecoder:
         """The data of `chunk` when it is exactly one plain `data:` event and nothing is
         buffered (the usual read: one token of one stream), consumed as `feed` would; else
         None and nothing consumed (then `feed`). Spares the usual read its event object."""
-        if (
-            not self._buf
-            and not self._cr
-            and chunk.startswith(b"data: ")
-            and chunk.find(b"\n") == len(chunk) - 2
-            and chunk.endswith(b"\n\n")
-            and b"\r" not in chunk
-            and (self.max_event is None or len(chunk) <= self.max_event)
-        ):
+        if self._plain(chunk) and (self.max_event is None or len(chunk) <= self.max_event):
             return chunk[6:-2]
         return None
 
-    def feed(self, chunk: bytes) -> list[SSEEvent]:
-        if (
+    def _plain(self, chunk: bytes) -> bool:
+        """Nothing buffered and `chunk` is exactly one plain `data:` event."""
+        return (
             not self._buf
             and not self._cr
             and chunk.startswith(b"data: ")
             and chunk.find(b"\n") == len(chunk) - 2
             and chunk.endswith(b"\n\n")
             and b"\r" not in chunk
-        ):
+        )
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if self._plain(chunk):
             # The usual read: exactly one plain `data:` event (one token of one stream).
             if self.max_event is not None and len(chunk) > self.max_event:
                 raise EventTooLarge(f"an SSE event of {len(chunk)} bytes (limit {self.max_event})")
