@@ -75,6 +75,15 @@ class Target:
     idle_pss: int = 0  # its processes' PSS before any load
 
 
+def bench_engine(streams: int, max_tokens: int) -> Service:
+    """The one engine every target shares: room for `streams` at once, a fixed step."""
+    return engine_service(
+        "--max-num-seqs", str(max(512, 2 * streams)),
+        "--kv-capacity-tokens", str(max(65_536, 4 * streams * (max_tokens + 16))),
+        "--decode-base-s", str(ITL_S), "--decode-per-seq-s", "0",
+    )  # fmt: skip
+
+
 def pct(xs: list[float], p: float) -> float:
     v = percentile(xs, p)
     return float("nan") if v is None else v
@@ -328,16 +337,7 @@ async def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="ub-bench-"))
     peer_exe, peer_why = (None, "--no-peer") if args.no_peer else install_peer()
     top = max(args.concurrency)
-    eng = engine_service(
-        "--max-num-seqs",
-        str(max(512, 2 * top)),
-        "--kv-capacity-tokens",
-        str(max(65_536, 4 * top * (args.max_tokens + 16))),
-        "--decode-base-s",
-        str(ITL_S),
-        "--decode-per-seq-s",
-        "0",
-    ).start(logs, "engine")
+    eng = bench_engine(top, args.max_tokens).start(logs, "engine")
     cap = ("--cap", str(4 * top))
     gw1, _ = gateway_service(eng.url, args=cap)
     gwn, _ = gateway_service(eng.url, args=(*cap, "--workers", str(args.workers)))

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import engine_service, gateway_service, median, table, tree_cpu_seconds, wait_http
-from gateway_overhead import ITL_S, SETTLE_S, closed_loop, raise_fd_limit
+from _common import gateway_service, median, table, tree_cpu_seconds, wait_http
+from gateway_overhead import ITL_S, SETTLE_S, bench_engine, closed_loop, raise_fd_limit
 
 
 async def main() -> None:
@@ -43,16 +43,7 @@ async def main() -> None:
     raise_fd_limit()
     logs = Path(tempfile.mkdtemp(prefix="ub-relay-ab-"))
     both = 2 * args.streams
-    eng = engine_service(
-        "--max-num-seqs",
-        str(max(512, 2 * both)),
-        "--kv-capacity-tokens",
-        str(max(65_536, 4 * both * (args.max_tokens + 16))),
-        "--decode-base-s",
-        str(ITL_S),
-        "--decode-per-seq-s",
-        "0",
-    ).start(logs, "engine")
+    eng = bench_engine(both, args.max_tokens).start(logs, "engine")
     cap = ("--cap", str(4 * both), "--workers", str(args.workers))
     env = {"UNBROKEN_ADMIN_TOKEN": "bench"}
     new, _ = gateway_service(eng.url, args=cap)

@@ -24,43 +24,39 @@ class _Delta(msgspec.Struct):
     role: msgspec.Raw | UnsetType = UNSET
 
 
-class _TextChoice(msgspec.Struct):
+class _Choice(msgspec.Struct):
     index: int = 0
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: msgspec.Raw | None = None
+
+
+class _TextChoice(_Choice):
     text: str | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: msgspec.Raw | None = None
 
 
-class _ChatChoice(msgspec.Struct):
-    index: int = 0
+class _ChatChoice(_Choice):
     delta: _Delta | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: msgspec.Raw | None = None
 
 
-class _TextChunk(msgspec.Struct):
+class _Chunk(msgspec.Struct):
     """The fields of a completion chunk the fast path reads (the rest is skipped, after
     being validated as JSON)."""
 
+    usage: _Usage | None = None
+    error: msgspec.Raw | UnsetType = UNSET
+    prompt_token_ids: msgspec.Raw | None = None
+    id: msgspec.Raw | UnsetType = UNSET
+    created: msgspec.Raw | UnsetType = UNSET
+    model: msgspec.Raw | UnsetType = UNSET
+
+
+class _TextChunk(_Chunk):
     choices: list[_TextChoice] | None = None
-    usage: _Usage | None = None
-    error: msgspec.Raw | UnsetType = UNSET
-    prompt_token_ids: msgspec.Raw | None = None
-    id: msgspec.Raw | UnsetType = UNSET
-    created: msgspec.Raw | UnsetType = UNSET
-    model: msgspec.Raw | UnsetType = UNSET
 
 
-class _ChatChunk(msgspec.Struct):
+class _ChatChunk(_Chunk):
     choices: list[_ChatChoice] | None = None
-    usage: _Usage | None = None
-    error: msgspec.Raw | UnsetType = UNSET
-    prompt_token_ids: msgspec.Raw | None = None
-    id: msgspec.Raw | UnsetType = UNSET
-    created: msgspec.Raw | UnsetType = UNSET
-    model: msgspec.Raw | UnsetType = UNSET
 
 
 _TEXT = msgspec.json.Decoder(_TextChunk)
