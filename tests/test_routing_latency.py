@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, ready_endpoint, wait_for
+from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, metric, ready_endpoint, wait_for
 from unbroken.gateway._latency import EndpointLatency, LatencyAware, LatencySettings
 from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool
 
@@ -135,6 +135,61 @@ def test_an_endpoint_slowing_down_counts_more_than_one_slow_all_along() -> None:
     # Seconds later the slow average has caught up: the rise no longer counts.
     _gaps(rising, 0.040, 100.3, 110.0)
     assert rising.rise(s) == 1.0
+
+
+def test_a_late_step_counts_before_any_slow_gap_is_measured() -> None:
+    """Streams have seen 30 ms steps for seconds; then nothing for 60 ms (the step in
+    progress is twice its usual length: a slowdown's first step, whose gap no window has
+    measured yet). That silence counts at once, as a rise; 40 ms of it (within `late_ratio`)
+    is an ordinary step, and a silence with no stream past its first event (nothing to hear
+    from) is none."""
+    s = LatencySettings()
+    e, quiet = EndpointLatency(s), EndpointLatency(s)
+    _gaps(e, 0.030, 90.0, 100.0)
+    _gaps(quiet, 0.030, 90.0, 100.0)
+    leg = object()
+    e.leg_started(leg, now=99.0)
+    e.first_event(leg, 0.05, now=99.05)
+    e.gap(0.030, now=100.0)
+    assert e.late(100.04, s) == 1.0
+    steady = e.expected(100.04, None, s)
+    assert e.late(100.06, s) == pytest.approx(2.0, rel=0.05)
+    late = e.expected(100.06, None, s)
+    assert steady is not None and late is not None
+    assert late > 3.5 * steady  # the 60 ms step as the gap, its 2x rise counted squared
+    assert quiet.late(100.06, s) == 1.0  # no live stream: silence says nothing
+    e.leg_ended(leg)
+    assert e.late(100.06, s) == 1.0
+    # A silence shorter than `floor_s` is jitter however short the steps (a fast engine).
+    fast = EndpointLatency(s)
+    _gaps(fast, 0.002, 90.0, 100.0)
+    fast.leg_started(leg, now=99.0)
+    fast.first_event(leg, 0.01, now=99.01)
+    fast.gap(0.002, now=100.0)
+    assert fast.late(100.015, s) == 1.0
+    assert fast.late(100.03, s) > 1.0
+
+
+def test_a_leg_waiting_on_a_late_endpoint_is_rerouted_only_to_a_much_faster_one() -> None:
+    """`reroute`: only when the leg's endpoint is late, and the route's first pool expects a
+    first token `reroute_ratio` times sooner; never when the others are as late (a slowdown of
+    the whole machine), nor when the policy is told not to."""
+    s = LatencySettings()
+    policy = LatencyAware(s)
+    slow, fast, also = _ep("slow", inflight=8), _ep("fast", inflight=8), _ep("also", inflight=8)
+    for e in (slow, fast, also):
+        _feed(e, 0.03, ttfb=0.06)
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, 0.06)
+    now = time.monotonic()
+    assert not policy.reroute(slow, [[fast]], REQ)  # nothing late yet
+    for e in (slow, also):
+        e.latency.last_at = now - 0.1  # 100 ms without an event: > 3x the 30 ms steps
+    assert policy.reroute(slow, [[fast]], REQ)
+    assert not policy.reroute(slow, [[also]], REQ)  # as late as it is
+    assert not policy.reroute(slow, [], REQ)  # nowhere to go
+    assert not LatencyAware(LatencySettings(reroute_ratio=None)).reroute(slow, [[fast]], REQ)
 
 
 def test_spill_to_a_later_pool_only_for_new_requests_and_only_when_much_slower() -> None:
@@ -279,6 +334,70 @@ def test_a_replica_slowed_mid_run_gets_no_new_requests_within_a_quarter_second(
     ra, rb = view[slow]["routing"], view[names[b.url]]["routing"]
     assert ra["gap_ms"] > 3 * rb["gap_ms"], (ra, rb)
     assert ra["expected_ttft_ms"] > 3 * rb["expected_ttft_ms"], (ra, rb)
+
+
+def _first_token(url: str) -> tuple[str, float]:
+    """One short streaming request: the endpoint that served it, and when its first token
+    came (monotonic)."""
+    body = {"model": MODEL, "prompt": "now", "max_tokens": 4, "temperature": 0, "stream": True}
+    first = -1.0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first < 0:
+                first = time.monotonic()
+        return r.headers["x-unbroken-endpoint"], first
+
+
+def test_streams_waiting_on_a_replica_that_stops_are_resent_at_once(tmp_path: Path) -> None:
+    """Two replicas with 20 ms decode steps and four long streams each. Replica A stops
+    producing tokens (a stuck device: the `hang` fault, its /health still fine) while B is
+    full (cap 0), so eight new streams can only be admitted to A, where they wait for a first
+    token. The moment B has room again, each is re-sent there (`late_first` retries: nothing
+    had reached its client): every first token within 0.5 s of B opening. Without it they
+    waited out the hang (measured: 5.2 s) or the first-byte rule."""
+    a = engine(tmp_path, name="a", fast=False)
+    b = engine(tmp_path, name="b", fast=False)
+    g = gateway(tmp_path, a.url, b.url)
+    names = {e["url"]: e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+    na, nb = names[a.url], names[b.url]
+    results: list[tuple[str, float]] = []
+    try:
+        with _Streams(g.url, 8, max_tokens=4000) as load:
+            wait_for(lambda: all(e["inflight"] >= 3 for e in _routing(g).values()), timeout=10)
+            time.sleep(1.0)
+            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": 0})
+            r = httpx.post(
+                a.url + "/admin/faults", json={"kind": "hang", "duration_s": 5}, headers=AUTH
+            )
+            assert r.status_code == 200, r.text
+            threads = [
+                threading.Thread(target=lambda: results.append(_first_token(g.url)))
+                for _ in range(8)
+            ]
+            for t in threads:
+                t.start()
+            wait_for(
+                lambda: _routing(g)[na]["routing"]["awaiting_first"] >= 8,
+                timeout=5,
+                interval=0.005,
+                what="eight new streams waiting on A",
+            )
+            opened = time.monotonic()
+            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": None})
+            for t in threads:
+                t.join(30)
+            moved = metric(g.url, "unbroken_gateway_retries_total", reason="late_first")
+        # The long streams on the stuck replica are not this test's concern: the stall rule
+        # continues them elsewhere after its own limit.
+        del load
+    finally:
+        for p in (g, a, b):
+            p.stop()
+    assert len(results) == 8
+    assert all(n == nb for n, _ in results), results
+    assert max(t - opened for _, t in results) < 0.5, [t - opened for _, t in results]
+    assert moved == 8
 
 
 def test_slow_clients_alone_never_change_routing(tmp_path: Path) -> None:

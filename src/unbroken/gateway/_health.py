@@ -46,6 +46,9 @@ _SHUTTING_DOWN = "cannot schedule new futures after shutdown"
 # This many 5xx in a row (no success between) take an endpoint out until readiness.
 _5XX_RUN = 3
 _WATCH_S = 0.5
+# While legs wait for a first event, endpoints are looked at this often for a late step
+# (`_latency.EndpointLatency.late`): a step is ~20-40 ms, a slowdown is seen in ~1.5 of them.
+_LATE_WATCH_S = 0.01
 # An endpoint whose streams got an event this recently is producing tokens: slow to answer
 # a new request (its queue), not hung.
 ALIVE_S = _ALIVE_S = 1.0
@@ -76,6 +79,7 @@ class EndpointHealth:
         # Per endpoint, the kinds of request form it refused (see `_legs.Legs.open`).
         self._refused: dict[str, set[str]] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        self._late_watch: asyncio.TimerHandle | None = None
         self.on_hang: Callable[[Endpoint], None] | None = None  # the prober's `suspect`
 
     def refuses(self, ep: Endpoint) -> set[str]:
@@ -218,9 +222,45 @@ class EndpointHealth:
         return stop
 
     def watch_streams(self) -> None:
-        """Start the watch over streams on endpoints that leave rotation (once)."""
+        """Start the watch over streams on endpoints that leave rotation (once), and the
+        watch over legs waiting for a first event (while there are any)."""
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        if self._late_watch is None:
+            self._late_watch = asyncio.get_running_loop().call_later(
+                _LATE_WATCH_S, self._watch_first
+            )
+
+    def _watch_first(self) -> None:
+        """A leg still waiting for its first event, with nothing sent to its client, on an
+        endpoint whose step in progress is late, is re-sent where the policy expects a first
+        token much sooner (`Pool.reroute`): it was admitted just before a slowdown showed.
+        Runs every `_LATE_WATCH_S` while any leg waits, not at all otherwise."""
+        self._late_watch = None
+        waiting = False
+        for ep in list(self.pool.endpoints.values()):
+            if not ep.latency.waiting:
+                continue
+            waiting = True
+            if not self.pool.late(ep):
+                continue
+            moved = 0
+            for relay in list(ep.relays):
+                if relay.first_pending(ep) and self.pool.reroute(
+                    ep, relay.model, relay.priority, relay.failed, relay.hint
+                ):
+                    relay.interrupt("late_first")
+                    moved += 1
+            if moved:
+                log.info(
+                    "%s's step is late: %d stream(s) waiting for a first token re-sent elsewhere",
+                    ep.name,
+                    moved,
+                )
+        if waiting:
+            self._late_watch = asyncio.get_running_loop().call_later(
+                _LATE_WATCH_S, self._watch_first
+            )
 
     async def _watch(self) -> None:
         """Streams of an endpoint out of rotation (its /health failing, a sibling stream

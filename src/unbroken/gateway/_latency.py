@@ -39,6 +39,15 @@ every stream of every endpoint itself. This policy uses that:
   spreading a burst of continuations over the tiers would put prefill work in front of new
   requests everywhere.
 
+- **Late steps and waiting legs**: the time since an endpoint's last event is a signal too.
+  Once it passes `late_ratio` x the slow gap average, the step in progress is late and counts
+  as a rise at once (`late`), so new requests go elsewhere within a step of a slowdown's
+  start; and a stream admitted there just before, still waiting for its first event with
+  nothing sent to its client, is re-sent to the first pool of its route that expects a first
+  token `reroute_ratio` times sooner (`reroute`; the gateway's watch asks every 10 ms while
+  legs wait). That first tenth of a second is when a contention episode makes its slowest
+  first tokens, before the controller has the evidence to act.
+
 Slow clients change none of it: the gateway reads every upstream at engine speed and buffers
 for the client, so a slow reader changes neither the gaps nor the first-event times.
 """
@@ -87,6 +96,12 @@ class LatencySettings:
     spill_ratio: float = 2.0  # ... a later pool is taken when the first is this many times slower
     spill_min_s: float = 0.05  # ... and at least this much slower
     trend_s: float = 2.0  # time constant of the slow gap average a rise is judged against
+    # The step in progress is late: no event on any of an endpoint's streams for this many
+    # times its slow gap average (steady steps vary by < 1.4x, measured in the demo).
+    late_ratio: float = 1.5
+    # A stream still waiting for its first event on a late endpoint is re-sent where a new
+    # request's expected first token is this many times sooner (None: never).
+    reroute_ratio: float | None = 2.0
     rise_min: float = 0.1  # a rise counts above (1 + this) x the slow average
     rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
     # SLO-aware spill (standard, sheddable): a later pool whose key is this many times lower
@@ -104,6 +119,7 @@ class EndpointLatency:
     (`leg_started`, `first_event`, `gap`, `leg_ended`), read by the policy (`expected`)."""
 
     __slots__ = (
+        "_live",
         "_n",
         "_sum",
         "_window_at",
@@ -112,6 +128,7 @@ class EndpointLatency:
         "gap_s",
         "gap_slow_s",
         "gap_window_s",
+        "last_at",
         "trend_s",
         "ttfb_at",
         "ttfb_decay_s",
@@ -134,19 +151,24 @@ class EndpointLatency:
         self.gap_slow_s: float | None = None  # the gap's average over ~trend_s
         self.gap_at = 0.0
         self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
+        self._live: set[int] = set()  # legs past their first event
+        self.last_at = 0.0  # the latest event of any of its streams
 
     # -- fed by the relay -------------------------------------------------------------------
     def leg_started(self, leg: object, now: float | None = None) -> None:
         self.waiting[id(leg)] = time.monotonic() if now is None else now
 
     def leg_ended(self, leg: object) -> None:
-        self.waiting.pop(id(leg), None)
+        if self.waiting.pop(id(leg), None) is None:
+            self._live.discard(id(leg))
 
     def first_event(self, leg: object, seconds: float, now: float | None = None) -> None:
         """Peak EWMA: a slower first event counts at once, a faster one pulls the estimate
         down with the time since the last sample (`ttfb_decay_s`)."""
-        self.waiting.pop(id(leg), None)
+        if self.waiting.pop(id(leg), None) is not None:
+            self._live.add(id(leg))
         now = time.monotonic() if now is None else now
+        self.last_at = now
         t = self.ttfb_s
         if t is None or seconds >= t:
             self.ttfb_s = seconds
@@ -157,6 +179,7 @@ class EndpointLatency:
 
     def gap(self, seconds: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        self.last_at = now
         if self._n and now - self._window_at >= self.gap_window_s:
             mean, g, slow = self._sum / self._n, self.gap_s, self.gap_slow_s
             self.gap_s = mean if g is None else g + self.alpha_gap * (mean - g)
@@ -183,9 +206,13 @@ class EndpointLatency:
             out = self.ttfb_s * _fade(now - self.ttfb_at, s.stale_s)
         if self.gap_s is not None:
             fade = _fade(now - self.gap_at, s.stale_s)
-            g = s.first_steps * self.gap_s * fade
+            gap = self.gap_s
+            late = self.late(now, s)
+            if late > 1.0:  # the step in progress is already longer than the average
+                gap = max(gap, now - self.last_at)
+            g = s.first_steps * gap * fade
             out = g if out is None else max(out, g)
-            rise = self.rise(s)
+            rise = max(self.rise(s), late)
             if rise > 1.0:
                 out *= 1.0 + (rise**s.rise_power - 1.0) * fade
         return out
@@ -196,6 +223,18 @@ class EndpointLatency:
         if g is None or not slow or g <= slow * (1.0 + s.rise_min):
             return 1.0
         return g / slow
+
+    def late(self, now: float, s: LatencySettings) -> float:
+        """How late the step in progress is: the time since any of its streams got an event
+        over the slow gap average, once above `late_ratio` (and `floor_s`: shorter silences
+        are the event loop's jitter); else 1.0. Seen within a step of
+        a slowdown's start, before any slow gap has been measured (the windows' mean needs
+        the slow step to end, and then a window to close)."""
+        slow = self.gap_slow_s
+        if not self._live or not slow:
+            return 1.0
+        age = now - self.last_at
+        return age / slow if age > max(s.late_ratio * slow, s.floor_s) else 1.0
 
     def expected(self, now: float, prior: float | None, s: LatencySettings) -> float | None:
         """Expected time to a new request's first token here; `prior` (the best sibling's)
@@ -217,6 +256,7 @@ class EndpointLatency:
             "ttfb_ms": None if self.ttfb_s is None else round(self.ttfb_s * 1e3, 2),
             "gap_ms": None if self.gap_s is None else round(self.gap_s * 1e3, 2),
             "gap_rise": round(self.rise(s), 3),
+            "late": round(self.late(now, s), 3),
             "awaiting_first": len(self.waiting),
             "expected_ttft_ms": None if exp is None else round(exp * 1e3, 2),
         }
@@ -323,3 +363,23 @@ class LatencyAware:
                     self.spills += 1
                     break
         return self._chose(chosen, among)
+
+    def late(self, ep: Endpoint) -> bool:
+        """Is `ep`'s step in progress late (`EndpointLatency.late`)?"""
+        return ep.latency.late(time.monotonic(), self.s) > 1.0
+
+    def reroute(self, ep: Endpoint, pools: list[list[Endpoint]], request: PickRequest) -> bool:
+        """Should a leg waiting for its first event on `ep` be re-sent? Only when `ep`'s step
+        in progress is late, and the first of `pools` (the route's candidates without `ep`,
+        where a retry goes) expects a new request's first token `reroute_ratio` times sooner
+        than `ep` does, that request's prefill included."""
+        ratio = self.s.reroute_ratio
+        if ratio is None or not pools:
+            return False
+        now = time.monotonic()
+        if ep.latency.late(now, self.s) <= 1.0:
+            return False
+        prior = self._prior(pools[0], now)
+        here = ep.latency.expected(now, prior, self.s)
+        _, there, _ = self._best(pools[0], now, prior, request)
+        return here is not None and there is not None and here > ratio * there

@@ -326,18 +326,10 @@ class Pool:
             if p not in self.pool_order:
                 self.pool_order.append(p)
 
-    def pick(
-        self,
-        model: str,
-        priority: str,
-        exclude: Iterable[Endpoint] = (),
-        hint: RouteHint | None = None,
-    ) -> Endpoint | None:
-        exclude = tuple(exclude)
-        excluded = set(map(id, exclude))
+    def _candidates(self, model: str, priority: str, excluded: set[int]) -> list[list[Endpoint]]:
+        """The route's pools, in order, each as its candidates for a new leg (ready, healthy,
+        serving the model, not excluded, room under the cap); pools without any left out."""
         cap = self.default_cap
-        request = PickRequest(model, priority, hint, not exclude)
-        route = getattr(self.policy, "pick_route", None)
         by_pool: list[list[Endpoint]] = []
         for pool in self.pools_for(priority):
             candidates = [
@@ -355,15 +347,49 @@ class Pool:
             healthy = [e for e in candidates if e.condition != "contended"]
             if healthy:
                 candidates = healthy
-            if not candidates:
-                continue
-            if route is not None:
+            if candidates:
                 by_pool.append(candidates)
-            elif (ep := self.policy.pick(candidates, request)) is not None:
+        return by_pool
+
+    def pick(
+        self,
+        model: str,
+        priority: str,
+        exclude: Iterable[Endpoint] = (),
+        hint: RouteHint | None = None,
+    ) -> Endpoint | None:
+        exclude = tuple(exclude)
+        request = PickRequest(model, priority, hint, not exclude)
+        by_pool = self._candidates(model, priority, set(map(id, exclude)))
+        route = getattr(self.policy, "pick_route", None)
+        if route is not None:
+            return route(by_pool, request, fresh=not exclude) if by_pool else None  # type: ignore[no-any-return]
+        for candidates in by_pool:
+            if (ep := self.policy.pick(candidates, request)) is not None:
                 return ep
-        if route is not None and by_pool:
-            return route(by_pool, request, fresh=not exclude)  # type: ignore[no-any-return]
         return None
+
+    def late(self, ep: Endpoint) -> bool:
+        """Is `ep`'s step in progress late, by the policy's measure (`_latency`)? False for
+        a policy that measures no latency."""
+        late = getattr(self.policy, "late", None)
+        return late is not None and bool(late(ep))
+
+    def reroute(
+        self,
+        ep: Endpoint,
+        model: str,
+        priority: str,
+        exclude: Iterable[Endpoint],
+        hint: RouteHint | None = None,
+    ) -> bool:
+        """Should a leg on `ep` still waiting for its first event be re-sent elsewhere (the
+        policy's `reroute`, where it has one: `_latency.LatencyAware`)?"""
+        decide = getattr(self.policy, "reroute", None)
+        if decide is None:
+            return False
+        by_pool = self._candidates(model, priority, {id(ep), *map(id, exclude)})
+        return bool(decide(ep, by_pool, PickRequest(model, priority, hint, False)))
 
     def could_serve(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> bool:
         """Is there a ready, healthy endpoint for this request, full or not?"""

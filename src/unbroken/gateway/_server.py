@@ -170,11 +170,16 @@ class Gateway:
         wanted = set(priorities)
 
         def todo() -> list[Any]:
-            return [
-                r
-                for r in list(ep.relays)
-                if getattr(r, "priority", None) in wanted and r.interrupted is None
-            ]
+            # Streams still waiting for their first token first: moving one costs only its
+            # prompt's prefill, and it gains the most (it would wait out the slow steps).
+            return sorted(
+                (
+                    r
+                    for r in list(ep.relays)
+                    if getattr(r, "priority", None) in wanted and r.interrupted is None
+                ),
+                key=lambda r: not r.first_pending(ep),
+            )
 
         def step() -> None:
             if self.pool.get(ep.name) is not ep:

@@ -76,6 +76,11 @@ class StreamRelay(HandoverRelay):
                 self.up.close()
                 self._end_leg("reset")
 
+    def first_pending(self, ep: Endpoint) -> bool:
+        """Is this stream's leg on `ep` still waiting for its first event, with nothing sent
+        to the client (so that it can be re-sent elsewhere as a plain retry)?"""
+        return self.ep is ep and self._first and self.sink is None and self.interrupted is None
+
     def alert(self) -> None:
         """This leg's endpoint looks like it is dying (a sibling stream died, or it is out of
         rotation): a short stall limit from the last event. A leg that still gets events is
