@@ -280,7 +280,9 @@ def test_two_workers_keep_one_workers_hit_rate(tmp_path: Path) -> None:
     (docs/bench.md)."""
     one, n1 = _hit_rate(tmp_path, 1, 10.0)
     two, n2 = _hit_rate(tmp_path, 2, 10.0)
-    assert n1 > 200 and n2 > 200, (n1, n2)
+    # Enough requests that the rate means something: ~300 per pass on a quiet machine, 188-200
+    # on CI's busy 2 cores with the other xdist worker running beside it.
+    assert n1 > 100 and n2 > 100, (n1, n2)
     # One worker's own rate varies with the machine's load (67-91 % in 20 s passes on 2
     # busy cores); two workers sharing the index were at 80-90 % there, 82-87 % here.
     assert two > one - 0.08, (one, two)

@@ -192,6 +192,32 @@ def test_a_leg_waiting_on_a_late_endpoint_is_rerouted_only_to_a_much_faster_one(
     assert not LatencyAware(LatencySettings(reroute_ratio=None)).reroute(slow, [[fast]], REQ)
 
 
+def test_no_reroute_to_an_endpoint_stalled_since_the_late_one_went_late() -> None:
+    """A host-wide stall (a neighbour's weight read): every engine stops at once, and each is
+    seen late a little after the other. The one whose last event came 20 ms later is not late
+    yet by its own measure (the first is, at 2.3x the 30 ms steps' average), but it has shown
+    nothing since the first went late: moving there loses the place in the queue and gains
+    nothing (the rollout window's 177-183 ms TTFTs in a demo). Once it shows an event, or where
+    nothing is under way, it is a target."""
+    s = LatencySettings()
+    policy = LatencyAware(s)
+    first, second, idle = _ep("first", inflight=8), _ep("second", inflight=8), _ep("idle")
+    for e in (first, second):
+        _feed(e, 0.03, ttfb=0.06)
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, 0.06)
+    _feed(idle, 0.03, ttfb=0.06)  # measured once, no stream under way now
+    now = time.monotonic()
+    first.latency.last_at = now - 0.07
+    second.latency.last_at = now - 0.05  # not late yet by its own measure: 50 < 1.5 x 30 ms
+    assert not policy.reroute(first, [[second]], REQ)
+    second.latency.last_at = now - 0.02  # it moved again, after first went late
+    assert policy.reroute(first, [[second]], REQ)
+    second.latency.last_at = now - 0.05
+    assert policy.reroute(first, [[second, idle]], REQ)  # nothing under way: a fresh step
+
+
 def test_spill_to_a_later_pool_only_for_new_requests_and_only_when_much_slower() -> None:
     pool = Pool(default_cap=100)
     f, p = _ep("f", "fallback", inflight=2), _ep("p", "primary", inflight=2)

@@ -224,6 +224,11 @@ class EndpointLatency:
             return 1.0
         return g / slow
 
+    @property
+    def live(self) -> bool:
+        """Has any of its legs under way had its first event?"""
+        return bool(self._live)
+
     def late(self, now: float, s: LatencySettings) -> float:
         """How late the step in progress is: the time since any of its streams got an event
         over the slow gap average, once above `late_ratio` (and `floor_s`: shorter silences
@@ -377,9 +382,19 @@ class LatencyAware:
         if ratio is None or not pools:
             return False
         now = time.monotonic()
-        if ep.latency.late(now, self.s) <= 1.0:
+        lat = ep.latency
+        if lat.late(now, self.s) <= 1.0 or lat.gap_slow_s is None:
+            return False
+        # A target must have shown progress since `ep` went late: in a host-wide stall (a
+        # neighbour's weight read, the node's memory reclaim) every engine is late at once,
+        # each seen late a step after the other, and a move would only lose the place in
+        # the queue. One with no stream under way has nothing to show; its next step starts
+        # fresh.
+        went_late = lat.last_at + self.s.late_ratio * lat.gap_slow_s
+        moving = [e for e in pools[0] if not e.latency.live or e.latency.last_at > went_late]
+        if not moving:
             return False
         prior = self._prior(pools[0], now)
-        here = ep.latency.expected(now, prior, self.s)
-        _, there, _ = self._best(pools[0], now, prior, request)
+        here = lat.expected(now, prior, self.s)
+        _, there, _ = self._best(moving, now, prior, request)
         return here is not None and there is not None and here > ratio * there
