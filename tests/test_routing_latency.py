@@ -192,6 +192,24 @@ def test_a_leg_waiting_on_a_late_endpoint_is_rerouted_only_to_a_much_faster_one(
     assert not LatencyAware(LatencySettings(reroute_ratio=None)).reroute(slow, [[fast]], REQ)
 
 
+def test_only_legs_sent_after_the_latest_event_wait_behind_the_step_in_progress() -> None:
+    """A leg sent before an endpoint's latest event is in the step that began then (the
+    engine takes what has arrived at each step's start): a long step is often its very
+    prefill, and a re-send would lose that place. One sent after it waits for the next step."""
+    lat = EndpointLatency()
+    t = 100.0
+    early, late, done = object(), object(), object()
+    lat.leg_started(early, now=t)
+    lat.leg_started(done, now=t)
+    lat.first_event(done, 0.01, now=t + 0.01)  # the step boundary: latest event at t + 0.01
+    lat.leg_started(late, now=t + 0.02)
+    assert not lat.behind(early)
+    assert lat.behind(late)
+    assert not lat.behind(done)  # not waiting
+    lat.gap(0.03, now=t + 0.04)  # the next step's events: `late` is in that one now
+    assert not lat.behind(late)
+
+
 def test_no_reroute_to_an_endpoint_stalled_since_the_late_one_went_late() -> None:
     """A host-wide stall (a neighbour's weight read): every engine stops at once, and each is
     seen late a little after the other. The one whose last event came 20 ms later is not late

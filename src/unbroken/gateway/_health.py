@@ -235,7 +235,9 @@ class EndpointHealth:
         """A leg still waiting for its first event, with nothing sent to its client, on an
         endpoint whose step in progress is late, is re-sent where the policy expects a first
         token much sooner (`Pool.reroute`): it was admitted just before a slowdown showed.
-        Runs every `_LATE_WATCH_S` while any leg waits, not at all otherwise."""
+        Only legs sent after the endpoint's latest event: the others are in the late step,
+        often the prefill that makes it long. Runs every `_LATE_WATCH_S` while any leg waits,
+        not at all otherwise."""
         self._late_watch = None
         waiting = False
         for ep in list(self.pool.endpoints.values()):
@@ -246,8 +248,10 @@ class EndpointHealth:
                 continue
             moved = 0
             for relay in list(ep.relays):
-                if relay.first_pending(ep) and self.pool.reroute(
-                    ep, relay.model, relay.priority, relay.failed, relay.hint
+                if (
+                    relay.first_pending(ep)
+                    and ep.latency.behind(relay)
+                    and self.pool.reroute(ep, relay.model, relay.priority, relay.failed, relay.hint)
                 ):
                     relay.interrupt("late_first")
                     moved += 1

@@ -42,11 +42,14 @@ every stream of every endpoint itself. This policy uses that:
 - **Late steps and waiting legs**: the time since an endpoint's last event is a signal too.
   Once it passes `late_ratio` x the slow gap average, the step in progress is late and counts
   as a rise at once (`late`), so new requests go elsewhere within a step of a slowdown's
-  start; and a stream admitted there just before, still waiting for its first event with
+  start; and a stream admitted there during the late step (after its latest event, so not
+  in the step: its prefill waits for the next one), still waiting for its first event with
   nothing sent to its client, is re-sent to the first pool of its route that expects a first
-  token `reroute_ratio` times sooner (`reroute`; the gateway's watch asks every 10 ms while
-  legs wait). That first tenth of a second is when a contention episode makes its slowest
-  first tokens, before the controller has the evidence to act.
+  token `reroute_ratio` times sooner and has shown progress since this endpoint went late
+  (`reroute`; the gateway's watch asks every 10 ms while legs wait). That first tenth of a
+  second is when a contention episode makes its slowest first tokens, before the controller
+  has the evidence to act. A stream sent before the latest event is in the step in progress
+  (often the very prefill that makes it long): moving it would only lose that place.
 
 Slow clients change none of it: the gateway reads every upstream at engine speed and buffers
 for the client, so a slow reader changes neither the gaps nor the first-event times.
@@ -194,6 +197,12 @@ class EndpointLatency:
             self._window_at = now
         self._sum += seconds
         self._n += 1
+
+    def behind(self, leg: object) -> bool:
+        """Is `leg` waiting, and did it start after the latest event, so that it is not in
+        the step in progress but waits for the next?"""
+        started = self.waiting.get(id(leg))
+        return started is not None and started > self.last_at
 
     # -- read by the policy -----------------------------------------------------------------
     def measured(self, now: float, s: LatencySettings) -> float | None:
