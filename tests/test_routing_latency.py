@@ -373,7 +373,11 @@ def test_a_replica_slowed_mid_run_gets_no_new_requests_within_a_quarter_second(
     share_before = sum(n == slow for _, n in before) / len(before)
     assert 0.2 <= share_before <= 0.8, before
     late = [n for t, n in after if t >= 0.25]
-    assert late and late.count(slow) <= 1, after
+    # Compact, so that a failure shows when each pick of the slowed replica came (pytest cuts
+    # a long list): one full-suite run on a loaded machine had 4 (2026-12-05, not reproduced
+    # in 8 runs alone, under two busy loops, or beside another file's real processes).
+    slow_at = [round(t, 3) for t, n in after if n == slow]
+    assert late and late.count(slow) <= 1, (len(after), slow_at, view[slow]["routing"])
     # The listing shows why: the slowed replica's steps and expected first-token time.
     ra, rb = view[slow]["routing"], view[names[b.url]]["routing"]
     assert ra["gap_ms"] > 3 * rb["gap_ms"], (ra, rb)
