@@ -89,6 +89,27 @@ class NiceWatch(Poller):
         }
 
 
+def _gateway_session(supervisor: int) -> dict[int, int]:
+    """pid -> nice of every process in the session of the supervisor's `unbroken gateway`
+    child (it leads its own session; its workers are in it)."""
+    leader = None
+    for t in Path(f"/proc/{supervisor}/task").iterdir():
+        for pid in (t / "children").read_text().split():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"unbroken" in argv and argv[argv.index(b"unbroken") + 1] == b"gateway":
+                leader = int(pid)
+    assert leader is not None, "no gateway process under the supervisor"
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(f[3]) == leader:  # its session
+                out[int(d.name)] = int(f[16])
+    return out
+
+
 def _up(tmp: Path) -> Up:
     spec = tmp / "spec.yaml"
     spec.write_text(SPEC)
@@ -160,6 +181,14 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
                 # lowers a starting engine against the serving ones (pipeline/niceness.py).
                 assert nice.values("engine", new, autogroup=True) == {10, 0}, nice.autogroup
                 assert 10 in nice.values("prewarm", autogroup=True), nice.autogroup
+            # The gateway's session runs above the engines (gateway.nice, default -5), its
+            # workers included (pipeline/gateway_proc.py).
+            gw = _gateway_session(u.proc.pid)
+            assert len(gw) >= 3, gw  # the main process and its workers (at least 2)
+            assert set(gw.values()) == {-5}, gw
+            if autogroups_enabled():
+                main = min(gw)
+                assert Path(f"/proc/{main}/autogroup").read_text().split()[2] == "-5"
             if Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
                 # Started beside serving replicas: under the startup CPU quota in a cgroup
                 # of their own until they served, then back where the supervisor is

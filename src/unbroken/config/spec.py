@@ -113,6 +113,13 @@ class GatewaySettings(_Spec):
     prefix_index_blocks: Annotated[int, Field(ge=1)] = Field(
         default=16384, description="prefix index bound per endpoint, in blocks (LRU)"
     )
+    nice: Annotated[int, Field(ge=-20, le=19)] = Field(
+        default=-5,
+        description="under `unbroken up`: the gateway's CPU priority (its session's nice and "
+        "autogroup), above the engines' 0 so that on a shared machine a starting replica's "
+        "weight read delays the engines' steps, not the relay of every stream (docs/pipeline.md); "
+        "0: off; a negative value needs root (CAP_SYS_NICE), else it is skipped with a warning",
+    )
     handover_on_reload: bool = Field(
         default=True,
         description="at a reload, hand open streams with their client connections to the new "
