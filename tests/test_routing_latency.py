@@ -236,6 +236,31 @@ def test_no_reroute_to_an_endpoint_stalled_since_the_late_one_went_late() -> Non
     assert policy.reroute(first, [[second, idle]], REQ)  # nothing under way: a fresh step
 
 
+def test_a_waiting_leg_is_rerouted_only_within_its_own_pool() -> None:
+    """A late step is transient: a waiting leg moves to a faster replica of its own pool,
+    never to another tier (fp16 to fp8, the route's next pool), and a pool of one keeps it.
+    Real vLLM on CPU makes long prefill steps: without this, a second stream sent to the only
+    primary went to the fallback server (tests/vllm/test_vllm_gateway.py's premise)."""
+    pool = Pool(default_cap=100)
+    a, f = _ep("a", "primary", inflight=8), _ep("f", "fallback", inflight=8)
+    for e in (a, f):
+        pool.add(e)
+        _feed(e, 0.03, ttfb=0.06)
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, 0.06)
+    pool.routes = {"standard": ["primary", "fallback"]}
+    a.latency.last_at = time.monotonic() - 0.1  # late: > 3x its 30 ms steps
+    assert not pool.reroute(a, "m", "standard", [])  # only the fallback is faster
+    c = _ep("c", "primary", inflight=8)
+    pool.add(c)
+    _feed(c, 0.03, ttfb=0.06)
+    leg = object()
+    c.relays.add(leg)
+    c.observe_first(leg, 0.06)
+    assert pool.reroute(a, "m", "standard", [])  # a faster replica of its own pool
+
+
 def test_spill_to_a_later_pool_only_for_new_requests_and_only_when_much_slower() -> None:
     pool = Pool(default_cap=100)
     f, p = _ep("f", "fallback", inflight=2), _ep("p", "primary", inflight=2)

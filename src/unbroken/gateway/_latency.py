@@ -44,12 +44,13 @@ every stream of every endpoint itself. This policy uses that:
   as a rise at once (`late`), so new requests go elsewhere within a step of a slowdown's
   start; and a stream admitted there during the late step (after its latest event, so not
   in the step: its prefill waits for the next one), still waiting for its first event with
-  nothing sent to its client, is re-sent to the first pool of its route that expects a first
-  token `reroute_ratio` times sooner and has shown progress since this endpoint went late
-  (`reroute`; the gateway's watch asks every 10 ms while legs wait). That first tenth of a
-  second is when a contention episode makes its slowest first tokens, before the controller
-  has the evidence to act. A stream sent before the latest event is in the step in progress
-  (often the very prefill that makes it long): moving it would only lose that place.
+  nothing sent to its client, is re-sent to a replica of its own pool (`Pool.reroute`)
+  that expects a first token `reroute_ratio` times sooner and has shown progress since this
+  endpoint went late (`reroute`; the gateway's watch asks every 10 ms while legs wait).
+  That first tenth of a second is when a contention episode makes its slowest first
+  tokens, before the controller has the evidence to act. A stream sent before the latest
+  event is in the step in progress (often the very prefill that makes it long): moving it
+  would only lose that place.
 
 Slow clients change none of it: the gateway reads every upstream at engine speed and buffers
 for the client, so a slow reader changes neither the gaps nor the first-event times.

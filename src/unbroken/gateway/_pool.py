@@ -384,12 +384,17 @@ class Pool:
         hint: RouteHint | None = None,
     ) -> bool:
         """Should a leg on `ep` still waiting for its first event be re-sent elsewhere (the
-        policy's `reroute`, where it has one: `_latency.LatencyAware`)?"""
+        policy's `reroute`, where it has one: `_latency.LatencyAware`)? Only within `ep`'s
+        own pool: a late step is transient, and moving work to another tier for it (fp16 to
+        fp8) would change what the client gets; a pool of one has nowhere to go."""
         decide = getattr(self.policy, "reroute", None)
         if decide is None:
             return False
         by_pool = self._candidates(model, priority, {id(ep), *map(id, exclude)})
-        return bool(decide(ep, by_pool, PickRequest(model, priority, hint, False)))
+        same = [e for cands in by_pool for e in cands if e.pool == ep.pool]
+        if not same:
+            return False
+        return bool(decide(ep, [same], PickRequest(model, priority, hint, False)))
 
     def could_serve(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> bool:
         """Is there a ready, healthy endpoint for this request, full or not?"""
