@@ -183,13 +183,13 @@ def test_a_leg_waiting_on_a_late_endpoint_is_rerouted_only_to_a_much_faster_one(
         e.relays.add(leg)
         e.observe_first(leg, 0.06)
     now = time.monotonic()
-    assert not policy.reroute(slow, [[fast]], REQ)  # nothing late yet
+    assert not policy.reroute(slow, [fast], REQ)  # nothing late yet
     for e in (slow, also):
         e.latency.last_at = now - 0.1  # 100 ms without an event: > 3x the 30 ms steps
-    assert policy.reroute(slow, [[fast]], REQ)
-    assert not policy.reroute(slow, [[also]], REQ)  # as late as it is
+    assert policy.reroute(slow, [fast], REQ)
+    assert not policy.reroute(slow, [also], REQ)  # as late as it is
     assert not policy.reroute(slow, [], REQ)  # nowhere to go
-    assert not LatencyAware(LatencySettings(reroute_ratio=None)).reroute(slow, [[fast]], REQ)
+    assert not LatencyAware(LatencySettings(reroute_ratio=None)).reroute(slow, [fast], REQ)
 
 
 def test_only_legs_sent_after_the_latest_event_wait_behind_the_step_in_progress() -> None:
@@ -229,11 +229,11 @@ def test_no_reroute_to_an_endpoint_stalled_since_the_late_one_went_late() -> Non
     now = time.monotonic()
     first.latency.last_at = now - 0.07
     second.latency.last_at = now - 0.05  # not late yet by its own measure: 50 < 1.5 x 30 ms
-    assert not policy.reroute(first, [[second]], REQ)
+    assert not policy.reroute(first, [second], REQ)
     second.latency.last_at = now - 0.02  # it moved again, after first went late
-    assert policy.reroute(first, [[second]], REQ)
+    assert policy.reroute(first, [second], REQ)
     second.latency.last_at = now - 0.05
-    assert policy.reroute(first, [[second, idle]], REQ)  # nothing under way: a fresh step
+    assert policy.reroute(first, [second, idle], REQ)  # nothing under way: a fresh step
 
 
 def test_a_waiting_leg_is_rerouted_only_within_its_own_pool() -> None:

@@ -383,13 +383,13 @@ class LatencyAware:
         """Is `ep`'s step in progress late (`EndpointLatency.late`)?"""
         return ep.latency.late(time.monotonic(), self.s) > 1.0
 
-    def reroute(self, ep: Endpoint, pools: list[list[Endpoint]], request: PickRequest) -> bool:
+    def reroute(self, ep: Endpoint, candidates: Sequence[Endpoint], request: PickRequest) -> bool:
         """Should a leg waiting for its first event on `ep` be re-sent? Only when `ep`'s step
-        in progress is late, and the first of `pools` (the route's candidates without `ep`,
-        where a retry goes) expects a new request's first token `reroute_ratio` times sooner
-        than `ep` does, that request's prefill included."""
+        in progress is late, and one of `candidates` (`ep`'s pool without it: `Pool.reroute`)
+        expects a new request's first token `reroute_ratio` times sooner than `ep` does, that
+        request's prefill included."""
         ratio = self.s.reroute_ratio
-        if ratio is None or not pools:
+        if ratio is None or not candidates:
             return False
         now = time.monotonic()
         lat = ep.latency
@@ -401,10 +401,10 @@ class LatencyAware:
         # the queue. One with no stream under way has nothing to show; its next step starts
         # fresh.
         went_late = lat.last_at + self.s.late_ratio * lat.gap_slow_s
-        moving = [e for e in pools[0] if not e.latency.live or e.latency.last_at > went_late]
+        moving = [e for e in candidates if not e.latency.live or e.latency.last_at > went_late]
         if not moving:
             return False
-        prior = self._prior(pools[0], now)
+        prior = self._prior(candidates, now)
         here = lat.expected(now, prior, self.s)
         _, there, _ = self._best(moving, now, prior, request)
         return here is not None and there is not None and here > ratio * there

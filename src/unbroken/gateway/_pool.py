@@ -394,7 +394,7 @@ class Pool:
         same = [e for cands in by_pool for e in cands if e.pool == ep.pool]
         if not same:
             return False
-        return bool(decide(ep, [same], PickRequest(model, priority, hint, False)))
+        return bool(decide(ep, same, PickRequest(model, priority, hint, False)))
 
     def could_serve(self, model: str, priority: str, exclude: Iterable[Endpoint] = ()) -> bool:
         """Is there a ready, healthy endpoint for this request, full or not?"""

@@ -103,9 +103,10 @@ class GatewayProcess:
         """The gateway's session at `gateway.nice` (before its workers start: they inherit
         it). On a 2-core machine shared with the engines, a surge replica's weight read left
         the gateway's workers runnable but waiting for CPU, and every engine's tokens reached
-        the clients in bursts: 1-26 first tokens over 150 ms per demo rollout at nice 0, none
-        in the runs at -5 (docs/rollout.md). The engines lose little: the gateway's CPU per
-        token is small, and what it does not relay in time, no client sees anyway."""
+        the clients in bursts: 1-26 first tokens over 150 ms in each demo rollout's first
+        surge at nice 0 (7 runs), none in 7 of 11 at -5 (docs/rollout.md). The engines lose
+        little: the gateway's CPU per token is small, and what it does not relay in time, no
+        client sees anyway."""
         nice = self.sup.spec.gateway.nice
         if not nice:
             return
