@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from helpers import MODEL, Poller, Up
+from helpers import MODEL, Poller, Up, wait_for
 from test_migration import check_one_stream, read_stream, text_of
 from unbroken.engine.textmodel import expected_completion
 from unbroken.pipeline.niceness import autogroups_enabled
@@ -245,20 +245,26 @@ def test_drain_cli_waits_until_empty(tmp_path: Path) -> None:
                 r=read_stream(
                     u.url,
                     "/v1/completions",
-                    {"model": MODEL, "prompt": "keep going", "max_tokens": 300, "temperature": 0},
+                    {"model": MODEL, "prompt": "keep going", "max_tokens": 600, "temperature": 0},
                 )
             )
         )
         t.start()
-        time.sleep(0.5)
-        serving = next(e["name"] for e in u.status()["gateway"]["endpoints"] if e["inflight"])
+        # On CI's busy cores the stream had not reached an engine after a fixed 0.5 s.
+        serving = wait_for(
+            lambda: next(
+                (e["name"] for e in u.status()["gateway"]["endpoints"] if e["inflight"]), None
+            ),
+            timeout=15,
+            what="the stream under way on an endpoint",
+        )
         t0 = time.monotonic()
         r = u.run("drain", serving, "--deadline", "60")
         assert r.returncode == 0, r.stderr
         assert "drained" in r.stderr
         t.join(30)
         events, _ = out["r"]
-        assert text_of(events, chat=False) == expected_completion("keep going", 300).text
+        assert text_of(events, chat=False) == expected_completion("keep going", 600).text
         assert time.monotonic() - t0 > 0.3  # it waited for the stream, not the deadline
         assert serving not in {e["name"] for e in u.status()["gateway"]["endpoints"]}
         r = u.run("drain", "no-such-endpoint")

@@ -261,6 +261,28 @@ def test_a_waiting_leg_is_rerouted_only_within_its_own_pool() -> None:
     assert pool.reroute(a, "m", "standard", [])  # a faster replica of its own pool
 
 
+def test_a_waiting_leg_is_never_rerouted_to_a_contended_replica() -> None:
+    """A late step is transient, a contended device slow for its whole episode: a leg waiting
+    on a late healthy replica stays rather than move onto it (the controller's contention test
+    saw critical streams land on the contended replica on CI's busy cores). One waiting on the
+    contended replica may still move to its healthy sibling."""
+    pool = Pool(default_cap=100)
+    a, b = _ep("a", "primary", inflight=8), _ep("b", "primary", inflight=8)
+    for e in (a, b):
+        pool.add(e)
+        _feed(e, 0.03, ttfb=0.06)
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, 0.06)
+    a.latency.last_at = time.monotonic() - 0.1  # late: > 3x its 30 ms steps
+    assert pool.reroute(a, "m", "standard", [])  # b is healthy and much sooner
+    b.set_condition("contended")
+    assert not pool.reroute(a, "m", "standard", [])
+    b.set_condition("normal")
+    a.set_condition("contended")
+    assert pool.reroute(a, "m", "standard", [])
+
+
 def test_spill_to_a_later_pool_only_for_new_requests_and_only_when_much_slower() -> None:
     pool = Pool(default_cap=100)
     f, p = _ep("f", "fallback", inflight=2), _ep("p", "primary", inflight=2)

@@ -386,12 +386,20 @@ class Pool:
         """Should a leg on `ep` still waiting for its first event be re-sent elsewhere (the
         policy's `reroute`, where it has one: `_latency.LatencyAware`)? Only within `ep`'s
         own pool: a late step is transient, and moving work to another tier for it (fp16 to
-        fp8) would change what the client gets; a pool of one has nowhere to go."""
+        fp8) would change what the client gets; a pool of one has nowhere to go. Never to a
+        contended replica either: it is slow for the whole episode, while `ep`'s late step is
+        transient (the controller's test saw critical streams moved onto the contended
+        device this way, on CI's busy cores)."""
         decide = getattr(self.policy, "reroute", None)
         if decide is None:
             return False
         by_pool = self._candidates(model, priority, {id(ep), *map(id, exclude)})
-        same = [e for cands in by_pool for e in cands if e.pool == ep.pool]
+        same = [
+            e
+            for cands in by_pool
+            for e in cands
+            if e.pool == ep.pool and e.condition != "contended"
+        ]
         if not same:
             return False
         return bool(decide(ep, same, PickRequest(model, priority, hint, False)))
