@@ -91,3 +91,39 @@ def test_sweep_removes_a_dead_supervisors_cgroups_and_keeps_a_live_ones() -> Non
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_cgroup_runs_only_on_what_others_leave() -> None:
+    """`idle()` (cpu.idle, SCHED_IDLE): a starting replica's busy thread, sharing one CPU with
+    a serving one, takes almost nothing from it; with a normal share under the quota it took
+    half of that CPU. `idle(False)` gives the normal share back (the `startup_idle_s` limit)."""
+    cpu = min(os.sched_getaffinity(0))
+    pin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    serving = subprocess.Popen([sys.executable, "-c", pin])
+    starting = subprocess.Popen([sys.executable, "-c", pin])
+    cap = _create(f"{PREFIX}{os.getpid()}-test-idle")
+    try:
+        cap.add(starting.pid)
+        time.sleep(0.3)  # both pinned and running
+
+        def shares() -> tuple[float, float]:
+            a, b = _cpu_s(serving.pid), _cpu_s(starting.pid)
+            time.sleep(1.0)
+            return _cpu_s(serving.pid) - a, _cpu_s(starting.pid) - b
+
+        normal = shares()
+        assert cap.idle(), "this kernel refused cpu.idle (needs Linux 5.15+)"
+        assert (cap.path / "cpu.idle").read_text().strip() == "1"
+        idle = shares()
+        assert cap.idle(False)
+        back = shares()
+        # Half the CPU each under a normal share (the quota allows half a core).
+        assert normal[1] > 0.3, normal
+        assert idle[0] > 0.9 and idle[1] < 0.1, (normal, idle)
+        assert back[1] > 0.3, (normal, idle, back)
+    finally:
+        for p in (serving, starting):
+            p.kill()
+            p.wait()
+        if cap.path.exists():
+            cap.release()

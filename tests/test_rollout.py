@@ -43,6 +43,7 @@ class NiceWatch(Poller):
         self.seen: dict[tuple[str, int], set[int]] = {}  # (kind, pid) -> nice values
         self.autogroup: dict[tuple[str, int], set[int]] = {}  # its autogroup's nice values
         self.cpu_cgroup: dict[tuple[str, int], set[str]] = {}  # its cpu cgroups' names
+        self.cpu_idle: dict[tuple[str, int], set[int]] = {}  # their cpu.idle, when startup's
 
     def _children(self) -> set[int]:
         out: set[int] = set()
@@ -76,6 +77,9 @@ class NiceWatch(Poller):
                         if "cpu" in ctrls.split(","):
                             name = path.rsplit("/", 1)[-1]
                             self.cpu_cgroup.setdefault((kind, pid), set()).add(name)
+                            if name.startswith("unbroken-start-"):
+                                idle = Path(f"/sys/fs/cgroup/cpu{path}/cpu.idle").read_text()
+                                self.cpu_idle.setdefault((kind, pid), set()).add(int(idle))
 
     def values(
         self, kind: str, pids: set[int] | None = None, *, autogroup: bool = False
@@ -202,6 +206,8 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
                 for pid in new:
                     names = nice.cpu_cgroup.get(("engine", pid), set())
                     assert any(n.startswith("unbroken-start-") for n in names), names
+                    # ...on idle CPU only while starting (startup_idle_s: 10 s by default)
+                    assert nice.cpu_idle.get(("engine", pid)) == {1}, nice.cpu_idle
                     now = Path(f"/proc/{pid}/cgroup").read_text()
                     assert "unbroken-start-" not in now, now
                     assert home in names, (home, names)

@@ -256,6 +256,10 @@ class EngineSpec(_Spec):
     # from them where a nice value does not. 0: off. Needs root and a cgroup cpu controller;
     # elsewhere it is skipped with one warning.
     startup_cpu: Annotated[float, Field(ge=0)] = 0.5
+    # For this long a quota'd starting replica runs only on CPU the serving processes leave
+    # idle (its cgroup's cpu.idle: SCHED_IDLE, preempted at once by any serving thread that
+    # wakes); then on its quota alone, so that a saturated node still starts it. 0: off.
+    startup_idle_s: Annotated[float, Field(ge=0)] = 10.0
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:

@@ -10,6 +10,16 @@ of: the kernel's CFS bandwidth control lets the cgroup's threads run at most `qu
 included. The period is short (10 ms), so a throttled reader waits milliseconds at a time, not
 a long stretch.
 
+A quota alone still let a starting replica delay serving threads: in a traced demo rollout
+(perf sched, 2026-12-05) the replica's weight load ran 30-80 ms of every 100 ms while the
+serving engines' and the gateway's threads waited 40-60 ms on the run queue after waking,
+with CPU idle in the same tenth of a second. The cgroup is its own group entity beside every
+session's autogroup, so its threads' nice value changes nothing, and its share equals one
+serving engine's. `idle` marks the cgroup SCHED_IDLE (`cpu.idle`, cgroup v1 and v2, Linux
+5.15+): weight 3 and preempted at once by any other thread that wakes, so it runs on what is
+left. `unidle` ends that (`startup_idle_s`): on a saturated node an idle group would hardly
+start at all.
+
 Each starting replica gets its own cgroup, a child of the supervisor's; what the replica
 forks while starting (vLLM's engine core) inherits it. `release` moves every process back to
 where the replica was and removes the cgroup. Needs root and a mounted cpu controller;
@@ -90,6 +100,15 @@ class CpuCap:
 
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
+
+    def idle(self, on: bool = True) -> bool:
+        """SCHED_IDLE for the cgroup's threads (or back to a normal share). False where the
+        kernel has no `cpu.idle` (before 5.15) or refuses it."""
+        try:
+            (self.path / "cpu.idle").write_text("1" if on else "0")
+        except OSError:
+            return False
+        return True
 
     def throttled_s(self) -> float:
         """Seconds the cgroup's threads were held back by the quota so far."""

@@ -50,6 +50,7 @@ class Replica:
     healthy_at: float | None = None
     niced: bool = False  # started at the pool's startup_nice, not yet back to 0
     cpucap: CpuCap | None = None  # the startup CPU quota, until it serves (cpucap.py)
+    unidle: asyncio.TimerHandle | None = None  # ends the quota's idle-only phase
     stopping: bool = False
 
     @property
@@ -243,9 +244,32 @@ class ReplicaSet:
             cap.release()
             return
         r.cpucap = cap
-        log.info("%s starts under a CPU quota of %s", r.name, cap.describe())
+        idle_s = r.pool.engine.startup_idle_s
+        idle = bool(idle_s) and cap.idle()
+        if idle:
+            # After `idle_s`, a normal share again under the quota: a saturated node would
+            # otherwise barely start it. Lifted with the quota if it serves sooner.
+            r.unidle = asyncio.get_running_loop().call_later(idle_s, self._unidle, r, cap)
+        log.info(
+            "%s starts under a CPU quota of %s%s",
+            r.name,
+            cap.describe(),
+            f", on idle CPU only for up to {idle_s:g} s" if idle else "",
+        )
+
+    def _unidle(self, r: Replica, cap: CpuCap) -> None:
+        r.unidle = None
+        if r.cpucap is cap and cap.idle(False):
+            log.info(
+                "%s: still starting after %g s: CPU share back to normal under its quota",
+                r.name,
+                r.pool.engine.startup_idle_s,
+            )
 
     def _uncap(self, r: Replica) -> None:
+        if r.unidle is not None:
+            r.unidle.cancel()
+            r.unidle = None
         cap, r.cpucap = r.cpucap, None
         if cap is None:
             return
