@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from helpers import MODEL, Proc, engine, metric, stream, stream_text, wait_for
-from unbroken.bench.throttle import IoThrottle, ThrottleUnavailable, block_device
+from unbroken.bench.throttle import PREFIX, IoThrottle, ThrottleUnavailable, block_device
 from unbroken.engine.textmodel import expected_completion
 from unbroken.prewarm import evict
 from unbroken.wire.http import free_port
@@ -85,6 +85,32 @@ def test_throttle_caps_cold_reads_and_spares_the_page_cache(tmp_path: Path) -> N
     finally:
         th.remove()
     assert not th.path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroup block-I/O limits need root")
+def test_a_killed_demos_throttle_cgroup_is_swept_by_the_next(tmp_path: Path) -> None:
+    """A demo killed before its cleanup left `unbroken-io-PID` behind (two on this machine
+    after interrupted suites); the next demo's throttle removes those of dead demos and leaves
+    a live one's alone."""
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x" * 4096)
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that was a demo's a moment ago
+    try:
+        live = IoThrottle.create(f, name=f"{PREFIX}{os.getppid()}")
+        dead = IoThrottle.create(f, name=f"{PREFIX}{p.pid}")  # it sweeps before it is made
+    except ThrottleUnavailable as e:
+        pytest.skip(f"root, but no block-I/O controller to use: {e}")
+    th = None
+    try:
+        assert dead.path.exists() and live.path.exists()
+        th = IoThrottle.create(f, name=f"unbroken-test-{os.getpid()}")
+        assert not dead.path.exists()
+        assert live.path.exists()
+    finally:
+        for t in (dead, live, th):
+            if t is not None and t.path.exists():
+                t.remove()
 
 
 # -- the standard deployment's proxy ---------------------------------------------------------

@@ -92,6 +92,18 @@ def test_make_and_load_every_byte(tmp_path: Path) -> None:
     )
 
 
+def test_no_read_copies_more_than_a_mebibyte_at_once(tmp_path: Path) -> None:
+    """By default each preadv is at most 1 MiB: the kernel copies a read without being
+    preempted (preempt=none kernels), so a bigger one holds every thread woken on that CPU
+    for as long (16 MiB reads held a demo's SCHED_FIFO load generator 65 ms while a surge
+    replica loaded its weights). Each piece the loader reads is one preadv."""
+    make_weights(tmp_path, 24 * 2**20, shard_bytes=12 * 2**20, tensor_bytes=6 * 2**20)
+    dev = Recorder()
+    report = WeightLoader(tmp_path, device=lambda: dev).start().wait()
+    assert report.bytes == 24 * 2**20 == sum(dev.copies)
+    assert max(dev.copies) <= 2**20, max(dev.copies)
+
+
 def test_load_time_ends_with_the_load_not_with_wait(tmp_path: Path) -> None:
     """The engine calls wait() after its imports: a load that finished earlier must not be
     reported as lasting until then."""
