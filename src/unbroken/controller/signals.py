@@ -201,12 +201,21 @@ class EngineWindow:
 # second one).
 _ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 _TTFT = "vllm:time_to_first_token_seconds"
+# Only these lines are parsed: a vLLM 0.32 page is ~40 KB, mostly histogram buckets, and the
+# controller reads every engine's five times a second.
+_ENGINE_LINES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    *(f"{base}_{kind}" for base in (*_ITL, _TTFT) for kind in ("sum", "count")),
+)
 
 
 def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:
     w = EngineWindow()
     sums: dict[str, list[float]] = {}  # histogram base name -> [sum, count] this window
-    for s in parse_text(text, ("vllm:",)):
+    for s in parse_text(text, _ENGINE_LINES):
         name = s.name
         if name == "vllm:num_requests_running":
             w.running += s.value
