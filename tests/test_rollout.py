@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from helpers import MODEL, Poller, Up, wait_for
 from test_migration import check_one_stream, read_stream, text_of
@@ -214,6 +215,31 @@ def test_rollout_migrates_long_streams_at_the_deadline(tmp_path: Path) -> None:
                 assert not list(Path("/sys/fs/cgroup/cpu").glob(f"unbroken-start-{u.proc.pid}-*"))
         else:  # it could not undo a lowered priority, so it never lowers one
             assert nice.values("engine", new) == {0}, nice.seen
+    finally:
+        assert u.stop() == 0
+
+
+def test_a_start_longer_than_startup_idle_s_gets_its_quota_share(tmp_path: Path) -> None:
+    """A starting replica runs SCHED_IDLE (cpu.idle) only for `startup_idle_s`: on a busy
+    node an idle group would hardly start. With 0.2 s, the surge replica's cgroup is seen
+    idle, then normal, before the replica serves (its imports alone take longer)."""
+    if os.geteuid() != 0 or not Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
+        pytest.skip("the startup cgroup needs root and cgroup v1's cpu controller (CI has both)")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        SPEC.replace(
+            "engine: {profile: fp16, overrides:",
+            "engine: {profile: fp16, startup_idle_s: 0.2, overrides:",
+        )
+    )
+    u = Up(tmp_path, spec)
+    try:
+        with NiceWatch(u.proc.pid) as nice:
+            r = u.run("rollout", "primary", "--deadline", "1", "--json")
+        assert r.returncode == 0, r.stderr
+        new = {x["pid"] for x in u.status()["replicas"] if x["name"] in ("primary-3", "primary-4")}
+        seen = {k: v for k, v in nice.cpu_idle.items() if k[1] in new}
+        assert seen and all(v == {1, 0} for v in seen.values()), nice.cpu_idle
     finally:
         assert u.stop() == 0
 
