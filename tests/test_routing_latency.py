@@ -44,6 +44,16 @@ def _feed(e: Endpoint, gap: float, n: int = 50, ttfb: float | None = None) -> No
         e.relays.discard(leg)
 
 
+def _streaming(*eps: Endpoint) -> None:
+    """30 ms steps measured, a 60 ms first event, and one stream past its first event now
+    (a live leg: what makes an endpoint's silence count as a late step)."""
+    for e in eps:
+        _feed(e, 0.03, ttfb=0.06)
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, 0.06)
+
+
 # -- the policy's arithmetic --------------------------------------------------------------------
 def test_without_measurements_it_is_least_load() -> None:
     """No latency seen yet (a new gateway, an idle pool): the same choices as least load."""
@@ -177,11 +187,7 @@ def test_a_leg_waiting_on_a_late_endpoint_is_rerouted_only_to_a_much_faster_one(
     s = LatencySettings()
     policy = LatencyAware(s)
     slow, fast, also = _ep("slow", inflight=8), _ep("fast", inflight=8), _ep("also", inflight=8)
-    for e in (slow, fast, also):
-        _feed(e, 0.03, ttfb=0.06)
-        leg = object()
-        e.relays.add(leg)
-        e.observe_first(leg, 0.06)
+    _streaming(slow, fast, also)
     now = time.monotonic()
     assert not policy.reroute(slow, [fast], REQ)  # nothing late yet
     for e in (slow, also):
@@ -220,11 +226,7 @@ def test_no_reroute_to_an_endpoint_stalled_since_the_late_one_went_late() -> Non
     s = LatencySettings()
     policy = LatencyAware(s)
     first, second, idle = _ep("first", inflight=8), _ep("second", inflight=8), _ep("idle")
-    for e in (first, second):
-        _feed(e, 0.03, ttfb=0.06)
-        leg = object()
-        e.relays.add(leg)
-        e.observe_first(leg, 0.06)
+    _streaming(first, second)
     _feed(idle, 0.03, ttfb=0.06)  # measured once, no stream under way now
     now = time.monotonic()
     first.latency.last_at = now - 0.07
@@ -245,19 +247,13 @@ def test_a_waiting_leg_is_rerouted_only_within_its_own_pool() -> None:
     a, f = _ep("a", "primary", inflight=8), _ep("f", "fallback", inflight=8)
     for e in (a, f):
         pool.add(e)
-        _feed(e, 0.03, ttfb=0.06)
-        leg = object()
-        e.relays.add(leg)
-        e.observe_first(leg, 0.06)
+    _streaming(a, f)
     pool.routes = {"standard": ["primary", "fallback"]}
     a.latency.last_at = time.monotonic() - 0.1  # late: > 3x its 30 ms steps
     assert not pool.reroute(a, "m", "standard", [])  # only the fallback is faster
     c = _ep("c", "primary", inflight=8)
     pool.add(c)
-    _feed(c, 0.03, ttfb=0.06)
-    leg = object()
-    c.relays.add(leg)
-    c.observe_first(leg, 0.06)
+    _streaming(c)
     assert pool.reroute(a, "m", "standard", [])  # a faster replica of its own pool
 
 
@@ -270,10 +266,7 @@ def test_a_waiting_leg_is_never_rerouted_to_a_contended_replica() -> None:
     a, b = _ep("a", "primary", inflight=8), _ep("b", "primary", inflight=8)
     for e in (a, b):
         pool.add(e)
-        _feed(e, 0.03, ttfb=0.06)
-        leg = object()
-        e.relays.add(leg)
-        e.observe_first(leg, 0.06)
+    _streaming(a, b)
     a.latency.last_at = time.monotonic() - 0.1  # late: > 3x its 30 ms steps
     assert pool.reroute(a, "m", "standard", [])  # b is healthy and much sooner
     b.set_condition("contended")
