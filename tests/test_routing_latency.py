@@ -198,6 +198,24 @@ def test_a_leg_waiting_on_a_late_endpoint_is_rerouted_only_to_a_much_faster_one(
     assert not LatencyAware(LatencySettings(reroute_ratio=None)).reroute(slow, [fast], REQ)
 
 
+def test_late_in_says_when_the_step_in_progress_would_turn_late() -> None:
+    """The gateway's watch over waiting legs is armed for this moment, not every 10 ms: its
+    wake-ups alone cost 1.04x the CPU per relayed chunk (benchmarks/relay_ab.py)."""
+    s = LatencySettings()
+    e = _ep("e", inflight=8)
+    assert e.latency.late_in(time.monotonic(), s) is None  # nothing measured yet
+    _streaming(e)
+    lat, now = e.latency, time.monotonic()
+    slow = lat.gap_slow_s
+    assert slow is not None
+    threshold = max(s.late_ratio * slow, s.floor_s)
+    lat.last_at = now
+    assert lat.late_in(now, s) == pytest.approx(threshold)
+    assert lat.late(now + threshold * 0.99, s) == 1.0  # not late before it
+    assert lat.late(now + threshold * 1.01, s) > 1.0  # late just after it
+    assert lat.late_in(now + 2 * threshold, s) == 0.0
+
+
 def test_only_legs_sent_after_the_latest_event_wait_behind_the_step_in_progress() -> None:
     """A leg sent before an endpoint's latest event is in the step that began then (the
     engine takes what has arrived at each step's start): a long step is often its very

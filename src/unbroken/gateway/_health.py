@@ -48,7 +48,11 @@ _5XX_RUN = 3
 _WATCH_S = 0.5
 # While legs wait for a first event, endpoints are looked at this often for a late step
 # (`_latency.EndpointLatency.late`): a step is ~20-40 ms, a slowdown is seen in ~1.5 of them.
-_LATE_WATCH_S = 0.01
+_LATE_WATCH_S = 0.01  # at most this often; armed for when an endpoint could turn late
+# ...and at least this often while legs wait where no endpoint can tell yet (nothing past
+# its first event, no slow gap measured). Every 10 ms regardless cost 1.04x the CPU per
+# relayed chunk at 256 streams (benchmarks/relay_ab.py): its wake-ups split the loop's reads.
+_LATE_WATCH_IDLE_S = 0.05
 # An endpoint whose streams got an event this recently is producing tokens: slow to answer
 # a new request (its queue), not hung.
 ALIVE_S = _ALIVE_S = 1.0
@@ -236,16 +240,23 @@ class EndpointHealth:
         endpoint whose step in progress is late, is re-sent where the policy expects a first
         token much sooner (`Pool.reroute`): it was admitted just before a slowdown showed.
         Only legs sent after the endpoint's latest event: the others are in the late step,
-        often the prefill that makes it long. Runs every `_LATE_WATCH_S` while any leg waits,
-        not at all otherwise."""
+        often the prefill that makes it long. While any leg waits it runs again when the
+        first endpoint with waiting legs could turn late (its latest event + `late_ratio` x
+        its slow gap: an event before then pushes that moment on), every `_LATE_WATCH_S` while
+        one is late, and every `_LATE_WATCH_IDLE_S` where none can tell; not at all when no
+        leg waits."""
         self._late_watch = None
         waiting = False
+        next_s = _LATE_WATCH_IDLE_S
         for ep in list(self.pool.endpoints.values()):
             if not ep.latency.waiting:
                 continue
             waiting = True
             if not self.pool.late(ep):
+                if (d := self.pool.late_in(ep)) is not None:
+                    next_s = min(next_s, d)
                 continue
+            next_s = _LATE_WATCH_S
             moved = 0
             for relay in list(ep.relays):
                 if (
@@ -263,7 +274,7 @@ class EndpointHealth:
                 )
         if waiting:
             self._late_watch = asyncio.get_running_loop().call_later(
-                _LATE_WATCH_S, self._watch_first
+                max(_LATE_WATCH_S, next_s), self._watch_first
             )
 
     async def _watch(self) -> None:

@@ -46,7 +46,8 @@ every stream of every endpoint itself. This policy uses that:
   in the step: its prefill waits for the next one), still waiting for its first event with
   nothing sent to its client, is re-sent to a replica of its own pool (`Pool.reroute`)
   that expects a first token `reroute_ratio` times sooner and has shown progress since this
-  endpoint went late (`reroute`; the gateway's watch asks every 10 ms while legs wait).
+  endpoint went late (`reroute`; the gateway's watch asks when an endpoint could turn late,
+  `late_in`, and every 10 ms while one is).
   That first tenth of a second is when a contention episode makes its slowest first
   tokens, before the controller has the evidence to act. A stream sent before the latest
   event is in the step in progress (often the very prefill that makes it long): moving it
@@ -251,6 +252,15 @@ class EndpointLatency:
         age = now - self.last_at
         return age / slow if age > max(s.late_ratio * slow, s.floor_s) else 1.0
 
+    def late_in(self, now: float, s: LatencySettings) -> float | None:
+        """Seconds until the step in progress counts as late (`late`) if no event comes
+        first: 0.0 once it does; None while it cannot (nothing past its first event, or no
+        slow gap measured yet)."""
+        slow = self.gap_slow_s
+        if not self._live or not slow:
+            return None
+        return max(0.0, self.last_at + max(s.late_ratio * slow, s.floor_s) - now)
+
     def expected(self, now: float, prior: float | None, s: LatencySettings) -> float | None:
         """Expected time to a new request's first token here; `prior` (the best sibling's)
         stands in when nothing has been measured."""
@@ -382,6 +392,10 @@ class LatencyAware:
     def late(self, ep: Endpoint) -> bool:
         """Is `ep`'s step in progress late (`EndpointLatency.late`)?"""
         return ep.latency.late(time.monotonic(), self.s) > 1.0
+
+    def late_in(self, ep: Endpoint) -> float | None:
+        """Seconds until `ep`'s step in progress would count as late (`EndpointLatency.late_in`)."""
+        return ep.latency.late_in(time.monotonic(), self.s)
 
     def reroute(self, ep: Endpoint, candidates: Sequence[Endpoint], request: PickRequest) -> bool:
         """Should a leg waiting for its first event on `ep` be re-sent? Only when `ep`'s step

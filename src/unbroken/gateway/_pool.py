@@ -375,6 +375,12 @@ class Pool:
         late = getattr(self.policy, "late", None)
         return late is not None and bool(late(ep))
 
+    def late_in(self, ep: Endpoint) -> float | None:
+        """Seconds until `ep`'s step in progress would count as late, by the policy's
+        measure; None where it cannot tell (or measures no latency)."""
+        late_in = getattr(self.policy, "late_in", None)
+        return None if late_in is None else late_in(ep)  # type: ignore[no-any-return]
+
     def reroute(
         self,
         ep: Endpoint,
