@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken.pipeline.cpucap import remove_cgroup
+from unbroken.pipeline.cpucap import remove_cgroup, sweep_dead_owners
 
-__all__ = ["IoThrottle", "ThrottleUnavailable", "block_device", "drop_page_cache", "sweep_stale"]
+__all__ = ["IoThrottle", "ThrottleUnavailable", "block_device", "drop_page_cache"]
 
 V1_ROOT = Path("/sys/fs/cgroup/blkio")
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -46,24 +46,6 @@ def block_device(path: Path) -> str:
         disk = sys_dev.resolve().parent
         majmin = (disk / "dev").read_text().strip()
     return majmin
-
-
-def sweep_stale(root: Path) -> list[str]:
-    """Remove the throttle cgroups of demos that are gone (`unbroken-io-PID` whose PID is not
-    alive: a demo killed before its cleanup), moving anything left in them to the parent.
-    Two killed runs of the suite here had left two. A live demo's cgroup is left alone."""
-    removed: list[str] = []
-    with contextlib.suppress(OSError):
-        for cg in root.iterdir():
-            owner = cg.name[len(PREFIX) :]
-            if not cg.name.startswith(PREFIX) or not owner.isdigit():
-                continue
-            if Path(f"/proc/{owner}").exists():
-                continue
-            with contextlib.suppress(OSError):
-                remove_cgroup(cg, timeout=2.0)
-                removed.append(cg.name)
-    return removed
 
 
 def drop_page_cache(files: list[Path]) -> None:
@@ -106,9 +88,10 @@ class IoThrottle:
         if (V1_ROOT / "blkio.throttle.read_bps_device").exists():
             cg, version, knob = V1_ROOT / name, 1, "blkio.throttle.read_bps_device"
             value = f"{device} {read_bps}"
-            sweep_stale(V1_ROOT)
+            # A demo killed before its cleanup left its cgroup (two here after killed suites).
+            sweep_dead_owners(V1_ROOT, PREFIX)
         elif (root := _v2_root()) is not None:
-            sweep_stale(root)
+            sweep_dead_owners(root, PREFIX)
             with contextlib.suppress(OSError):  # may already be on, or not ours to turn on
                 (root / "cgroup.subtree_control").write_text("+io")
             cg, version, knob = root / name, 2, "io.max"

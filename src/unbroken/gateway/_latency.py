@@ -246,20 +246,25 @@ class EndpointLatency:
         are the event loop's jitter); else 1.0. Seen within a step of
         a slowdown's start, before any slow gap has been measured (the windows' mean needs
         the slow step to end, and then a window to close)."""
-        slow = self.gap_slow_s
-        if not self._live or not slow:
+        slow, after = self.gap_slow_s, self._late_after(s)
+        if slow is None or after is None:
             return 1.0
         age = now - self.last_at
-        return age / slow if age > max(s.late_ratio * slow, s.floor_s) else 1.0
+        return age / slow if age > after else 1.0
 
     def late_in(self, now: float, s: LatencySettings) -> float | None:
         """Seconds until the step in progress counts as late (`late`) if no event comes
         first: 0.0 once it does; None while it cannot (nothing past its first event, or no
         slow gap measured yet)."""
+        after = self._late_after(s)
+        return None if after is None else max(0.0, self.last_at + after - now)
+
+    def _late_after(self, s: LatencySettings) -> float | None:
+        """The silence after which the step in progress is late; None while nothing can be."""
         slow = self.gap_slow_s
         if not self._live or not slow:
             return None
-        return max(0.0, self.last_at + max(s.late_ratio * slow, s.floor_s) - now)
+        return max(s.late_ratio * slow, s.floor_s)
 
     def expected(self, now: float, prior: float | None, s: LatencySettings) -> float | None:
         """Expected time to a new request's first token here; `prior` (the best sibling's)

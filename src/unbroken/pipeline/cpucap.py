@@ -34,7 +34,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PERIOD_US", "PREFIX", "CpuCap", "CpuCapUnavailable", "remove_cgroup", "sweep_stale"]
+__all__ = [
+    "PERIOD_US",
+    "PREFIX",
+    "CpuCap",
+    "CpuCapUnavailable",
+    "remove_cgroup",
+    "sweep_dead_owners",
+    "sweep_stale",
+]
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -158,19 +166,30 @@ def sweep_stale() -> list[str]:
             continue
         try:
             parent = root / _own_cgroup(version).lstrip("/")
-            children = [c for c in parent.iterdir() if c.name.startswith(PREFIX)]
-        except (CpuCapUnavailable, OSError):
+        except CpuCapUnavailable:
             return removed
-        for cg in children:
-            owner = cg.name[len(PREFIX) :].split("-", 1)[0]
-            if not owner.isdigit() or Path(f"/proc/{owner}").exists():
-                continue
-            try:
-                remove_cgroup(cg, timeout=2.0)
-            except OSError:
-                continue
-            removed.append(cg.name)
-        break
+        return sweep_dead_owners(parent, PREFIX)
+    return removed
+
+
+def sweep_dead_owners(parent: Path, prefix: str) -> list[str]:
+    """Remove `parent`'s child cgroups named `prefix` + PID (+ `-anything`) whose PID is not
+    alive, moving what still runs in them to `parent`. Returns the names removed; quiet
+    where `parent` cannot be read. Also `bench.throttle`'s for its `unbroken-io-PID`."""
+    removed: list[str] = []
+    try:
+        children = [c for c in parent.iterdir() if c.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for cg in children:
+        owner = cg.name[len(prefix) :].split("-", 1)[0]
+        if not owner.isdigit() or Path(f"/proc/{owner}").exists():
+            continue
+        try:
+            remove_cgroup(cg, timeout=2.0)
+        except OSError:
+            continue
+        removed.append(cg.name)
     return removed
 
 

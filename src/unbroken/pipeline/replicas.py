@@ -249,7 +249,7 @@ class ReplicaSet:
         if idle:
             # After `idle_s`, a normal share again under the quota: a saturated node would
             # otherwise barely start it. Lifted with the quota if it serves sooner.
-            r.unidle = asyncio.get_running_loop().call_later(idle_s, self._unidle, r, cap)
+            r.unidle = asyncio.get_running_loop().call_later(idle_s, self._unidle, r)
         log.info(
             "%s starts under a CPU quota of %s%s",
             r.name,
@@ -257,9 +257,9 @@ class ReplicaSet:
             f", on idle CPU only for up to {idle_s:g} s" if idle else "",
         )
 
-    def _unidle(self, r: Replica, cap: CpuCap) -> None:
-        r.unidle = None
-        if r.cpucap is cap and cap.idle(False):
+    def _unidle(self, r: Replica) -> None:
+        r.unidle = None  # `_uncap` cancels this timer, so the quota is still there
+        if r.cpucap is not None and r.cpucap.idle(False):
             log.info(
                 "%s: still starting after %g s: CPU share back to normal under its quota",
                 r.name,
