@@ -411,8 +411,9 @@ def test_a_replica_slowed_mid_run_gets_no_new_requests_within_a_quarter_second(
     pair: tuple[Proc, Proc, Proc, dict[str, str]],
 ) -> None:
     """Contention on one replica (its decode steps ~10x longer), no controller: from 250 ms
-    after the onset (a few of its steps) no new request goes to it (measured: none in 4 runs),
-    while with least load alone it kept getting 4-6 of the ~50 probes sent after that."""
+    after the onset (a few of its steps) to 1 s no new request goes to it (measured: none in 4
+    runs), while with least load alone it kept getting 4-6 of the ~50 probes sent from 0.25 to
+    1.5 s."""
     g, a, b, names = pair
     slow = names[a.url]
     with _Streams(g.url, 8) as load:
@@ -430,7 +431,12 @@ def test_a_replica_slowed_mid_run_gets_no_new_requests_within_a_quarter_second(
     assert not load.errors, load.errors[:3]
     share_before = sum(n == slow for _, n in before) / len(before)
     assert 0.2 <= share_before <= 0.8, before
-    late = [n for t, n in after if t >= 0.25]
+    # From 250 ms to stale_s (1 s) after the onset. Later, the slowed replica's first-event
+    # time (sampled last before the onset: no new leg went there) fades by design so that an
+    # avoided endpoint is tried again, and on a loaded machine its still-measured 10x gap can
+    # then cost less than the other replica's queue: CI (2026-12-05) picked it at 1.32 and
+    # 1.38 s and never before, which is the retry, not a missed slowdown.
+    late = [n for t, n in after if 0.25 <= t < 1.0]
     # Compact, so that a failure shows when each pick of the slowed replica came (pytest cuts
     # a long list): one full-suite run on a loaded machine had 4 (2026-12-05, not reproduced
     # in 8 runs alone, under two busy loops, or beside another file's real processes).
