@@ -35,6 +35,13 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+# What a read just warmed is checked against this, not 100 %: this VM's host takes clean page
+# cache back on its own (virtio_balloon; a 256 MiB file read on an idle machine with 23 GB
+# free: 100 % -> 94 % resident in 60 s, 2026-12-05), and a full suite once saw 96.5 % right
+# after warm_files. An unwarmed file reads < 5 %.
+WARM = 90.0
+
+
 def _pct(d: Path) -> float:
     rs = [residency(f) for f in find_weight_files([str(d)])]
     return 100.0 * sum(r.resident_pages for r in rs) / sum(r.pages for r in rs)
@@ -51,8 +58,8 @@ def test_evict_then_prewarm_moves_residency_from_0_to_100(weights: Path) -> None
     out = json.loads(r.stdout)
     assert out["residency"]["percent"] == 100.0 and out["read"]["bytes"] == out["bytes"]
     assert out["read"]["method"] == "sendfile"
-    assert _pct(weights) == 100.0
-    assert _run(str(weights), "--check").returncode == 0
+    assert _pct(weights) >= WARM
+    assert _run(str(weights), "--check", "--target", str(WARM)).returncode == 0
 
 
 @pytest.mark.skipif(
@@ -191,7 +198,7 @@ def test_warm_files_splices_instead_of_copying(
     stats = warm_files(files)
     assert stats.method == "sendfile" and stats.bytes == sum(f.stat().st_size for f in files)
     assert os.POSIX_FADV_WILLNEED not in advice and os.POSIX_FADV_SEQUENTIAL in advice
-    assert _pct(weights) == 100.0
+    assert _pct(weights) >= WARM
 
 
 def test_falls_back_to_preadv_where_sendfile_cannot_splice(
@@ -210,7 +217,7 @@ def test_falls_back_to_preadv_where_sendfile_cannot_splice(
     stats = warm_files(files, threads=2, chunk=2**20, progress=seen.append)
     assert stats.method == "preadv" and stats.bytes == sum(f.stat().st_size for f in files)
     assert sum(seen) == stats.bytes and max(seen) <= 2**20
-    assert _pct(weights) == 100.0
+    assert _pct(weights) >= WARM
     # each file is tried once or twice (two workers may race on it), not once per chunk
     assert len(calls) <= 2 * len(files) < stats.bytes // 2**20
 
