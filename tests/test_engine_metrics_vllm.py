@@ -332,3 +332,35 @@ def test_waiting_by_reason_sums_to_waiting_and_counts_lora_deferrals(logdir: Pat
         assert Scrape(p.url).value("vllm:num_requests_waiting_by_reason", reason="deferred") == 0
     finally:
         p.stop()
+
+
+def test_name_filter_renders_only_the_named_samples(eng: Proc) -> None:
+    """`/metrics?name[]=...` as prometheus_client's exposition (vLLM's /metrics) answers it:
+    only the named samples (a histogram's `_sum` without its buckets), and the controller's
+    and the prober's restricted pages read the same values as the whole page."""
+    from unbroken.controller.signals import _ENGINE_LINES, ENGINE_METRICS_PATH, parse_text
+    from unbroken.gateway._prober import METRICS_PATH, parse_load
+
+    _post(eng, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+    names = ["vllm:num_requests_running", "vllm:time_to_first_token_seconds_sum"]
+    r = httpx.get(eng.url + "/metrics", params=[("name[]", n) for n in names], timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    got = {
+        s.name for f in text_string_to_metric_families(r.text) for s in f.samples
+    }  # fmt: skip
+    assert got == set(names), got
+    full = httpx.get(eng.url + "/metrics", timeout=10).text
+    for path in (ENGINE_METRICS_PATH, METRICS_PATH):
+        part = httpx.get(eng.url + path, timeout=10).text
+        assert 0 < len(part) < len(full) / 10, (path, len(part), len(full))
+        assert parse_load(part) == parse_load(full)
+    part = httpx.get(eng.url + ENGINE_METRICS_PATH, timeout=10).text
+
+    def lines(text: str) -> set[tuple[str, float]]:
+        return {
+            (s.name, s.value) for s in parse_text(text, _ENGINE_LINES) if s.name in _ENGINE_LINES
+        }
+
+    read = lines(part)
+    assert read == lines(full)
+    assert dict(read)["vllm:time_to_first_token_seconds_count"] >= 1, read

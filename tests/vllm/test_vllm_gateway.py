@@ -310,6 +310,30 @@ def test_engine_routes_pass_through(stack_random: Stack) -> None:
         assert "response.completed" in body_text
 
 
+def test_the_controller_and_prober_metric_reads_work_on_vllm(stack_random: Stack) -> None:
+    """The controller (five times a second) and the gateway's prober ask /metrics for their
+    series by name (`name[]`, prometheus_client's exposition filter, which the simulator
+    honours). vLLM 0.32 ignores the query and sends its whole page (measured: the same 51 KB
+    either way, so its API server saves nothing); the reads must parse the same from it."""
+    from unbroken.controller.signals import _ENGINE_LINES, ENGINE_METRICS_PATH, parse_text
+    from unbroken.gateway._prober import METRICS_PATH, parse_load
+
+    s = stack_random
+    full = httpx.get(s.b.url + "/metrics", timeout=30).text
+
+    def lines(text: str) -> set[tuple[str, float]]:
+        return {
+            (x.name, x.value) for x in parse_text(text, _ENGINE_LINES) if x.name in _ENGINE_LINES
+        }
+
+    for path in (ENGINE_METRICS_PATH, METRICS_PATH):
+        r = httpx.get(s.b.url + path, timeout=30)
+        assert r.status_code == 200, r.text
+        assert parse_load(r.text) == parse_load(full)
+        assert lines(r.text) == lines(full)
+    assert "vllm:time_to_first_token_seconds_count" in dict(lines(full))
+
+
 def test_prefix_routing_raises_vllm_prefix_cache_hits(
     stack_random: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -22,7 +22,12 @@ from unbroken.clients import AdminRejected, GatewayAdmin
 from unbroken.controller.actions import EndpointView
 from unbroken.controller.config import ControllerConfig
 from unbroken.controller.metrics import ControllerMetrics
-from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window
+from unbroken.controller.signals import (
+    ENGINE_METRICS_PATH,
+    HistogramDelta,
+    agent_windows,
+    engine_window,
+)
 from unbroken.controller.sources import Sources
 
 __all__ = ["AGENT_START_GRACE_S", "UNCOVERED_S", "Sensing", "engine_state"]
@@ -229,7 +234,7 @@ class Sensing:
         """The engine's own metrics over the last window, None when unreadable."""
         deltas = self._engine_deltas.setdefault(v.name, HistogramDelta())
         try:
-            return engine_window(await self._get(v.url + "/metrics"), deltas)
+            return engine_window(await self._get(v.url + ENGINE_METRICS_PATH), deltas)
         except (aiohttp.ClientError, TimeoutError, OSError):
             self.metrics.errors.labels("engine").inc()
             return None

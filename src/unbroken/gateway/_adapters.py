@@ -40,9 +40,16 @@ from unbroken.gateway._policy import Candidate
 if TYPE_CHECKING:
     from unbroken.gateway._policy import PickRequest, RoutingPolicy
 
-__all__ = ["AdapterAffinity", "AdapterCandidate", "AdapterSettings", "LoraInfo", "parse_lora_info"]
+__all__ = [
+    "LORA_METRIC",
+    "AdapterAffinity",
+    "AdapterCandidate",
+    "AdapterSettings",
+    "LoraInfo",
+    "parse_lora_info",
+]
 
-_METRIC = "vllm:lora_requests_info"
+LORA_METRIC = "vllm:lora_requests_info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +125,10 @@ def parse_lora_info(text: str, window_s: float = 30.0) -> LoraInfo | None:
     """The engine's LoRA state from a /metrics page: the sample with the latest time is the
     current one (vLLM keeps every label set it ever set); adapters running in samples up to
     `window_s` older count as recent. None when the page has no such metric (LoRA off)."""
-    if _METRIC not in text:
+    if LORA_METRIC not in text:
         return None
     samples: list[tuple[float, dict[str, str]]] = []
-    prefix = _METRIC + "{"
+    prefix = LORA_METRIC + "{"
     for line in text.splitlines():
         if not line.startswith(prefix):
             continue

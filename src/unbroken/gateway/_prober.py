@@ -23,14 +23,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from urllib.parse import urlencode
 
 import aiohttp
 import orjson
 
-from unbroken.gateway._adapters import parse_lora_info
+from unbroken.gateway._adapters import LORA_METRIC, parse_lora_info
 from unbroken.gateway._pool import Endpoint, State
 
-__all__ = ["Prober", "parse_load"]
+__all__ = ["METRICS_PATH", "Prober", "parse_load"]
 
 log = logging.getLogger("unbroken.gateway.prober")
 
@@ -58,6 +59,24 @@ class _Hold:
         hold = min(_HOLD_MAX_S, _HOLD_BASE_S * 2 ** (self.strikes - 1))
         self.until = now + hold
         return hold
+
+
+# The series the prober reads, asked for by name (`name[]`, prometheus_client's exposition
+# filter): an engine that honours it (the simulator) renders these instead of its whole page
+# (~40 KB, ~6 ms of its process here, against ~1 ms). vLLM 0.32 ignores the query and sends
+# the whole page, which parses the same.
+METRICS_PATH = "/metrics?" + urlencode(
+    [
+        ("name[]", n)
+        for n in (
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_running",
+            "vllm:kv_cache_usage_perc",
+            "vllm:gpu_cache_usage_perc",
+            LORA_METRIC,
+        )
+    ]
+)
 
 
 def parse_load(text: str) -> tuple[float, float, float]:
@@ -257,7 +276,7 @@ class Prober:
 
     async def _scrape(self, ep: Endpoint) -> None:
         try:
-            status, body = await self._get(ep, "/metrics", 2.0)
+            status, body = await self._get(ep, METRICS_PATH, 2.0)
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             return
         if status != 200:
