@@ -4,6 +4,7 @@ workers, one /metrics, one admin API, a dead worker replaced at once. Real engin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -208,6 +209,77 @@ def test_killed_worker_costs_only_its_streams_and_is_replaced(tmp_path: Path, en
         text, err = stream_text(g.url, "after the kill", 20)
         assert err is None and text == expected_completion("after the kill", 20).text
     finally:
+        g.stop()
+
+
+def _streaming_users(url: str, n: int, stop: threading.Event) -> list[threading.Thread]:
+    """`n` users, started 25 ms apart, each on its own keep-alive connection streaming
+    60-token completions until `stop`."""
+
+    def user(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"user {i}", "max_tokens": 60, "stream": True}
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    for _ in r.iter_raw():
+                        pass
+
+    threads = []
+    for i in range(n):
+        t = threading.Thread(target=user, args=(i,), daemon=True)
+        t.start()
+        threads.append(t)
+        time.sleep(0.025)
+    return threads
+
+
+def test_connections_are_spread_evenly_over_the_workers(tmp_path: Path, eng: Proc) -> None:
+    """Clients keep their connections, and on the shared listening socket the first worker
+    to wake takes each new one: before the balanced accept, 60 streaming users ended 39 / 21
+    and 40 / 20 on two workers (the demo's 200 users 156 / 44). Now a worker with more than
+    its least-loaded sibling leaves new connections to it (`_balance.BalancedSite`)."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        pids = tuple(workers_of(g)["pids"])
+        threads = _streaming_users(g.url, 60, stop)
+
+        def all_held() -> dict[int, int] | None:
+            h = client_conns(pids, g.port)
+            return h if sum(h.values()) == 60 else None
+
+        held = wait_for(all_held, timeout=20)
+        assert min(held.values()) >= 27, held
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        g.stop()
+
+
+def test_a_stopped_worker_delays_no_connection_for_long(tmp_path: Path, eng: Proc) -> None:
+    """A worker that cannot accept (SIGSTOP: a long pause, a hang) holds no new connection:
+    the other worker, over its share, leaves each one to it for DEFER_S only, then takes
+    it."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+    frozen = None
+    try:
+        frozen, other = workers_of(g)["pids"]
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        os.kill(frozen, signal.SIGSTOP)
+        took = []
+        with contextlib.ExitStack() as stack:
+            for _ in range(12):  # kept open: the live worker's count grows past the other's
+                c = stack.enter_context(httpx.Client(timeout=10))
+                t = time.monotonic()
+                assert c.post(g.url + "/v1/completions", json=body).status_code == 200
+                took.append(time.monotonic() - t)
+            assert client_conns((frozen, other), g.port) == {frozen: 0, other: 12}
+        assert max(took) < 0.5, took
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
         g.stop()
 
 

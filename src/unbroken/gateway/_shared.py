@@ -4,6 +4,8 @@ One file mapped by every process holds two tables of int64:
 
     inflight[row, col]   slots worker `row` holds on endpoint `col`
     depth[row, prio]     requests worker `row` has queued, per priority
+    conns[row]           client connections worker `row` has open (its accepts' balance)
+    listening[row]       1 while worker `row` accepts on the shared socket
 
 A process writes only its own row, so giving slots back needs no lock; an endpoint's load is
 the sum of its column. Taking slots is check-then-add, so it runs under one POSIX record lock
@@ -35,7 +37,7 @@ class SharedCounters:
     def __init__(self, path: Path, *, create: bool = False, row: int = -1) -> None:
         self.path = path
         self.row = row
-        size = 8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS)
+        size = 8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS + 2)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(path, flags, 0o600)
         if create:
@@ -43,7 +45,11 @@ class SharedCounters:
         self._map = mmap.mmap(self._fd, size)
         flat = np.frombuffer(self._map, dtype=np.int64)
         self.inflight = flat[: MAX_WORKERS * MAX_ENDPOINTS].reshape(MAX_WORKERS, MAX_ENDPOINTS)
-        self.depth = flat[MAX_WORKERS * MAX_ENDPOINTS :].reshape(MAX_WORKERS, _PRIOS)
+        at = MAX_WORKERS * MAX_ENDPOINTS
+        self.depth = flat[at : at + MAX_WORKERS * _PRIOS].reshape(MAX_WORKERS, _PRIOS)
+        at += MAX_WORKERS * _PRIOS
+        self.conns = flat[at : at + MAX_WORKERS]
+        self.listening = flat[at + MAX_WORKERS : at + 2 * MAX_WORKERS]
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -66,14 +72,25 @@ class SharedCounters:
     def set_depth(self, prio: int, n: int) -> None:
         self.depth[self.row, prio] = n
 
+    def set_conns(self, n: int, listening: bool) -> None:
+        self.conns[self.row] = n
+        self.listening[self.row] = int(listening)
+
+    def fewest_conns_elsewhere(self) -> int | None:
+        """The fewest client connections any other accepting worker has; None when none."""
+        others = [int(self.conns[r]) for r in np.flatnonzero(self.listening) if r != self.row]
+        return min(others) if others else None
+
     def clear_row(self, row: int) -> None:
         """A worker is gone: what it held is free again."""
         self.inflight[row, :] = 0
         self.depth[row, :] = 0
+        self.conns[row] = 0
+        self.listening[row] = 0
 
     def close(self) -> None:
         # The numpy views hold the buffer; drop them before the map.
-        del self.inflight, self.depth
+        del self.inflight, self.depth, self.conns, self.listening
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)

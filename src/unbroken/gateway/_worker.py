@@ -36,6 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.config.spec import GatewaySettings
+from unbroken.gateway._balance import BalancedSite
 from unbroken.gateway._handover import Inbound, Outbound, offer_listener
 from unbroken.gateway._messages import (
     AckMsg,
@@ -180,8 +181,13 @@ class WorkerGateway(Gateway):
         self.proxy.on_hang = lambda ep: self.send(SuspectMsg(t="suspect", name=ep.name))
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
         freeze_startup_heap()
+        shared = self.shared
         self.runner = await start_site(
-            self.public_app(), cfg.host, cfg.port, sock=listen, limits=limits
+            self.public_app(),
+            cfg.host,
+            cfg.port,
+            limits=limits,
+            site_for=lambda runner: BalancedSite(runner, listen, shared),
         )
         self._runners = [self.runner]
 

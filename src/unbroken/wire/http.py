@@ -306,9 +306,11 @@ async def start_site(
     sock: socket.socket | None = None,
     shutdown_timeout: float = 2.0,
     limits: ServerLimits | None = None,
+    site_for: Callable[[web.AppRunner], web.BaseSite] | None = None,
 ) -> web.AppRunner:
     """Start serving; `handler_cancellation` makes a client disconnect cancel its handler,
-    which is how an engine frees a slot while a request is still queued or prefilling."""
+    which is how an engine frees a slot while a request is still queued or prefilling.
+    `site_for` makes the site (the gateway's workers: accepts balanced between them)."""
     if not app.frozen:
         app.on_response_prepare.append(_server_header)
     runner = web.AppRunner(
@@ -321,7 +323,9 @@ async def start_site(
     server.limits = limits or ServerLimits()  # type: ignore[attr-defined]
     server.per_client = {}  # type: ignore[attr-defined]
     site: web.BaseSite
-    if sock is not None:
+    if site_for is not None:
+        site = site_for(runner)
+    elif sock is not None:
         site = web.SockSite(runner, sock)
     else:
         site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
