@@ -119,7 +119,9 @@ def test_an_idle_cgroup_runs_only_on_what_others_leave() -> None:
         back = shares()
         # Half the CPU each under a normal share (the quota allows half a core).
         assert normal[1] > 0.3, normal
-        assert idle[0] > 0.9 and idle[1] < 0.1, (normal, idle)
+        # Idle: the starting thread gets almost nothing and the serving one takes its half
+        # (not "all of the CPU": a full suite's other processes share it too, 0.87 s once).
+        assert idle[1] < 0.1 and idle[0] > normal[0] + 0.2, (normal, idle)
         assert back[1] > 0.3, (normal, idle, back)
     finally:
         for p in (serving, starting):

@@ -206,7 +206,18 @@ def test_lora_requests_info_and_max_loras_waiting(tmp_path: Path) -> None:
     p = lora_engine(tmp_path, *NAMES, *LORA, "--max-loras", "1")
     try:
         text = httpx.get(p.url + "/metrics").text
-        assert "# TYPE vllm:lora_requests_info gauge" in text  # registered, no sample yet
+        assert "# TYPE vllm:lora_requests_info gauge" in text
+        # A sample (idle) before any step: the gateway's prober asks for this series by name,
+        # and a series with no sample would be left out of that page (LoRA looking off).
+        assert lora_info(p)[0][1] == {
+            "max_lora": "1",
+            "running_lora_adapters": "",
+            "waiting_lora_adapters": "",
+        }
+        from unbroken.gateway._adapters import parse_lora_info
+        from unbroken.gateway._prober import METRICS_PATH
+
+        assert parse_lora_info(httpx.get(p.url + METRICS_PATH).text) is not None
         s = _raw_stream(p, {"model": "a1", "prompt": "x", "max_tokens": 2000})
         results: list[httpx.Response] = []
         t = threading.Thread(target=lambda: results.append(complete(p, "a2", n=3)))

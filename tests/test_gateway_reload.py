@@ -180,11 +180,12 @@ def _health(url: str) -> tuple[int, str]:
 def test_sigterm_finishes_streams_then_exits_0(
     tmp_path: Path, engines: tuple[Proc, Proc], workers: str
 ) -> None:
-    """SIGTERM: /health says 503 at once, the listener closes, open streams finish whole,
-    exit 0."""
+    """SIGTERM: /health says 503 at once, the listener closes (every process's copy: a new
+    client is refused while the streams drain, not queued for nobody), open streams finish
+    whole, exit 0."""
     a, _ = engines
     g = gateway(tmp_path, a.url, args=("--workers", workers, "--shutdown-timeout", "30"))
-    n = 150  # ~1.5 s at 10 ms a step
+    n = 300  # ~3 s at 10 ms a step
     with ThreadPoolExecutor(6) as pool:
         clients = [httpx.Client(timeout=60) for _ in range(6)]
         jobs = [pool.submit(read_stream, clients[i], g.url, f"term {i}", n) for i in range(6)]
@@ -194,6 +195,10 @@ def test_sigterm_finishes_streams_then_exits_0(
         while (got := _health(g.url))[0] != 503 and time.monotonic() - t_sig < 0.4:
             time.sleep(0.01)  # the signal is handled within moments; the listener stays 0.5 s
         assert got[0] == 503 and "shutting down" in got[1], got
+        time.sleep(max(0.0, t_sig + 1.0 - time.monotonic()))
+        assert not any(j.done() for j in jobs)  # still draining
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(g.url + "/health", timeout=2)
         results = [j.result() for j in jobs]
         for c in clients:
             c.close()

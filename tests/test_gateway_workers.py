@@ -336,6 +336,44 @@ def test_shared_table_rows_add_up_and_a_dead_row_frees_its_slots(tmp_path: Path)
             c.close()
 
 
+def test_connection_counts_in_the_table_and_an_older_tables_mapping(tmp_path: Path) -> None:
+    """The accept balance reads the other accepting workers' connection counts; a worker
+    started by a main process of an older version (its table made before the counts, and
+    kept across a reload) maps the shorter file and accepts without balance instead of
+    failing to start (mmap past the file's end)."""
+    from unbroken.gateway._shared import _PRIOS, MAX_ENDPOINTS, MAX_WORKERS, SharedCounters
+
+    main = SharedCounters(tmp_path / "t", create=True)
+    w0 = SharedCounters(tmp_path / "t", row=0)
+    w1 = SharedCounters(tmp_path / "t", row=1)
+    try:
+        assert w0.fewest_conns_elsewhere() is None  # nobody else accepts
+        w1.set_conns(7, True)
+        w0.set_conns(9, True)
+        assert (w0.fewest_conns_elsewhere(), w1.fewest_conns_elsewhere()) == (7, 9)
+        w1.set_conns(7, False)  # draining: not a candidate
+        assert w0.fewest_conns_elsewhere() is None
+        w1.set_conns(3, True)
+        main.clear_row(1)  # worker 1 died
+        assert w0.fewest_conns_elsewhere() is None
+    finally:
+        for c in (w0, w1, main):
+            c.close()
+    older = tmp_path / "older"
+    older.write_bytes(bytes(8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS)))
+    w = SharedCounters(older, row=0)
+    try:
+        assert not w.balanced and w.fewest_conns_elsewhere() is None
+        w.set_conns(4, True)  # a no-op
+        w.add(3, 2)
+        w.set_depth(1, 5)
+        assert (w.total(3), w.queued(1)) == (2, 5)
+        w.clear_row(0)
+        assert w.total(3) == 0
+    finally:
+        w.close()
+
+
 def test_admission_with_two_rows_never_exceeds_the_cap(tmp_path: Path) -> None:
     """Two admission objects (two workers' views) over one table: together they take at most
     the cap; a slot one gives back is taken by the other."""

@@ -50,7 +50,11 @@ def test_parse_lora_info_takes_the_latest_sample_and_recent_history() -> None:
     m = EngineMetrics("m", max_loras=2)
     assert m.lora is not None
     page = generate_latest(m.registry).decode()
-    info = parse_lora_info(page)  # registered, no sample: LoRA on, nothing known
+    info = parse_lora_info(page)  # the simulator's first sample, before any step: idle
+    assert info is not None and info.max_lora == 2 and not info.running and info.free_slot()
+    # Registered with no sample (vLLM before its first step): LoRA on, nothing known.
+    bare = "# HELP vllm:lora_requests_info x\n# TYPE vllm:lora_requests_info gauge\n"
+    info = parse_lora_info(bare)
     assert info is not None and info.max_lora is None and info.free_slot()
     m.lora.record({"old": 1}, {})
     m.lora.gauge.labels("2", "", "old").set(time.time() - 120)  # two minutes ago

@@ -13,7 +13,8 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from urllib.parse import urlencode
+
+from unbroken.wire.metrics import filtered_path
 
 __all__ = [
     "ENGINE_METRICS_PATH",
@@ -212,12 +213,12 @@ _ENGINE_LINES = (
     "vllm:gpu_cache_usage_perc",
     *(f"{base}_{kind}" for base in (*_ITL, _TTFT) for kind in ("sum", "count")),
 )
-# ... and only these are asked for (`name[]`, prometheus_client's exposition filter): an
-# engine that honours it (the simulator) renders them instead of its whole page, ~1 ms of its
-# process against ~6 ms, five times a second per engine; in the demo that scrape held the
-# simulator's loop while requests waited. vLLM 0.32 ignores the query (its /metrics is
+# ... and only these are asked for (`wire.metrics.filtered_path`): an engine that honours
+# the filter (the simulator) renders them instead of its whole page, ~1 ms of its process
+# against ~6 ms, five times a second per engine; in the demo that read held the simulator's
+# loop while requests waited. vLLM 0.32 ignores the query (its /metrics is
 # prometheus-fastapi-instrumentator's) and sends the whole page, which parses the same.
-ENGINE_METRICS_PATH = "/metrics?" + urlencode([("name[]", n) for n in _ENGINE_LINES])
+ENGINE_METRICS_PATH = filtered_path(_ENGINE_LINES)
 
 
 def engine_window(text: str, deltas: HistogramDelta) -> EngineWindow:

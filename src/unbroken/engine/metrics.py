@@ -220,6 +220,10 @@ class LoraInfo:
         self.max_lora = str(max_lora)
         self.keep = keep
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # A sample from the start (nothing running or waiting), not only after the first
+        # step: a reader that asks for this series by name (`?name[]=`, the gateway's
+        # prober) sees an engine that serves adapters before any request has run on it.
+        self.record({}, {})
 
     def record(self, running: dict[str, int], waiting: dict[str, int]) -> None:
         key = (",".join(waiting), ",".join(running))

@@ -43,14 +43,15 @@ _RESOURCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 class BalancedSite(web.BaseSite):
     """An aiohttp site on a shared listening socket that accepts in proportion (module doc).
-    Serves its own duplicate of `sock`: stopping it (a drain) leaves the caller's socket
-    open, for the takeover of a new main process."""
+    Stopping it (a drain) closes this process's `sock`, as aiohttp's SockSite did (uvloop's
+    server closes the socket it was given): once every worker's copy is closed the port
+    refuses new connections at once instead of queueing them for nobody."""
 
     __slots__ = ("_force_until", "_listening", "_name", "_refresh", "_shared", "_sock", "_tasks")
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, shared: SharedCounters) -> None:
         super().__init__(runner)
-        self._sock = sock.dup()
+        self._sock = sock
         self._sock.setblocking(False)
         host, port = self._sock.getsockname()[:2]
         self._name = str(URL.build(scheme="http", host=host, port=port))
@@ -130,15 +131,20 @@ class BalancedSite(web.BaseSite):
                     self._pause(1.0, force=False)
                     return
                 break  # the client gave up before it was accepted (ECONNABORTED): next
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # reset before it was set up: the client is gone
+                conn.close()
+                continue
             task = loop.create_task(loop.connect_accepted_socket(server, sock=conn))
             self._tasks.add(task)
-            task.add_done_callback(self._adopted)
+            task.add_done_callback(lambda t, c=conn: self._adopted(t, c))
             mine += 1
         self._shared.set_conns(mine, True)
 
-    def _adopted(self, task: asyncio.Task[object]) -> None:
+    def _adopted(self, task: asyncio.Task[object], conn: socket.socket) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and (e := task.exception()) is not None:
-            log.debug("an accepted connection could not be served: %s", e)
+        if task.cancelled() or task.exception() is not None:
+            log.debug("an accepted connection could not be served: %s", task)
+            conn.close()  # a no-op where the transport took the descriptor over

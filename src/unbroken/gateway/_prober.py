@@ -23,13 +23,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from urllib.parse import urlencode
 
 import aiohttp
 import orjson
 
 from unbroken.gateway._adapters import LORA_METRIC, parse_lora_info
 from unbroken.gateway._pool import Endpoint, State
+from unbroken.wire.metrics import FILTER_PROBE, filtered_path
 
 __all__ = ["METRICS_PATH", "Prober", "parse_load"]
 
@@ -61,21 +61,18 @@ class _Hold:
         return hold
 
 
-# The series the prober reads, asked for by name (`name[]`, prometheus_client's exposition
-# filter): an engine that honours it (the simulator) renders these instead of its whole page
-# (~40 KB, ~6 ms of its process here, against ~1 ms). vLLM 0.32 ignores the query and sends
-# the whole page, which parses the same.
-METRICS_PATH = "/metrics?" + urlencode(
-    [
-        ("name[]", n)
-        for n in (
-            "vllm:num_requests_waiting",
-            "vllm:num_requests_running",
-            "vllm:kv_cache_usage_perc",
-            "vllm:gpu_cache_usage_perc",
-            LORA_METRIC,
-        )
-    ]
+# The series the prober reads, asked for by name (`wire.metrics.filtered_path`): an engine
+# that honours the filter (the simulator) renders these instead of its whole page (~40 KB,
+# ~6 ms of its process here, against ~1 ms). vLLM 0.32 ignores the query and sends the whole
+# page, which parses the same.
+METRICS_PATH = filtered_path(
+    (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        LORA_METRIC,
+    )
 )
 
 
@@ -123,6 +120,7 @@ class Prober:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.suspects: set[str] = set()
         self._holds: dict[str, _Hold] = {}  # per endpoint caught hanging at least once
+        self._whole_page: set[str] = set()  # endpoints whose filtered /metrics lost series
 
     def suspect(self, ep: Endpoint) -> None:
         """Out of rotation until its hold has passed and a completion succeeds (see the
@@ -276,7 +274,12 @@ class Prober:
 
     async def _scrape(self, ep: Endpoint) -> None:
         try:
-            status, body = await self._get(ep, METRICS_PATH, 2.0)
+            whole = ep.url in self._whole_page
+            status, body = await self._get(ep, "/metrics" if whole else METRICS_PATH, 2.0)
+            if status == 200 and not whole and FILTER_PROBE.encode() not in body:
+                log.info("%s: /metrics filtered by name lost its series; reading it whole", ep.name)
+                self._whole_page.add(ep.url)
+                status, body = await self._get(ep, "/metrics", 2.0)
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             return
         if status != 200:

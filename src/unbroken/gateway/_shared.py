@@ -42,13 +42,17 @@ class SharedCounters:
         self._fd = os.open(path, flags, 0o600)
         if create:
             os.ftruncate(self._fd, size)
+        # A main process of an older version (before `conns`, 2026-12-05) made a shorter file
+        # and keeps it across a reload: its new workers map what is there, without balance.
+        size = min(size, os.fstat(self._fd).st_size)
         self._map = mmap.mmap(self._fd, size)
         flat = np.frombuffer(self._map, dtype=np.int64)
         self.inflight = flat[: MAX_WORKERS * MAX_ENDPOINTS].reshape(MAX_WORKERS, MAX_ENDPOINTS)
         at = MAX_WORKERS * MAX_ENDPOINTS
         self.depth = flat[at : at + MAX_WORKERS * _PRIOS].reshape(MAX_WORKERS, _PRIOS)
         at += MAX_WORKERS * _PRIOS
-        self.conns = flat[at : at + MAX_WORKERS]
+        self.balanced = len(flat) >= at + 2 * MAX_WORKERS
+        self.conns = flat[at : at + MAX_WORKERS]  # empty in an older file
         self.listening = flat[at + MAX_WORKERS : at + 2 * MAX_WORKERS]
 
     @contextlib.contextmanager
@@ -73,11 +77,15 @@ class SharedCounters:
         self.depth[self.row, prio] = n
 
     def set_conns(self, n: int, listening: bool) -> None:
-        self.conns[self.row] = n
-        self.listening[self.row] = int(listening)
+        if self.balanced:
+            self.conns[self.row] = n
+            self.listening[self.row] = int(listening)
 
     def fewest_conns_elsewhere(self) -> int | None:
-        """The fewest client connections any other accepting worker has; None when none."""
+        """The fewest client connections any other accepting worker has; None when none (or
+        in an older main process's file, which has no counts)."""
+        if not self.balanced:
+            return None
         others = [int(self.conns[r]) for r in np.flatnonzero(self.listening) if r != self.row]
         return min(others) if others else None
 
@@ -85,8 +93,9 @@ class SharedCounters:
         """A worker is gone: what it held is free again."""
         self.inflight[row, :] = 0
         self.depth[row, :] = 0
-        self.conns[row] = 0
-        self.listening[row] = 0
+        if self.balanced:
+            self.conns[row] = 0
+            self.listening[row] = 0
 
     def close(self) -> None:
         # The numpy views hold the buffer; drop them before the map.
