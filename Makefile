@@ -23,7 +23,7 @@ test: setup
 
 # The tier a developer runs after each change (under 3 minutes here): in-process tests and
 # tests of one process or one engine, no pipelines, no real vLLM. `make test` runs these too.
-FAST_TESTS := $(addprefix tests/,test_sse.py test_relay_events.py test_layers.py \
+FAST_TESTS := $(addprefix tests/,test_sse.py test_relay_events.py test_layers.py test_metrics_filter.py \
 	test_wire_http.py test_textmodel.py test_upstream.py test_cuda_stub.py \
 	test_metrics_agent.py test_reliability_demo.py test_bench_priority.py test_engine_leak.py \
 	test_k8s_render.py test_engine_prefix_cache.py test_hardening_prewarm.py \
