@@ -274,18 +274,24 @@ def _hit_rate(tmp: Path, workers: int, seconds: float) -> tuple[float, int]:
 def test_two_workers_keep_one_workers_hit_rate(tmp_path: Path) -> None:
     """Shared system prompts under load (24 streaming users, 24 system prompts over three
     engines): with two gateway workers, each seeing about half the requests, the engines'
-    prefix-cache hit rate stays close to one worker's (1-4 points below it here). With an
+    prefix-cache hit rate stays close to one worker's (10 s passes alone, 2026-12-05: two
+    79.7-84.2 % against one 74.6-80.0 %). With an
     index per worker (this code, each worker given its own table) it was 15-22 points below
     (66 % against 81 %), and in benchmarks/routing.py's 20 s passes median 73 % against 89 %
     (docs/bench.md)."""
-    one, n1 = _hit_rate(tmp_path, 1, 10.0)
-    two, n2 = _hit_rate(tmp_path, 2, 10.0)
-    # Enough requests that the rate means something: ~300 per pass on a quiet machine, 188-200
-    # on CI's busy 2 cores with the other xdist worker running beside it.
-    assert n1 > 100 and n2 > 100, (n1, n2)
+    # Two passes of each, alternated, and their means compared: one 10 s pass of each read
+    # 74.6-80.0 % against 79.7-84.2 % alone here, but (82.5, 71.7) once and (81.9, 69.2) in
+    # a full suite, on the tree before and after the workers' balanced accepts alike.
+    runs = [_hit_rate(tmp_path, w, 8.0) for w in (1, 2, 1, 2)]
+    one = (runs[0][0] + runs[2][0]) / 2
+    two = (runs[1][0] + runs[3][0]) / 2
+    n1, n2 = runs[0][1] + runs[2][1], runs[1][1] + runs[3][1]
+    # Enough requests that the rate means something: ~300 per 10 s pass on a quiet machine,
+    # 188-200 on CI's busy 2 cores with the other xdist worker running beside it.
+    assert n1 > 160 and n2 > 160, runs
     # One worker's own rate varies with the machine's load (67-91 % in 20 s passes on 2
     # busy cores); two workers sharing the index were at 80-90 % there, 82-87 % here.
-    assert two > one - 0.08, (one, two)
+    assert two > one - 0.08, runs
     # A floor against both being poor: one full suite here had one worker at 74 % and two at
     # 71 % (a floor of 75 % failed it), so the comparison above is the test.
-    assert two > 0.6, (one, two)
+    assert two > 0.6, runs
