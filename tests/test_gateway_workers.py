@@ -250,7 +250,9 @@ def test_connections_are_spread_evenly_over_the_workers(tmp_path: Path, eng: Pro
             return h if sum(h.values()) == 60 else None
 
         held = wait_for(all_held, timeout=20)
-        assert min(held.values()) >= 27, held
+        # Alone 30 / 30; in a full suite 34 / 26 (a worker busy for more than DEFER_S lets
+        # the other take the connection); before the balance 39 / 21 and 40 / 20.
+        assert min(held.values()) >= 24, held
     finally:
         stop.set()
         for t in threads:
