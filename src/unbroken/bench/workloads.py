@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from unbroken.engine.textmodel import VOCAB, expected_chat, expected_completion
-from unbroken.wire.metrics import filtered_path
+from unbroken.wire.metrics import FilteredReads, filtered_path
 
 __all__ = [
     "EngineWatch",
@@ -54,7 +54,6 @@ HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 SUCCESS = "vllm:request_success_total"
 RUNNING = "vllm:num_requests_running"
-_RUNNING_ONLY = filtered_path([RUNNING])
 # vLLM's per-request phase histograms: arrival -> scheduled (WAITING) and scheduled -> first
 # token (PREFILL: the step that computed the request's uncached prompt), and TTFT itself.
 QUEUE = "vllm:request_queue_time_seconds"
@@ -250,21 +249,31 @@ class EngineWatch:
     unreadable: dict[str, str] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
     _session: aiohttp.ClientSession | None = None
+    _running: FilteredReads = field(default_factory=lambda: FilteredReads(filtered_path([RUNNING])))
 
-    async def _read(self, url: str, path: str = "/metrics") -> dict[str, float] | None:
+    async def _page(self, url: str, path: str) -> str | None:
         assert self._session is not None
         try:
             async with self._session.get(url.rstrip("/") + path) as r:
                 if r.status != 200:
                     self.unreadable[url] = f"HTTP {r.status}"
                     return None
-                return parse_metrics(await r.text())
+                return await r.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             self.unreadable[url] = type(e).__name__
             return None
 
-    async def _read_all(self, path: str = "/metrics") -> dict[str, dict[str, float]]:
-        got = await asyncio.gather(*(self._read(u, path) for u in self.urls))
+    async def _read(self, url: str, running_only: bool) -> dict[str, float] | None:
+        # Mid-run only the running gauge, asked for by name: the whole page costs the
+        # simulator ~6 ms of the process that runs its steps, four times a second.
+        if running_only:
+            text = await self._running.read(url, lambda path: self._page(url, path))
+        else:
+            text = await self._page(url, "/metrics")
+        return None if text is None else parse_metrics(text)
+
+    async def _read_all(self, running_only: bool = False) -> dict[str, dict[str, float]]:
+        got = await asyncio.gather(*(self._read(u, running_only) for u in self.urls))
         return {u: m for u, m in zip(self.urls, got, strict=True) if m is not None}
 
     async def start(self) -> None:
@@ -276,13 +285,7 @@ class EngineWatch:
     async def _sample(self) -> None:
         while True:
             await asyncio.sleep(self.every_s)
-            # Mid-run only the running gauge, asked for by name: the whole page costs the
-            # simulator ~6 ms of the process that runs its steps, four times a second (a
-            # server that ignores the filter sends the page, which parses the same).
-            # (A filter that loses the series, `filtered_path`: that engine's whole page.)
-            for u, m in (await self._read_all(_RUNNING_ONLY)).items():
-                if RUNNING not in m and (whole := await self._read(u)) is not None:
-                    m = whole
+            for u, m in (await self._read_all(running_only=True)).items():
                 self.max_running[u] = max(self.max_running.get(u, 0.0), m.get(RUNNING, 0.0))
 
     async def stop(self) -> dict[str, Any]:

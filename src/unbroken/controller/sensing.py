@@ -29,7 +29,7 @@ from unbroken.controller.signals import (
     engine_window,
 )
 from unbroken.controller.sources import Sources
-from unbroken.wire.metrics import FILTER_PROBE
+from unbroken.wire.metrics import FilteredReads
 
 __all__ = ["AGENT_START_GRACE_S", "UNCOVERED_S", "Sensing", "engine_state"]
 
@@ -73,7 +73,7 @@ class Sensing:
         self._gateway_down: set[str] = set()
         self._gateway_answered: set[str] = set()
         self.engine_last: dict[str, Any] = {}  # the last window of each engine's metrics
-        self._whole_page: set[str] = set()  # engines whose filtered /metrics lost series
+        self._engine_reads = FilteredReads(ENGINE_METRICS_PATH)
         self._probing: set[str] = set()
         # Per endpoint: seconds of decoding the live agent has reported no CUDA calls for (a
         # process it cannot name), and whether that was said.
@@ -236,14 +236,8 @@ class Sensing:
         """The engine's own metrics over the last window, None when unreadable."""
         deltas = self._engine_deltas.setdefault(v.name, HistogramDelta())
         try:
-            if v.url in self._whole_page:
-                return engine_window(await self._get(v.url + "/metrics"), deltas)
-            text = await self._get(v.url + ENGINE_METRICS_PATH)
-            if FILTER_PROBE not in text:  # the filter lost the series (`filtered_path`)
-                log.info("%s: /metrics filtered by name lost its series; reading it whole", v.name)
-                self._whole_page.add(v.url)
-                text = await self._get(v.url + "/metrics")
-            return engine_window(text, deltas)
+            text = await self._engine_reads.read(v.url, lambda path: self._get(v.url + path))
+            return engine_window(text or "", deltas)
         except (aiohttp.ClientError, TimeoutError, OSError):
             self.metrics.errors.labels("engine").inc()
             return None

@@ -213,7 +213,7 @@ _ENGINE_LINES = (
     "vllm:gpu_cache_usage_perc",
     *(f"{base}_{kind}" for base in (*_ITL, _TTFT) for kind in ("sum", "count")),
 )
-# ... and only these are asked for (`wire.metrics.filtered_path`): an engine that honours
+# ... and only these are asked for (`wire.metrics.FilteredReads`): an engine that honours
 # the filter (the simulator) renders them instead of its whole page, ~1 ms of its process
 # against ~6 ms, five times a second per engine; in the demo that read held the simulator's
 # loop while requests waited. vLLM 0.32 ignores the query (its /metrics is

@@ -29,7 +29,7 @@ import orjson
 
 from unbroken.gateway._adapters import LORA_METRIC, parse_lora_info
 from unbroken.gateway._pool import Endpoint, State
-from unbroken.wire.metrics import FILTER_PROBE, filtered_path
+from unbroken.wire.metrics import FilteredReads, filtered_path
 
 __all__ = ["METRICS_PATH", "Prober", "parse_load"]
 
@@ -61,7 +61,7 @@ class _Hold:
         return hold
 
 
-# The series the prober reads, asked for by name (`wire.metrics.filtered_path`): an engine
+# The series the prober reads, asked for by name (`wire.metrics.FilteredReads`): an engine
 # that honours the filter (the simulator) renders these instead of its whole page (~40 KB,
 # ~6 ms of its process here, against ~1 ms). vLLM 0.32 ignores the query and sends the whole
 # page, which parses the same.
@@ -120,7 +120,7 @@ class Prober:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.suspects: set[str] = set()
         self._holds: dict[str, _Hold] = {}  # per endpoint caught hanging at least once
-        self._whole_page: set[str] = set()  # endpoints whose filtered /metrics lost series
+        self._metrics = FilteredReads(METRICS_PATH)
 
     def suspect(self, ep: Endpoint) -> None:
         """Out of rotation until its hold has passed and a completion succeeds (see the
@@ -273,18 +273,17 @@ class Prober:
         return took
 
     async def _scrape(self, ep: Endpoint) -> None:
+
+        async def page(path: str) -> str | None:
+            status, body = await self._get(ep, path, 2.0)
+            return body.decode(errors="replace") if status == 200 else None
+
         try:
-            whole = ep.url in self._whole_page
-            status, body = await self._get(ep, "/metrics" if whole else METRICS_PATH, 2.0)
-            if status == 200 and not whole and FILTER_PROBE.encode() not in body:
-                log.info("%s: /metrics filtered by name lost its series; reading it whole", ep.name)
-                self._whole_page.add(ep.url)
-                status, body = await self._get(ep, "/metrics", 2.0)
+            text = await self._metrics.read(ep.url, page)
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             return
-        if status != 200:
+        if text is None:
             return
-        text = body.decode(errors="replace")
         ep.waiting, ep.running, ep.kv_usage = parse_load(text)
         ep.lora = parse_lora_info(text)
         if ep.lora is not None:

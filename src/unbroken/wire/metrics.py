@@ -5,8 +5,9 @@ and controller."""
 
 from __future__ import annotations
 
+import logging
 import platform
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlencode
 
 from prometheus_client import (
@@ -16,7 +17,9 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-__all__ = ["FILTER_PROBE", "filtered_path", "register_standard_metrics"]
+__all__ = ["FILTER_PROBE", "FilteredReads", "filtered_path", "register_standard_metrics"]
+
+log = logging.getLogger("unbroken.metrics")
 
 # Every vLLM (and the simulator) always has a sample of this gauge: a page asked for it by
 # name that lacks it was filtered wrongly, not empty.
@@ -31,6 +34,27 @@ def filtered_path(names: Iterable[str]) -> str:
     the page lacking `FILTER_PROBE`; the reader then asks for the whole page from there on."""
     wanted = [FILTER_PROBE, *(n for n in names if n != FILTER_PROBE)]
     return "/metrics?" + urlencode([("name[]", n) for n in wanted])
+
+
+class FilteredReads:
+    """Reads of engines' /metrics at `path` (a `filtered_path`), each engine's whole
+    page from the first filtered page that lacks `FILTER_PROBE` on (the one rule of the
+    controller, the gateway's prober and the bench's engine watch)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # a `filtered_path`
+        self._whole: set[str] = set()  # engines (by URL) whose filter lost the series
+
+    async def read(self, url: str, get: Callable[[str], Awaitable[str | None]]) -> str | None:
+        """The page of the engine at `url`; `get(path)` fetches one (None: no page)."""
+        if url in self._whole:
+            return await get("/metrics")
+        text = await get(self.path)
+        if text is not None and FILTER_PROBE not in text:
+            log.info("%s: /metrics filtered by name lost its series; reading it whole", url)
+            self._whole.add(url)
+            text = await get("/metrics")
+        return text
 
 
 def register_standard_metrics(registry: CollectorRegistry, component: str, **labels: str) -> None:
