@@ -119,9 +119,11 @@ def test_an_idle_cgroup_runs_only_on_what_others_leave() -> None:
         back = shares()
         # Half the CPU each under a normal share (the quota allows half a core).
         assert normal[1] > 0.3, normal
-        # Idle: the starting thread gets almost nothing and the serving one takes its half
-        # (not "all of the CPU": a full suite's other processes share it too, 0.87 s once).
-        assert idle[1] < 0.1 and idle[0] > normal[0] + 0.2, (normal, idle)
+        # Idle: the starting thread gets almost nothing. What it leaves goes to whoever else
+        # runs on that CPU: the serving thread alone (~1 s) on a quiet machine, but in a full
+        # suite the other xdist worker's processes too (the serving one got 0.87 s once, and
+        # once 0.52 s against its normal 0.47), so the serving thread's gain is not checked.
+        assert idle[1] < 0.1 and idle[1] < normal[1] / 4, (normal, idle)
         assert back[1] > 0.3, (normal, idle, back)
     finally:
         for p in (serving, starting):

@@ -279,18 +279,23 @@ def test_two_workers_keep_one_workers_hit_rate(tmp_path: Path) -> None:
     index per worker (this code, each worker given its own table) it was 15-22 points below
     (66 % against 81 %), and in benchmarks/routing.py's 20 s passes median 73 % against 89 %
     (docs/bench.md)."""
-    # Two passes of each, alternated, and their means compared: one 10 s pass of each read
+    # Three passes of each, alternated, and the best of each compared (what lowers a pass,
+    # a busy moment's routing, only lowers it): one 10 s pass of each read
     # 74.6-80.0 % against 79.7-84.2 % alone here, but (82.5, 71.7) once and (81.9, 69.2) in
-    # a full suite, on the tree before and after the workers' balanced accepts alike.
-    runs = [_hit_rate(tmp_path, w, 8.0) for w in (1, 2, 1, 2)]
-    one = (runs[0][0] + runs[2][0]) / 2
-    two = (runs[1][0] + runs[3][0]) / 2
-    n1, n2 = runs[0][1] + runs[2][1], runs[1][1] + runs[3][1]
+    # a full suite, and in another full suite one of two 8 s passes of two workers read
+    # 59.9 % (the others 79.9-82.5 %). An index per worker loses in every pass.
+    runs = [_hit_rate(tmp_path, w, 8.0) for w in (1, 2, 1, 2, 1, 2)]
+    one = max(r[0] for r in runs[0::2])
+    two = max(r[0] for r in runs[1::2])
+    n1, n2 = sum(r[1] for r in runs[0::2]), sum(r[1] for r in runs[1::2])
     # Enough requests that the rate means something: ~300 per 10 s pass on a quiet machine,
     # 188-200 on CI's busy 2 cores with the other xdist worker running beside it.
-    assert n1 > 160 and n2 > 160, runs
+    assert n1 > 240 and n2 > 240, runs
     # One worker's own rate varies with the machine's load (67-91 % in 20 s passes on 2
-    # busy cores); two workers sharing the index were at 80-90 % there, 82-87 % here.
+    # busy cores); two workers sharing the index were at 80-90 % there, 82-87 % here. Single
+    # 8 s passes alone on a quiet machine (2026-12-05 19:40, three of each kind alternated):
+    # one worker 70.1-78.8 %, two 77.1-83.1 %, and once two read 67.2 / 68.0 / 79.0 against
+    # one's 80.4 / 70.8 / 79.9; an index per worker loses 15-22 points.
     assert two > one - 0.08, runs
     # A floor against both being poor: one full suite here had one worker at 74 % and two at
     # 71 % (a floor of 75 % failed it), so the comparison above is the test.
