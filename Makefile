@@ -37,7 +37,7 @@ FAST_TESTS := $(addprefix tests/,test_sse.py test_relay_events.py test_layers.py
 
 test-fast: setup
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest $(FAST_TESTS)
+	$(BIN)/python -m pytest --reruns 0 $(FAST_TESTS)
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

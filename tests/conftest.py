@@ -5,6 +5,7 @@ import os
 import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,3 +181,25 @@ def pytest_runtest_protocol(
         )
         if not keep:
             _RUN_LOCK.release()
+
+
+_RERUNS: list[pytest.TestReport] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "rerun":
+        _RERUNS.append(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """What a test that passed only on its rerun (pyproject's `--reruns 1`) failed with the
+    first time, so that a flaky test is seen, not just counted."""
+    if not _RERUNS:
+        return
+    terminalreporter.section("first failures of rerun tests")
+    for r in _RERUNS:
+        lines = str(r.longrepr).splitlines()
+        errors = [ln for ln in lines if ln.startswith("E ")][:6]
+        terminalreporter.write_line(f"{r.nodeid} ({r.when}, {r.duration:.1f} s):")
+        for ln in errors or lines[-3:]:
+            terminalreporter.write_line("    " + ln)
