@@ -359,6 +359,7 @@ def summary(p: Pass) -> str:
         f"mean {fmt(p.ttft_mean)} ms, "
         f"ITL p50 {fmt(p.itl_p50)} ms, hit rate {pct(p.hit_rate)}, served {p.served}, "
         f"failed {p.requests - p.outcomes.get('ok', 0)}, {p.seconds:.0f} s"
+        + "".join(f"\n      {n} x {why}" for why, n in sorted(p.failures.items()))
     )
 
 

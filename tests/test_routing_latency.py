@@ -512,6 +512,78 @@ def test_streams_waiting_on_a_replica_that_stops_are_resent_at_once(tmp_path: Pa
     assert moved == 8
 
 
+def test_a_stream_moved_for_a_late_step_is_moved_again_not_failed(tmp_path: Path) -> None:
+    """As above, eight new streams wait on a stuck replica A and are re-sent to B when B opens;
+    but B sticks too, just before they reach it, and A recovers first. A move for a late
+    step is no failure of the endpoint: the streams move back to A (`late_first` twice each)
+    and get their first tokens there once A runs again, well before B's 3 s are over. Before
+    (2026-12-05) each move counted as a failed attempt and excluded its endpoint, so the
+    second move left no endpoint to try: 502 "no endpoint could serve the request" with both
+    engines healthy (seen in benchmarks/routing.py's shared-prefix passes and once in this
+    file's quarter-second test)."""
+    a = engine(tmp_path, name="a", fast=False)
+    b = engine(tmp_path, name="b", fast=False)
+    g = gateway(tmp_path, a.url, b.url)
+    names = {e["url"]: e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
+    na, nb = names[a.url], names[b.url]
+    results: list[tuple[str, float]] = []
+    errors: list[str] = []
+
+    def one() -> None:
+        try:
+            results.append(_first_token(g.url))
+        except AssertionError as e:  # a status other than 200
+            errors.append(str(e))
+
+    try:
+        with _Streams(g.url, 8, max_tokens=4000) as load:
+            wait_for(lambda: all(e["inflight"] >= 3 for e in _routing(g).values()), timeout=10)
+            time.sleep(1.0)
+            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": 0})
+            r = httpx.post(
+                a.url + "/admin/faults", json={"kind": "hang", "duration_s": 1.5}, headers=AUTH
+            )
+            assert r.status_code == 200, r.text
+            a_stuck = time.monotonic()
+            threads = [threading.Thread(target=one) for _ in range(8)]
+            for t in threads:
+                t.start()
+            wait_for(
+                lambda: _routing(g)[na]["routing"]["awaiting_first"] >= 8,
+                timeout=5,
+                interval=0.005,
+                what="eight new streams waiting on A",
+            )
+            r = httpx.post(
+                b.url + "/admin/faults", json={"kind": "hang", "duration_s": 3}, headers=AUTH
+            )
+            assert r.status_code == 200, r.text
+            b_stuck = time.monotonic()
+            # Opened once B's last step has ended (it reads late), so that the streams moved
+            # there wait behind its step in progress, not in it.
+            wait_for(
+                lambda: _routing(g)[nb]["routing"]["late"] > 1.0,
+                timeout=5,
+                interval=0.005,
+                what="B late",
+            )
+            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": None})
+            for t in threads:
+                t.join(30)
+            moved = metric(g.url, "unbroken_gateway_retries_total", reason="late_first")
+        del load  # the long streams' own breaks are the stall rule's, not this test's concern
+    finally:
+        for p in (g, a, b):
+            p.stop()
+    assert not errors, errors
+    assert len(results) == 8
+    assert all(n == na for n, _ in results), (moved, results)
+    # After A's hang (1.5 s) and before the end of B's (3 s from b_stuck).
+    firsts = [round(t - a_stuck, 2) for _, t in results]
+    assert min(firsts) > 1.4 and max(t for _, t in results) < b_stuck + 2.8, firsts
+    assert moved == 16
+
+
 def test_slow_clients_alone_never_change_routing(tmp_path: Path) -> None:
     """Six clients that stop reading, all on replica B; six streams read at full speed on A
     (20 ms decode steps: the measured latency is above the policy's floor, so it would weigh).

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from unbroken.gateway._headers import Headers
-from unbroken.gateway._health import EndpointHealth
+from unbroken.gateway._health import LATE_FIRST, LATE_MOVES, EndpointHealth
 from unbroken.gateway._legs import Legs
 from unbroken.gateway._pool import Endpoint, Pool
 from unbroken.gateway._prefix import RouteHint
@@ -118,7 +118,15 @@ class Forwarder:
             else h.answer_patience(c.model, c.priority, tried, deadline, c.tokens)
         )
 
-        for attempt in range(self.cfg.max_attempts):
+        # A stream re-sent for a late step (`_health._watch_first`) is moved, not failed: the
+        # endpoint is excluded from the next pick only and the move is no attempt, up to
+        # LATE_MOVES moves a request. Counted as failed attempts, two or three moves in a
+        # row left no endpoint to try: 502 with every engine healthy (benchmarks/routing.py).
+        moved_from: Endpoint | None = None
+        late_moves = 0
+        attempt = -1
+        while attempt + 1 < self.cfg.max_attempts:
+            attempt += 1
             if attempt and not self.pool.could_serve(c.model, c.priority, tried):
                 break
             try:
@@ -146,6 +154,10 @@ class Forwarder:
                         code="upstream_timeout",
                     ) from None
                 continue
+            finally:
+                if moved_from is not None:
+                    tried.remove(moved_from)
+                    moved_from = None
             ep, up = leg.ep, leg.up
             if up.status != 200 or not c.streaming:
                 self.legs.release(ep, leg.n)
@@ -189,12 +201,16 @@ class Forwarder:
                 wants=c.wants or (False, False, False),
                 hint=c.hint,
             )
+            relay.late_moves = late_moves
             self.tenancy.metering(relay, c.lease)
             try:
                 return await relay.run(up, ep, leg.n), ep.pool
             except Retry as r:  # the relay has recorded its own failure, released its slots
                 tried.append(ep)
                 self.metrics.retries.labels(r.kind).inc()
+                if r.kind == LATE_FIRST and late_moves < LATE_MOVES:
+                    late_moves, moved_from = late_moves + 1, ep
+                    attempt -= 1
             finally:
                 if c.lease is not None:
                     self.tenancy.metered_end(relay)

@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from unbroken.config.spec import GatewaySettings
     from unbroken.gateway._metrics import GatewayMetrics
 
-__all__ = ["ALIVE_S", "EndpointHealth"]
+__all__ = ["ALIVE_S", "LATE_FIRST", "LATE_MOVES", "EndpointHealth"]
 
 log = logging.getLogger("unbroken.gateway")
+LATE_FIRST = "late_first"  # the interrupt of a leg re-sent for a late step
+LATE_MOVES = 3  # ... at most this many times per request (`_forward`)
 
 # Hang detection learns each endpoint's time to first byte from this many recent streams.
 _TTFB_SAMPLES = 32
@@ -260,11 +262,12 @@ class EndpointHealth:
             moved = 0
             for relay in list(ep.relays):
                 if (
-                    relay.first_pending(ep)
+                    relay.late_moves < LATE_MOVES
+                    and relay.first_pending(ep)
                     and ep.latency.behind(relay)
                     and self.pool.reroute(ep, relay.model, relay.priority, relay.failed, relay.hint)
                 ):
-                    relay.interrupt("late_first")
+                    relay.interrupt(LATE_FIRST)
                     moved += 1
             if moved:
                 log.info(

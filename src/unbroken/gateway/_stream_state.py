@@ -55,6 +55,7 @@ class RelayState:
         "headers",
         "hint",
         "interrupted",
+        "late_moves",
         "migrations",
         "model",
         "p",
@@ -104,6 +105,7 @@ class RelayState:
         self.ep: Endpoint | None = None
         self.up: UpstreamResponse | None = None
         self.interrupted: str | None = None
+        self.late_moves = 0  # times this request was re-sent for a late step (`_forward`)
         self.failed: list[Endpoint] = []
         self.migrations = 0
         self._tmo: asyncio.Timeout | None = None
