@@ -106,6 +106,24 @@ def test_only_4xx_never_5xx(targets: tuple[Proc, Proc], body: bytes, path: str) 
             assert status < 500, (p.url, body, status)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_prompt_is_a_400_not_a_hang(targets: tuple[Proc, Proc], stream: bool) -> None:
+    """`"prompt": ""` is no token at all here (no BOS): vLLM's processor refuses it ("The
+    decoder prompt cannot be empty"), and the simulator, which took it, never scheduled it (a
+    step samples a sequence's token once it computes its last prompt token): the request
+    hung, direct and through the gateway (hypothesis found it, 2026-12-05)."""
+    body = {"model": MODEL, "prompt": "", "max_tokens": 2, "stream": stream}
+    for p in targets:
+        r = httpx.post(p.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 400, (p.url, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] == "The decoder prompt cannot be empty" and err["param"] == "prompt"
+    # A prompt of blanks is one token, as before.
+    for p in targets:
+        r = httpx.post(p.url + "/v1/completions", json={**body, "prompt": " "}, timeout=10)
+        assert r.status_code == 200, (p.url, r.status_code, r.text)
+
+
 def test_still_serving_afterwards(targets: tuple[Proc, Proc]) -> None:
     for p in targets:
         r = httpx.post(

@@ -575,6 +575,11 @@ class Engine:
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported")
         contexts = [(p, count_tokens(p)) for p in prompts]
+        if any(t == 0 for _, t in contexts):
+            # vLLM's processor refuses a prompt of no tokens (a tokenizer without a BOS, as
+            # this one); the engine would never schedule it (a step samples a sequence's
+            # token only once it computes its last prompt token).
+            raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")
         limits = [self._limit(t, req.max_tokens, "prompt") for _, t in contexts]
         rid = f"cmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, len(prompts) * req.n)
