@@ -216,6 +216,64 @@ def test_late_in_says_when_the_step_in_progress_would_turn_late() -> None:
     assert lat.late_in(now + 2 * threshold, s) == 0.0
 
 
+def test_a_step_taking_a_long_prefill_is_not_late_until_that_prefill_is_allowed_for() -> None:
+    """The step in progress takes the legs sent before its latest event that wait for their
+    first: their prompt tokens lengthen it (40 us each here), which is no slowdown. Read as a
+    late step, a 1,000-token prompt's prefill multiplied the endpoint's expected first token by
+    its rise squared and sent the prompt's next requests to replicas without its prefix
+    (benchmarks/routing.py, shared-prefix, docs/bench.md). A leg sent after the latest event
+    waits for the next step and adds nothing; one that had its first event or ended adds
+    nothing either."""
+    s = LatencySettings(prefill_s_per_token=40e-6)
+    e = EndpointLatency(s)
+    _gaps(e, 0.010, 90.0, 100.0)
+    live = object()
+    e.leg_started(live, now=99.0)
+    e.first_event(live, 0.02, now=99.02)
+    e.gap(0.010, now=100.0)
+    slow = e.gap_slow_s
+    assert slow is not None
+    base = max(s.late_ratio * slow, s.floor_s)
+    assert e.late_in(100.0, s) == pytest.approx(base)
+    big, behind = object(), object()
+    e.leg_started(big, now=99.995, prefill_tokens=1000)  # in the step in progress
+    e.leg_started(behind, now=100.001, prefill_tokens=1000)  # after its latest event
+    assert e.late_in(100.0, s) == pytest.approx(base + 0.040)
+    assert e.late(100.0 + base + 0.030, s) == 1.0  # 30 ms into the prefill: not late
+    steady = e.expected(100.0 + base + 0.030, None, s)
+    assert e.late(100.0 + base + 0.050, s) > 1.0  # past it: late
+    late = e.expected(100.0 + base + 0.050, None, s)
+    assert steady is not None and late is not None and late > 4 * steady
+    e.first_event(big, 0.05, now=100.05)  # its first token: the next step's legs count now
+    assert e.late_in(100.05, s) == pytest.approx(base + 0.040)  # `behind`'s prefill
+    e.leg_ended(behind)
+    assert e.late_in(100.05, s) == pytest.approx(base)
+
+
+def test_a_legs_prefill_is_its_whole_prompt() -> None:
+    """`Endpoint.relays` tells the latency what a leg may bring to the step that takes it: its
+    whole prompt (`RouteHint.chars`, 4 characters a token), not the part the prefix index
+    credited the endpoint with (the index is approximate: an engine that evicted a credited
+    prefix prefills it all); nothing without a hint."""
+    from unbroken.gateway._prefix import RouteHint
+
+    e = _ep("e", inflight=1)
+    hint = RouteHint(blocks=list(range(63)), chars=4032, session=None, block_chars=64)
+    hint.cached = {"e": 50}
+
+    class Leg:
+        def __init__(self, hint: RouteHint | None) -> None:
+            self.hint = hint
+
+    with_hint, without = Leg(hint), Leg(None)
+    e.relays.add(with_hint)
+    e.relays.add(without)
+    got = e.latency._prefill
+    assert got == {id(with_hint): 4032 / 4}
+    e.relays.discard(with_hint)
+    assert got == {}
+
+
 def test_only_legs_sent_after_the_latest_event_wait_behind_the_step_in_progress() -> None:
     """A leg sent before an endpoint's latest event is in the step that began then (the
     engine takes what has arrived at each step's start): a long step is often its very

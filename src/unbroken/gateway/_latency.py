@@ -104,6 +104,8 @@ class LatencySettings:
     # The step in progress is late: no event on any of an endpoint's streams for this many
     # times its slow gap average (steady steps vary by < 1.4x, measured in the demo).
     late_ratio: float = 1.5
+    # ... plus this per prompt token of the legs the step in progress took (`_late_after`)
+    prefill_s_per_token: float = 40e-6
     # A stream still waiting for its first event on a late endpoint is re-sent where a new
     # request's expected first token is this many times sooner (None: never).
     reroute_ratio: float | None = 2.0
@@ -126,6 +128,7 @@ class EndpointLatency:
     __slots__ = (
         "_live",
         "_n",
+        "_prefill",
         "_sum",
         "_window_at",
         "alpha_gap",
@@ -156,14 +159,24 @@ class EndpointLatency:
         self.gap_slow_s: float | None = None  # the gap's average over ~trend_s
         self.gap_at = 0.0
         self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
+        # ... and the prompt tokens each may bring to the step that takes it (`_late_after`)
+        self._prefill: dict[int, float] = {}
         self._live: set[int] = set()  # legs past their first event
         self.last_at = 0.0  # the latest event of any of its streams
 
     # -- fed by the relay -------------------------------------------------------------------
-    def leg_started(self, leg: object, now: float | None = None) -> None:
+    def leg_started(
+        self, leg: object, now: float | None = None, prefill_tokens: float = 0.0
+    ) -> None:
+        """`prefill_tokens`: the prompt tokens the leg may bring to the engine step that
+        takes it (`_pool._Legs`), so that a step made long by that prefill is not taken for
+        a late one (`_late_after`)."""
         self.waiting[id(leg)] = time.monotonic() if now is None else now
+        if prefill_tokens:
+            self._prefill[id(leg)] = prefill_tokens
 
     def leg_ended(self, leg: object) -> None:
+        self._prefill.pop(id(leg), None)
         if self.waiting.pop(id(leg), None) is None:
             self._live.discard(id(leg))
 
@@ -172,6 +185,7 @@ class EndpointLatency:
         down with the time since the last sample (`ttfb_decay_s`)."""
         if self.waiting.pop(id(leg), None) is not None:
             self._live.add(id(leg))
+            self._prefill.pop(id(leg), None)
         now = time.monotonic() if now is None else now
         self.last_at = now
         t = self.ttfb_s
@@ -260,11 +274,22 @@ class EndpointLatency:
         return None if after is None else max(0.0, self.last_at + after - now)
 
     def _late_after(self, s: LatencySettings) -> float | None:
-        """The silence after which the step in progress is late; None while nothing can be."""
+        """The silence after which the step in progress is late; None while nothing can be.
+        The step in progress takes the legs sent here before its latest event that still
+        wait for their first, and their prefill lengthens it (a 1,000-token prompt is ~40 ms
+        on a 10 ms decode step): no slowdown, so it is allowed for. Read as late, such steps
+        multiplied the endpoint's expected first token by the rise squared, steered the
+        prompt's next requests to a replica without its prefix and re-sent the legs behind
+        it there (benchmarks/routing.py, shared-prefix, docs/bench.md)."""
         slow = self.gap_slow_s
         if not self._live or not slow:
             return None
-        return max(s.late_ratio * slow, s.floor_s)
+        after = max(s.late_ratio * slow, s.floor_s)
+        if self._prefill:
+            last, waiting = self.last_at, self.waiting
+            tokens = sum(t for k, t in self._prefill.items() if waiting.get(k, last + 1.0) <= last)
+            after += tokens * s.prefill_s_per_token
+        return after
 
     def expected(self, now: float, prior: float | None, s: LatencySettings) -> float | None:
         """Expected time to a new request's first token here; `prior` (the best sibling's)

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from unbroken.gateway._adapters import AdapterAffinity, LoraInfo
 from unbroken.gateway._latency import EndpointLatency, LatencyAware
 from unbroken.gateway._policy import PickRequest, RoutingPolicy
-from unbroken.gateway._prefix import RouteHint
+from unbroken.gateway._prefix import CHARS_PER_TOKEN, RouteHint
 
 __all__ = [
     "CONDITIONS",
@@ -100,7 +100,10 @@ class LocalSlot:
 class _Legs(set[Any]):
     """An endpoint's streams being relayed (`Endpoint.relays`); a leg joins when it starts
     and leaves when it ends, which tells the endpoint's latency which legs still wait for
-    their first event."""
+    their first event, and what prefill each may bring to the step that takes it: its whole
+    prompt (`RouteHint.chars`), not the part the prefix index did not credit the endpoint
+    with: the index is approximate, and an engine that evicted a credited prefix prefills
+    it all."""
 
     __slots__ = ("latency",)
 
@@ -110,7 +113,9 @@ class _Legs(set[Any]):
 
     def add(self, leg: Any) -> None:
         super().add(leg)
-        self.latency.leg_started(leg)
+        hint: RouteHint | None = getattr(leg, "hint", None)
+        tokens = hint.chars / CHARS_PER_TOKEN if hint is not None else 0.0
+        self.latency.leg_started(leg, prefill_tokens=tokens)
 
     def discard(self, leg: Any) -> None:
         super().discard(leg)

@@ -54,6 +54,7 @@ def _latency(cfg: GatewaySettings) -> LatencySettings:
         ttft_targets={k: None if v is None else v / 1e3 for k, v in cfg.ttft_target_ms.items()},
         slo_ratio=cfg.slo_spill_ratio,
         slo_min_load=cfg.slo_spill_min_load,
+        prefill_s_per_token=cfg.prefill_us_per_token / 1e6,
     )
 
 
