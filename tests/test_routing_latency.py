@@ -4,11 +4,13 @@ change where requests go. In-process checks of the policy's arithmetic, then rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -519,32 +521,41 @@ def _first_token(url: str) -> tuple[str, float]:
         return r.headers["x-unbroken-endpoint"], first
 
 
-def test_streams_waiting_on_a_replica_that_stops_are_resent_at_once(tmp_path: Path) -> None:
-    """Two replicas with 20 ms decode steps and four long streams each. Replica A stops
-    producing tokens (a stuck device: the `hang` fault, its /health still fine) while B is
-    full (cap 0), so eight new streams can only be admitted to A, where they wait for a first
-    token. The moment B has room again, each is re-sent there (`late_first` retries: nothing
-    had reached its client): every first token within 0.5 s of B opening. Without it they
-    waited out the hang (measured: 5.2 s) or the first-byte rule."""
+@dataclass
+class _StuckA:
+    """Two replicas with 20 ms decode steps and four long streams each; B full (cap 0) and
+    A stuck (the `hang` fault: no tokens, /health fine), eight new streams (threads running
+    `one`) waiting for their first token on A. `stuck` is when A's hang began."""
+
+    g: Proc
+    a: Proc
+    b: Proc
+    na: str
+    nb: str
+    threads: list[threading.Thread]
+    stuck: float
+
+
+@contextlib.contextmanager
+def _eight_waiting_on_a_stuck_replica(
+    tmp_path: Path, hang_s: float, one: Callable[[str], None]
+) -> Iterator[_StuckA]:
     a = engine(tmp_path, name="a", fast=False)
     b = engine(tmp_path, name="b", fast=False)
     g = gateway(tmp_path, a.url, b.url)
     names = {e["url"]: e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
     na, nb = names[a.url], names[b.url]
-    results: list[tuple[str, float]] = []
     try:
         with _Streams(g.url, 8, max_tokens=4000) as load:
             wait_for(lambda: all(e["inflight"] >= 3 for e in _routing(g).values()), timeout=10)
             time.sleep(1.0)
             admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": 0})
             r = httpx.post(
-                a.url + "/admin/faults", json={"kind": "hang", "duration_s": 5}, headers=AUTH
+                a.url + "/admin/faults", json={"kind": "hang", "duration_s": hang_s}, headers=AUTH
             )
             assert r.status_code == 200, r.text
-            threads = [
-                threading.Thread(target=lambda: results.append(_first_token(g.url)))
-                for _ in range(8)
-            ]
+            stuck = time.monotonic()
+            threads = [threading.Thread(target=one, args=(g.url,)) for _ in range(8)]
             for t in threads:
                 t.start()
             wait_for(
@@ -553,19 +564,34 @@ def test_streams_waiting_on_a_replica_that_stops_are_resent_at_once(tmp_path: Pa
                 interval=0.005,
                 what="eight new streams waiting on A",
             )
-            opened = time.monotonic()
-            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": None})
+            yield _StuckA(g, a, b, na, nb, threads, stuck)
             for t in threads:
                 t.join(30)
-            moved = metric(g.url, "unbroken_gateway_retries_total", reason="late_first")
-        # The long streams on the stuck replica are not this test's concern: the stall rule
+        # The long streams on the stuck replica are not these tests' concern: the stall rule
         # continues them elsewhere after its own limit.
         del load
     finally:
         for p in (g, a, b):
             p.stop()
+
+
+def test_streams_waiting_on_a_replica_that_stops_are_resent_at_once(tmp_path: Path) -> None:
+    """Replica A stops producing tokens while B is full, so eight new streams can only be
+    admitted to A, where they wait for a first token (`_eight_waiting_on_a_stuck_replica`).
+    The moment B has room again, each is re-sent there (`late_first` retries: nothing had
+    reached its client): every first token within 0.5 s of B opening. Without it they waited
+    out the hang (measured: 5.2 s) or the first-byte rule."""
+    results: list[tuple[str, float]] = []
+    with _eight_waiting_on_a_stuck_replica(
+        tmp_path, 5, lambda url: results.append(_first_token(url))
+    ) as s:
+        opened = time.monotonic()
+        admin(s.g, "PATCH", f"/admin/endpoints/{s.nb}", {"cap": None})
+        for t in s.threads:
+            t.join(30)
+        moved = metric(s.g.url, "unbroken_gateway_retries_total", reason="late_first")
     assert len(results) == 8
-    assert all(n == nb for n, _ in results), results
+    assert all(n == s.nb for n, _ in results), results
     assert max(t - opened for _, t in results) < 0.5, [t - opened for _, t in results]
     assert moved == 8
 
@@ -579,65 +605,38 @@ def test_a_stream_moved_for_a_late_step_is_moved_again_not_failed(tmp_path: Path
     second move left no endpoint to try: 502 "no endpoint could serve the request" with both
     engines healthy (seen in benchmarks/routing.py's shared-prefix passes and once in this
     file's quarter-second test)."""
-    a = engine(tmp_path, name="a", fast=False)
-    b = engine(tmp_path, name="b", fast=False)
-    g = gateway(tmp_path, a.url, b.url)
-    names = {e["url"]: e["name"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
-    na, nb = names[a.url], names[b.url]
     results: list[tuple[str, float]] = []
     errors: list[str] = []
 
-    def one() -> None:
+    def one(url: str) -> None:
         try:
-            results.append(_first_token(g.url))
+            results.append(_first_token(url))
         except AssertionError as e:  # a status other than 200
             errors.append(str(e))
 
-    try:
-        with _Streams(g.url, 8, max_tokens=4000) as load:
-            wait_for(lambda: all(e["inflight"] >= 3 for e in _routing(g).values()), timeout=10)
-            time.sleep(1.0)
-            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": 0})
-            r = httpx.post(
-                a.url + "/admin/faults", json={"kind": "hang", "duration_s": 1.5}, headers=AUTH
-            )
-            assert r.status_code == 200, r.text
-            a_stuck = time.monotonic()
-            threads = [threading.Thread(target=one) for _ in range(8)]
-            for t in threads:
-                t.start()
-            wait_for(
-                lambda: _routing(g)[na]["routing"]["awaiting_first"] >= 8,
-                timeout=5,
-                interval=0.005,
-                what="eight new streams waiting on A",
-            )
-            r = httpx.post(
-                b.url + "/admin/faults", json={"kind": "hang", "duration_s": 3}, headers=AUTH
-            )
-            assert r.status_code == 200, r.text
-            b_stuck = time.monotonic()
-            # Opened once B's last step has ended (it reads late), so that the streams moved
-            # there wait behind its step in progress, not in it.
-            wait_for(
-                lambda: _routing(g)[nb]["routing"]["late"] > 1.0,
-                timeout=5,
-                interval=0.005,
-                what="B late",
-            )
-            admin(g, "PATCH", f"/admin/endpoints/{nb}", {"cap": None})
-            for t in threads:
-                t.join(30)
-            moved = metric(g.url, "unbroken_gateway_retries_total", reason="late_first")
-        del load  # the long streams' own breaks are the stall rule's, not this test's concern
-    finally:
-        for p in (g, a, b):
-            p.stop()
+    with _eight_waiting_on_a_stuck_replica(tmp_path, 1.5, one) as s:
+        r = httpx.post(
+            s.b.url + "/admin/faults", json={"kind": "hang", "duration_s": 3}, headers=AUTH
+        )
+        assert r.status_code == 200, r.text
+        b_stuck = time.monotonic()
+        # Opened once B's last step has ended (it reads late), so that the streams moved
+        # there wait behind its step in progress, not in it.
+        wait_for(
+            lambda: _routing(s.g)[s.nb]["routing"]["late"] > 1.0,
+            timeout=5,
+            interval=0.005,
+            what="B late",
+        )
+        admin(s.g, "PATCH", f"/admin/endpoints/{s.nb}", {"cap": None})
+        for t in s.threads:
+            t.join(30)
+        moved = metric(s.g.url, "unbroken_gateway_retries_total", reason="late_first")
     assert not errors, errors
     assert len(results) == 8
-    assert all(n == na for n, _ in results), (moved, results)
+    assert all(n == s.na for n, _ in results), (moved, results)
     # After A's hang (1.5 s) and before the end of B's (3 s from b_stuck).
-    firsts = [round(t - a_stuck, 2) for _, t in results]
+    firsts = [round(t - s.stuck, 2) for _, t in results]
     assert min(firsts) > 1.4 and max(t for _, t in results) < b_stuck + 2.8, firsts
     assert moved == 16
 
