@@ -49,17 +49,24 @@ def _listeners(port: int) -> set[int]:
 
 def _ours(port: int, root: int) -> bool:
     """Whether the socket listening on `port` is held by `root` or one of its descendants.
-    True where it cannot tell (no listener found, /proc unreadable)."""
+    True where it cannot tell (no listener found, /proc unreadable). Only the started
+    process's own tree is read (its `children` files), not every process on the machine."""
     inodes = _listeners(port)
     if not inodes:
         return True
     links = {f"socket:[{i}]" for i in inodes}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        if _holds(d, links) and _descends(int(d.name), root):
-            return True
-    return False
+    return any(_holds(Path(f"/proc/{pid}"), links) for pid in _tree(root))
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and its descendants, from /proc/PID/task/TID/children."""
+    pids = [root]
+    for pid in pids:  # grows as it goes
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    pids += map(int, (task / "children").read_text().split())
+    return pids
 
 
 def _holds(proc: Path, links: set[str]) -> bool:
@@ -71,18 +78,6 @@ def _holds(proc: Path, links: set[str]) -> bool:
         with contextlib.suppress(OSError):
             if os.readlink(fd) in links:
                 return True
-    return False
-
-
-def _descends(pid: int, root: int) -> bool:
-    while pid > 1:
-        if pid == root:
-            return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
     return False
 
 

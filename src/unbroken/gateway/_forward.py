@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from unbroken.gateway._headers import Headers
-from unbroken.gateway._health import LATE_FIRST, LATE_MOVES, EndpointHealth
+from unbroken.gateway._health import LATE_FIRST, EndpointHealth
 from unbroken.gateway._legs import Legs
 from unbroken.gateway._pool import Endpoint, Pool
 from unbroken.gateway._prefix import RouteHint
@@ -118,17 +118,17 @@ class Forwarder:
             else h.answer_patience(c.model, c.priority, tried, deadline, c.tokens)
         )
 
-        # A stream re-sent for a late step (`_health._watch_first`) is moved, not failed: the
-        # endpoint is excluded from the next pick only and the move is no attempt, up to
-        # LATE_MOVES moves a request. Counted as failed attempts, two or three moves in a
-        # row left no endpoint to try: 502 with every engine healthy (benchmarks/routing.py).
+        # A stream re-sent for a late step (`_health._watch_first`, which makes at most
+        # LATE_MOVES a request) is moved, not failed: the endpoint is excluded from the next
+        # pick only and the move is no attempt. Counted as failed attempts, two or three moves
+        # in a row left no endpoint to try: 502 with every engine healthy.
         moved_from: Endpoint | None = None
         late_moves = 0
-        attempt = -1
-        while attempt + 1 < self.cfg.max_attempts:
-            attempt += 1
+        attempt = 0  # attempts made that count against max_attempts
+        while attempt < self.cfg.max_attempts:
             if attempt and not self.pool.could_serve(c.model, c.priority, tried):
                 break
+            attempt += 1
             try:
                 leg = await self.legs.open(
                     c.model,
@@ -208,7 +208,7 @@ class Forwarder:
             except Retry as r:  # the relay has recorded its own failure, released its slots
                 tried.append(ep)
                 self.metrics.retries.labels(r.kind).inc()
-                if r.kind == LATE_FIRST and late_moves < LATE_MOVES:
+                if r.kind == LATE_FIRST:
                     late_moves, moved_from = late_moves + 1, ep
                     attempt -= 1
             finally:

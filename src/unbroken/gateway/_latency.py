@@ -286,8 +286,8 @@ class EndpointLatency:
             return None
         after = max(s.late_ratio * slow, s.floor_s)
         if self._prefill:
-            last, waiting = self.last_at, self.waiting
-            tokens = sum(t for k, t in self._prefill.items() if waiting.get(k, last + 1.0) <= last)
+            last, waiting = self.last_at, self.waiting  # every `_prefill` leg is waiting
+            tokens = sum(t for k, t in self._prefill.items() if waiting[k] <= last)
             after += tokens * s.prefill_s_per_token
         return after
 
