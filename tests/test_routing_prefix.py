@@ -67,6 +67,32 @@ def test_a_huge_prompt_costs_a_bounded_number_of_blocks() -> None:
     assert h.chars > 8_000_000
 
 
+@pytest.mark.parametrize("block_chars", [8, 16, 64, 100])
+def test_block_names_asked_one_by_one_equal_the_chained_loop(block_chars: int) -> None:
+    """A pick asks a few names in binary-search order (`BlockNames`, one crc32 call from the
+    nearest name known below): in any order, each is the name the block-by-block chain
+    gives, and so are slices, iteration and the whole list afterwards."""
+    import zlib
+
+    r = random.Random(block_chars)
+    for _ in range(40):
+        text = "".join(r.choice("ab cé") for _ in range(r.randint(0, 3000)))
+        data, h, want = text.encode(), zlib.crc32(b"m"), []
+        for i in range(0, len(data) - block_chars + 1, block_chars):
+            h = zlib.crc32(data[i : i + block_chars], h)
+            want.append(h)
+        got = hint_of({"prompt": text}, False, "m", block_chars=block_chars, session=None).blocks
+        assert len(got) == len(want)
+        order = list(range(len(want)))
+        r.shuffle(order)
+        for i in order[:25]:
+            assert got[i] == want[i]
+            assert got[i - len(want)] == want[i]  # negative indices too
+        with pytest.raises(IndexError):
+            got[len(want)]
+        assert got[:3] == want[:3] and list(got) == want and got == want
+
+
 def test_chat_prompt_text_keeps_message_prefixes_as_text_prefixes() -> None:
     """A conversation's next turn carries the previous one: its text starts with the
     previous turn's text, so its blocks start with the previous turn's blocks."""

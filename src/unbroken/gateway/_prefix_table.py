@@ -48,6 +48,7 @@ import contextlib
 import mmap
 import os
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +136,7 @@ class PrefixTable:
         return (((self._gen_mv[col] & 0xFFFF) << 16) | (col + 1)) << 32
 
     # -- lookups (per candidate, per request: pure Python on memoryviews) ------------------
-    def cached(self, col: int, blocks: list[int], bound: int) -> int:
+    def cached(self, col: int, blocks: Sequence[int], bound: int) -> int:
         """How many leading blocks of `blocks` column `col` holds: a binary search over
         them (what counts is a leading run, module doc), first and last block first."""
         n = len(blocks)

@@ -334,7 +334,9 @@ class _Conn(asyncio.Protocol):
         if r is not None:
             r._end(exc)
 
-    async def send(self, head: bytes, body: bytes) -> UpstreamResponse:
+    async def send(
+        self, head: bytes, body: bytes, sent: Callable[[], None] | None = None
+    ) -> UpstreamResponse:
         if self.closed or self.transport is None or self.transport.is_closing():
             raise UpstreamClosed("the connection closed while idle")
         r = self._resp = UpstreamResponse(self)
@@ -343,6 +345,8 @@ class _Conn(asyncio.Protocol):
         self.transport.write(head + body if len(body) < 16384 else head)
         if len(body) >= 16384:
             self.transport.write(body)
+        if sent is not None:
+            sent()
         await self._headers_done
         return r
 
@@ -370,10 +374,19 @@ class Upstream:
         self.connects = 0  # new connections opened (the rest were reused)
 
     async def request(
-        self, url: str, path: str, body: bytes, headers: dict[str, str], method: str = "POST"
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        method: str = "POST",
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """Send the request and return once the answer's headers are in (raises
-        ConnectionError/OSError/TimeoutError on failure; time limits are the caller's)."""
+        ConnectionError/OSError/TimeoutError on failure; time limits are the caller's).
+        `sent` is called once the request's bytes are handed to the socket, before its
+        answer is awaited: work that need not delay the engine goes there."""
         o = self._origins.get(url)
         if o is None:
             o = self._origins[url] = _origin(url)
@@ -386,7 +399,7 @@ class Upstream:
         conn = self._take(o)
         if conn is not None:
             try:
-                return await conn.send(head, body)
+                return await conn.send(head, body, sent)
             except ConnectionError:
                 conn.close()
                 if conn.got_bytes:
@@ -397,7 +410,7 @@ class Upstream:
                 raise
         conn = await self._connect(o)
         try:
-            return await conn.send(head, body)
+            return await conn.send(head, body, sent)
         except BaseException:
             conn.close()
             raise
