@@ -175,8 +175,12 @@ def test_a_gateway_routes_adapters_to_where_they_run_and_learns_runtime_adapters
     names = {a.url.split("://")[1]: a, b.url.split("://")[1]: b}
     stop = threading.Event()
     try:
-        cards = {c["id"]: c for c in httpx.get(g.url + "/v1/models").json()["data"]}
+        listed = httpx.get(g.url + "/v1/models").json()["data"]
+        cards = {c["id"]: c for c in listed}
         assert cards["a1"]["parent"] == "base" and cards["a1"]["root"] == "/l/a1"
+        # In the engine's order (base first: scripts take data[0] as the model), not sorted.
+        direct = httpx.get(a.url + "/v1/models").json()["data"]
+        assert [c["id"] for c in listed] == [c["id"] for c in direct] == ["base", "a1", "a2"]
         # A long a1 stream holds one engine's only LoRA slot.
         held: list[str] = []
 

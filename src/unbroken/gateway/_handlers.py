@@ -102,7 +102,10 @@ class Handlers:
             raise ApiError(
                 503, "no endpoint is ready yet", code="no_endpoint", headers={"Retry-After": "1"}
             )
-        data = [merged[k] for k in sorted(merged)]
+        # vLLM lists its served model names first, then its adapters (`parent`: the base), and
+        # scripts take data[0] as the model: the engines' own order (first seen, endpoints in
+        # the pool's order), bases before adapters; names no engine listed just now after.
+        data = sorted(merged.values(), key=lambda m: m.get("parent") is not None)
         return web.Response(
             body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
         )
