@@ -63,11 +63,11 @@ class BlockNames(Sequence[int]):
     the nearest name known below it. Equal, item for item, to the list a loop over the
     blocks makes."""
 
-    __slots__ = ("_all", "_bc", "_idx", "_mv", "_n", "_names", "_root")
+    __slots__ = ("_all", "_bc", "_data", "_idx", "_n", "_names", "_root")
 
     def __init__(self, data: bytes, root: int, block_chars: int) -> None:
         self._n = min(len(data), MAX_HASHED_BYTES) // block_chars if block_chars > 0 else 0
-        self._mv: memoryview | None = memoryview(data)
+        self._data: bytes | None = data
         self._root, self._bc = root, block_chars
         self._idx: list[int] = []  # indices named so far, sorted
         self._names: list[int] = []  # their names
@@ -96,8 +96,9 @@ class BlockNames(Sequence[int]):
             return self._names[k - 1]
         start, h = (idx[k - 1] + 1, self._names[k - 1]) if k else (0, self._root)
         bc = self._bc
-        assert self._mv is not None
-        h = zlib.crc32(self._mv[start * bc : (i + 1) * bc], h)
+        assert self._data is not None
+        # A view: a long run is not copied (a 64-byte bytes slice is cheaper, in `all`).
+        h = zlib.crc32(memoryview(self._data)[start * bc : (i + 1) * bc], h)
         idx.insert(k, i)
         self._names.insert(k, h)
         return h
@@ -105,14 +106,14 @@ class BlockNames(Sequence[int]):
     def all(self) -> list[int]:
         """Every name, in order (then kept; the prompt's bytes are let go)."""
         if self._all is None:
-            assert self._mv is not None
-            mv, bc, h, crc = self._mv, self._bc, self._root, zlib.crc32
+            assert self._data is not None
+            data, bc, h, crc = self._data, self._bc, self._root, zlib.crc32
             out: list[int] = []
             add = out.append
             for i in range(0, self._n * bc, bc):
-                h = crc(mv[i : i + bc], h)
+                h = crc(data[i : i + bc], h)
                 add(h)
-            self._all, self._mv, self._idx, self._names = out, None, [], []
+            self._all, self._data, self._idx, self._names = out, None, [], []
         return self._all
 
     def __iter__(self) -> Iterator[int]:
