@@ -122,7 +122,8 @@ class BreakingRelay(RelayState):
                 wrap = self.chat and kind == "tokens"
                 reason = await self._leg(up, ep, n, rewrite=True, wrap_chat=wrap)
             assert self.sink is not None
-            await self.sink.finish()
+            tail, self._tail = self._tail, b""
+            await self.sink.finish(tail)
         except ClientGone:
             m.client_disconnects.inc()
         except SlowClient:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._prefix import RouteHint
-from unbroken.gateway._relay import ClientSink, StreamTracker
+from unbroken.gateway._relay import ClientSink, SSEResponse, StreamTracker
 from unbroken.gateway._stream_host import RelayHost
 from unbroken.gateway._transform import Transform
 from unbroken.gateway._upstream import UpstreamResponse
@@ -45,6 +45,7 @@ class RelayState:
         "_raw",
         "_rearm_at",
         "_started",
+        "_tail",
         "_tmo",
         "_verdict",
         "_wake",
@@ -124,6 +125,8 @@ class RelayState:
         self._verdict: str | None = None
         self._exc: BaseException | None = None
         self._outq: list[bytes] = []
+        # The stream's last bytes ([DONE]), held for the response's end: one write (`_take`).
+        self._tail = b""
         # Set by `hand_over`: moves the stream to another process once its leg is cut.
         self._handoff: Callable[[Self], Awaitable[bool]] | None = None
 
@@ -159,7 +162,7 @@ class RelayState:
         response (its headers, which name the endpoint)."""
         if self.sink is None:
             assert self.ep is not None
-            self.resp = web.StreamResponse(
+            self.resp = SSEResponse(
                 headers={**SSE_HEADERS, **self.p.response_headers(self.headers, self.ep)}
             )
             await self.resp.prepare(self.request)
