@@ -110,6 +110,36 @@ def test_n_choices_and_stop_strings(shared_engine: Proc) -> None:
     assert c["finish_reason"] == "stop" and c["text"] == full[: full.index(" " + stop)]
 
 
+def test_stop_reason_names_the_stop_string_as_vllm_does(shared_engine: Proc) -> None:
+    """vLLM says which stop string ended a choice (`stop_reason`; null at a length finish):
+    on completions in every stream chunk (null until the finishing one) and the full answer;
+    on chat only in the finishing chunk (vLLM serialises the others with exclude_unset, so
+    they leave the key out) and the full answer."""
+    full = expected_completion("abc", 30).text
+    stop = " " + full.split(" ")[5]
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 30, "temperature": 0}
+    stopped = {**body, "stop": ["never-said", stop]}
+    c = _post(shared_engine, "/v1/completions", stopped).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop)
+    events, _ = stream(shared_engine.url, "/v1/completions", stopped)
+    ch = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert [x["stop_reason"] for x in ch] == [None] * (len(ch) - 1) + [stop]
+    c = _post(shared_engine, "/v1/completions", body).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+
+    chat = {**body, "messages": [{"role": "user", "content": "abc"}]}
+    del chat["prompt"]
+    said = _post(shared_engine, "/v1/chat/completions", chat).json()["choices"][0]
+    assert (said["finish_reason"], said["stop_reason"]) == ("length", None)
+    cstop = " " + said["message"]["content"].split(" ")[4]
+    m = _post(shared_engine, "/v1/chat/completions", {**chat, "stop": [cstop]}).json()
+    assert (m["choices"][0]["finish_reason"], m["choices"][0]["stop_reason"]) == ("stop", cstop)
+    events, _ = stream(shared_engine.url, "/v1/chat/completions", {**chat, "stop": [cstop]})
+    ch = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert all("stop_reason" not in x for x in ch[:-1]) and len(ch) > 2
+    assert (ch[-1]["finish_reason"], ch[-1]["stop_reason"]) == ("stop", cstop)
+
+
 def test_logprobs_shapes(shared_engine: Proc) -> None:
     r = _post(
         shared_engine,

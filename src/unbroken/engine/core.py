@@ -76,6 +76,7 @@ class Output:
     finish_reason: str | None
     tokens: int  # tokens this output accounts for (0 or 1)
     logprob: float | None = None
+    stop_reason: str | None = None  # the stop string that finished it (vLLM's stop_reason)
 
 
 Deliver = Callable[[list[Output]], None]
@@ -327,7 +328,7 @@ class EngineCore:
         text, stopped = s.stop.add(piece)
         if stopped:
             s.finished = True
-            return Output(s, text, "stop", 1, lp)
+            return Output(s, text, "stop", 1, lp, s.stop.matched)
         if s.generated >= s.max_tokens:
             s.finished = True
             return Output(s, text + s.stop.flush(), "length", 1, lp)

@@ -107,7 +107,7 @@ class CompletionFormat(Format):
             "text": text,
             "logprobs": self._logprobs(o),
             "finish_reason": o.finish_reason,
-            "stop_reason": None,
+            "stop_reason": o.stop_reason,
         }
         return encode_json(self._envelope([choice], usage=self.continuous))
 
@@ -126,7 +126,7 @@ class CompletionFormat(Format):
                 "text": "".join(st.texts[i]),
                 "logprobs": self.lp[i] if self.req.logprobs is not None else None,
                 "finish_reason": st.finish[i],
-                "stop_reason": None,
+                "stop_reason": st.stop_reasons[i],
             }
             for i in range(st.n)
         ]
@@ -173,19 +173,17 @@ class ChatFormat(Format):
         if not o.text and o.finish_reason is None:
             return b""
         delta = {"content": o.text} if o.text or o.finish_reason is None else {}
-        return encode_json(
-            self._envelope(
-                [
-                    {
-                        "index": o.seq.index,
-                        "delta": delta,
-                        "logprobs": self._logprobs(o),
-                        "finish_reason": o.finish_reason,
-                    }
-                ],
-                usage=self.continuous,
-            )
-        )
+        choice = {
+            "index": o.seq.index,
+            "delta": delta,
+            "logprobs": self._logprobs(o),
+            "finish_reason": o.finish_reason,
+        }
+        if o.finish_reason is not None:
+            # vLLM sets it on the finishing chunk only (the others are serialised with
+            # exclude_unset, so they leave the key out).
+            choice["stop_reason"] = o.stop_reason
+        return encode_json(self._envelope([choice], usage=self.continuous))
 
     def collect(self, o: Output) -> None:
         self.state.texts[o.seq.index].append(o.text)
@@ -200,7 +198,7 @@ class ChatFormat(Format):
                 "message": {"role": "assistant", "content": "".join(st.texts[i])},
                 "logprobs": {"content": self.lp[i]} if self.req.logprobs else None,
                 "finish_reason": st.finish[i],
-                "stop_reason": None,
+                "stop_reason": st.stop_reasons[i],
             }
             for i in range(st.n)
         ]

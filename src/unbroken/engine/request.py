@@ -44,6 +44,7 @@ class RequestState:
         "remaining",
         "render",
         "request_id",
+        "stop_reasons",
         "texts",
         "tokens",
         "wire",
@@ -63,6 +64,7 @@ class RequestState:
         self.tokens = [0] * n
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
+        self.stop_reasons: list[str | None] = [None] * n
         self.fail_after: int | None = None
         # `direct`: the client's transport, once the stream task has sent the headers of a
         # chunked HTTP/1.1 response it frames itself; `wire` is armed with it only while the
@@ -99,6 +101,7 @@ class RequestState:
         self.tokens[i] += out.tokens
         if out.finish_reason is not None:
             self.finish[i] = out.finish_reason
+            self.stop_reasons[i] = out.stop_reason
             self.remaining -= 1
         self.event.set()
 

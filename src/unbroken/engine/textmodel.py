@@ -145,13 +145,14 @@ class StopChecker:
     """vLLM-style stop strings: text that could be the start of a stop string is held back
     until it is known not to be one; the stop string itself is not returned."""
 
-    __slots__ = ("_hold", "_stops", "emitted", "text")
+    __slots__ = ("_hold", "_stops", "emitted", "matched", "text")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.matched: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
 
     def add(self, piece: str) -> tuple[str, bool]:
         """Append a piece; return (text now safe to send, stopped)."""
@@ -159,9 +160,10 @@ class StopChecker:
         self.text += piece
         if self._stops:
             start = max(0, prev_len - self._hold)
-            hits = [i for s in self._stops if (i := self.text.find(s, start)) >= 0]
+            hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.matched = min(hits, key=lambda h: h[0])
+                self.text = self.text[:at]
                 out = self.text[self.emitted :]
                 self.emitted = len(self.text)
                 return out, True

@@ -406,6 +406,7 @@ class Transform:
                 "delta": {},
                 "logprobs": None,
                 "finish_reason": "length",
+                "stop_reason": None,
             }
             kind = "chat.completion.chunk"
         else:

@@ -50,7 +50,9 @@ def _as_chat(obj: dict[str, Any]) -> dict[str, Any]:
             "logprobs": None,
             "finish_reason": ch.get("finish_reason"),
         }
-        for k in ("stop_reason", "token_ids"):
+        # vLLM's chat chunks carry stop_reason on the finishing chunk only.
+        keys = ("stop_reason", "token_ids") if c["finish_reason"] is not None else ("token_ids",)
+        for k in keys:
             if k in ch:
                 c[k] = ch[k]
         choices.append(c)
