@@ -423,6 +423,22 @@ def test_unknown_model_and_bad_input(shared_gateway: tuple[Proc, Proc, Proc]) ->
     assert r.status_code == 413 and "error" in r.json()
 
 
+def test_max_body_bytes_flag_raises_the_limit(tmp_path: Path, shared_engine: Proc) -> None:
+    """A body over the default 8 MiB (vLLM sets no limit: base64 images) reaches the engine
+    when `--max-body-bytes` allows it; over the flag's limit it is OpenAI's 413."""
+    g = gateway(tmp_path, shared_engine.url, args=("--max-body-bytes", str(12 * 2**20)))
+    try:
+        words = "hello " * (9 * 2**20 // 6)
+        body = {"model": MODEL, "prompt": words, "max_tokens": 1}
+        r = httpx.post(g.url + "/v1/completions", json=body, timeout=60)
+        # The engine's own answer (its context limit), not the gateway's 413.
+        assert r.status_code == 400 and r.json()["error"]["code"] != "body_too_large", r.text
+        r = httpx.post(g.url + "/v1/completions", json={**body, "prompt": words * 2}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    finally:
+        g.stop()
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_no_endpoints_answers_503(tmp_path: Path, path: str) -> None:
     g = gateway(tmp_path, wait_ready=0)

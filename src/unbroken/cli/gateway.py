@@ -85,6 +85,14 @@ def gateway(
             "latency, least_load, round_robin."
         ),
     ] = None,
+    max_body_bytes: Annotated[
+        int | None,
+        typer.Option(
+            min=1024,
+            help="Largest request body accepted (413 above it) [8 MiB]. vLLM sets none: raise "
+            "it for large multimodal (base64) requests.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
@@ -101,6 +109,7 @@ def gateway(
         "default_cap": cap,
         "queue_timeout_s": queue_timeout,
         "routing": routing,
+        "max_body_bytes": max_body_bytes,
     }
     try:
         launch = prepare(
