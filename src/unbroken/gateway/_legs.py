@@ -66,13 +66,11 @@ class Legs:
         hint: RouteHint | None = None,
         tenant: TenantSpec | None = None,
         leg: bool = True,
-        learn: bool = True,
     ) -> tuple[Endpoint, int]:
         """Wait for slots on an endpoint not in `exclude` (admission: pick, fair queue); the
-        endpoint and how many slots were taken. `leg`: a completion's leg, which the routing
-        policy learns (`Pool.admitted`, unless `learn` is False: the caller then tells it)
-        and the queue-wait histogram counts; a pass-through request is neither (as before
-        this seam)."""
+        endpoint and how many slots were taken. `leg`: a completion's leg, whose wait the
+        queue-wait histogram counts (the routing policy learns it in `open`, once it is
+        sent); a pass-through request is not counted (as before this seam)."""
         ep, n, waited = await self.admission.acquire(
             model,
             priority,
@@ -83,11 +81,8 @@ class Legs:
             tenant=None if tenant is None else tenant.name,
             share=1.0 if tenant is None else tenant.weight,
         )
-        if leg:
-            if learn:
-                self.pool.admitted(ep, model, priority, hint)
-            if waited:
-                self.metrics.queue_wait.labels(priority).observe(waited)
+        if leg and waited:
+            self.metrics.queue_wait.labels(priority).observe(waited)
         if tenant is not None:
             self.metrics.tenant_queue_wait.labels(tenant.name).observe(waited)
         return ep, n
@@ -126,14 +121,7 @@ class Legs:
         elsewhere), at the deadline a timeout."""
         h = self.health
         ep, n = await self.admit(
-            model,
-            priority,
-            exclude,
-            weight=weight,
-            size=size,
-            hint=hint,
-            tenant=tenant,
-            learn=False,
+            model, priority, exclude, weight=weight, size=size, hint=hint, tenant=tenant
         )
         learnt = False
 

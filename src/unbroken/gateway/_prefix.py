@@ -124,9 +124,6 @@ class BlockNames(Sequence[int]):
             return self.all() == list(other)
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash(tuple(self.all()))
-
     def __repr__(self) -> str:
         return f"BlockNames({self._n} blocks)"
 
