@@ -237,7 +237,10 @@ def test_light_tenant_is_not_queued_behind_a_full_pool_of_greedy_streams(tmp_pat
         ],
         queue_timeout_s=60,
     )
-    g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", "2", "--cap", "4"))
+    spread = ("--accept-pack-cpu", "0")  # both workers serve (no packing under light load)
+    g = gateway(
+        tmp_path, e.url, args=("--config", str(cfg), "--workers", "2", "--cap", "4", *spread)
+    )
     stop = threading.Event()
     hogs = [
         threading.Thread(target=_hog, args=(g.url, KEYS["beta"], stop, 75), daemon=True)

@@ -22,6 +22,10 @@ from helpers import MODEL, Poller, Proc, admin, engine, gateway, metric, wait_fo
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.sse import SSEDecoder
 
+# Connections spread over the workers from the first (no packing under light load): for
+# tests of what holds across workers while each serves some.
+SPREAD = ("--accept-pack-cpu", "0")
+
 
 def workers_of(g: Proc) -> dict[str, Any]:
     return admin(g, "GET", "/admin/status").json()["workers"]
@@ -102,7 +106,7 @@ def test_cap_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
     """3 workers, 24 concurrent streams on fresh connections, one endpoint whose cap the
     controller's override lowers to 3 through the main process's admin API: the engine never
     runs more than 3, yet reaches 3, and every worker served."""
-    g = gateway(tmp_path, eng.url, args=("--workers", "3", "--cap", "8"))
+    g = gateway(tmp_path, eng.url, args=("--workers", "3", "--cap", "8", *SPREAD))
     try:
         ws = workers_of(g)
         assert ws["serving"] == 3 and len(ws["pids"]) == 3
@@ -132,7 +136,9 @@ def test_cap_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
 def test_queue_waiters_get_slots_freed_by_other_workers(tmp_path: Path, eng: Proc) -> None:
     """Cap 1, 2 workers, 8 requests at once: requests queue in both workers and each gets
     the single slot in turn, whichever worker freed it (no queue timeout, all complete)."""
-    g = gateway(tmp_path, eng.url, args=("--workers", "2", "--cap", "1", "--queue-timeout", "60"))
+    g = gateway(
+        tmp_path, eng.url, args=("--workers", "2", "--cap", "1", "--queue-timeout", "60", *SPREAD)
+    )
     try:
         with Sampler(eng.url) as s, ThreadPoolExecutor(8) as pool:
             jobs = [pool.submit(stream_text, g.url, f"queue {i}", 20) for i in range(8)]
@@ -177,7 +183,7 @@ def test_killed_worker_costs_only_its_streams_and_is_replaced(tmp_path: Path, en
     altered), every stream the other worker holds completes, and a new worker replaces it.
     Streams start one by one until both workers hold some: the shared accept queue may give
     a burst of connections to one worker."""
-    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+    g = gateway(tmp_path, eng.url, args=("--workers", "2", *SPREAD))
     try:
         victim, other = workers_of(g)["pids"]
         n = 0
@@ -233,12 +239,12 @@ def _streaming_users(url: str, n: int, stop: threading.Event) -> list[threading.
     return threads
 
 
-def test_connections_are_spread_evenly_over_the_workers(tmp_path: Path, eng: Proc) -> None:
-    """Clients keep their connections, and on the shared listening socket the first worker
-    to wake takes each new one: before the balanced accept, 60 streaming users ended 39 / 21
-    and 40 / 20 on two workers (the demo's 200 users 156 / 44). Now a worker with more than
-    its least-loaded sibling leaves new connections to it (`_balance.BalancedSite`)."""
-    g = gateway(tmp_path, eng.url, args=("--workers", "2"))
+def _held_by_workers(tmp_path: Path, eng: Proc, settings: str) -> dict[int, int]:
+    """60 streaming users through two workers with `settings` (a gateway settings file):
+    how many client connections each worker holds once all are connected."""
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(settings)
+    g = gateway(tmp_path, eng.url, args=("--config", str(cfg), "--workers", "2"))
     stop = threading.Event()
     threads: list[threading.Thread] = []
     try:
@@ -249,15 +255,41 @@ def test_connections_are_spread_evenly_over_the_workers(tmp_path: Path, eng: Pro
             h = client_conns(pids, g.port)
             return h if sum(h.values()) == 60 else None
 
-        held = wait_for(all_held, timeout=20)
-        # Alone 30 / 30; in a full suite 34 / 26 (a worker busy for more than DEFER_S lets
-        # the other take the connection); before the balance 39 / 21 and 40 / 20.
-        assert min(held.values()) >= 24, held
+        return wait_for(all_held, timeout=20)
     finally:
         stop.set()
         for t in threads:
             t.join(30)
         g.stop()
+
+
+def test_light_load_packs_onto_one_worker(tmp_path: Path, eng: Proc) -> None:
+    """Under light load (the default `accept_pack_cpu`: a worker under half a core takes
+    every new connection) 60 streaming users share one worker's CPU instead of two
+    half-busy processes' (1.3x the CPU per relayed chunk, docs/performance.md). Without
+    packing the kernel's first-to-wake would give each worker some."""
+    held = _held_by_workers(tmp_path, eng, "{}\n")
+    # All 60 alone; a sibling takes one that waits longer than PACK_DEFER_S for a busy packer.
+    assert max(held.values()) >= 54, held
+
+
+def test_past_the_packing_limit_connections_spread_evenly(tmp_path: Path, eng: Proc) -> None:
+    """Clients keep their connections, and on the shared listening socket the first worker
+    to wake takes each new one: before the balanced accept, 60 streaming users ended 39 / 21
+    and 40 / 20 on two workers (the demo's 200 users 156 / 44). Past the packing limit (here
+    20 connections) a worker with more than its least-loaded sibling leaves new connections
+    to it (`_balance.BalancedSite`)."""
+    held = _held_by_workers(tmp_path, eng, "accept_pack_conns: 20\n")
+    # Alone 30 / 30; in a full suite 34 / 26 (a worker busy for more than DEFER_S lets
+    # the other take the connection); before the balance 39 / 21 and 40 / 20.
+    assert min(held.values()) >= 24, held
+
+
+def test_without_packing_connections_spread_evenly(tmp_path: Path, eng: Proc) -> None:
+    """`accept_pack_cpu: 0` turns packing off: the balance alone, from the first
+    connection."""
+    held = _held_by_workers(tmp_path, eng, "accept_pack_cpu: 0\n")
+    assert min(held.values()) >= 24, held
 
 
 def test_a_stopped_worker_delays_no_connection_for_long(tmp_path: Path, eng: Proc) -> None:
@@ -358,6 +390,21 @@ def test_connection_counts_in_the_table_and_an_older_tables_mapping(tmp_path: Pa
         w1.set_conns(3, True)
         main.clear_row(1)  # worker 1 died
         assert w0.fewest_conns_elsewhere() is None
+        # Packing: the lowest accepting row under both limits, with a fresh CPU figure.
+        assert w0.packer(500, 512) is None  # row 0 has published no CPU yet
+        w0.set_busy(120)
+        w1.set_conns(2, True)
+        w1.set_busy(10)
+        assert (w0.packer(500, 512), w1.packer(500, 512)) == (0, 0)
+        w0.set_busy(700)  # over half a core: the next row packs
+        assert w0.packer(500, 512) == 1
+        w0.set_busy(100)
+        assert w0.packer(500, 9) == 1  # row 0 has 9 connections, the limit
+        assert w0.packer(50, 512) == 1 and w0.packer(5, 512) is None
+        w0.seen[0] -= 10_000  # row 0 published 10 s ago: hung
+        assert w0.packer(500, 512) == 1
+        main.clear_row(1)
+        assert w0.packer(500, 512) is None
     finally:
         for c in (w0, w1, main):
             c.close()
@@ -366,6 +413,8 @@ def test_connection_counts_in_the_table_and_an_older_tables_mapping(tmp_path: Pa
     w = SharedCounters(older, row=0)
     try:
         assert not w.balanced and w.fewest_conns_elsewhere() is None
+        assert not w.packs and w.packer(500, 512) is None
+        w.set_busy(10)  # a no-op
         w.set_conns(4, True)  # a no-op
         w.add(3, 2)
         w.set_depth(1, 5)
@@ -450,7 +499,9 @@ def test_priority_order_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
     """Cap 1, 2 workers, one stream holding the slot; 3 standard requests queue, then 3
     critical ones, on fresh connections (the kernel spreads them over the workers): every
     critical one is served before any standard one."""
-    g = gateway(tmp_path, eng.url, args=("--workers", "2", "--cap", "1", "--queue-timeout", "60"))
+    g = gateway(
+        tmp_path, eng.url, args=("--workers", "2", "--cap", "1", "--queue-timeout", "60", *SPREAD)
+    )
     release = threading.Event()
     finished: list[str] = []
 

@@ -320,7 +320,8 @@ def test_conversations_and_shared_prompts_stay_put_across_two_workers(
     request with the same long system prompt lands on one engine, though no worker saw all
     of them: the homes are the same in every worker."""
     urls = [e.url for e in two_engines]
-    g = gateway(tmp_path, *urls, args=("--workers", "2", "--routing", "prefix"))
+    spread = ("--accept-pack-cpu", "0")  # both workers serve (no packing under light load)
+    g = gateway(tmp_path, *urls, args=("--workers", "2", "--routing", "prefix", *spread))
     try:
         where: dict[str, set[str]] = {}
         for turn in range(4):

@@ -280,7 +280,10 @@ def test_concurrent_streams_exact_across_two_workers(tmp_path: Path) -> None:
         tmp_path / "gw.json",
         [{"name": "acme", "key": KEYS["acme"], "limits": {"concurrent_streams": 3}}],
     )
-    g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", "2"))
+    # Spread over both workers (no packing under light load): the limit is held across them.
+    g = gateway(
+        tmp_path, e.url, args=("--config", str(cfg), "--workers", "2", "--accept-pack-cpu", "0")
+    )
     try:
         # 8 long streams at once: exactly 3 run, 5 are refused at once.
         rs = _burst(g, KEYS["acme"], 8, max_tokens=60)

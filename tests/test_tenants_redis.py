@@ -86,7 +86,13 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
 
 def _gateways(tmp: Path, eng: Proc, cfg: Path, n: int = 2) -> list[Proc]:
     return [
-        gateway(tmp, eng.url, args=("--config", str(cfg), "--workers", "2"), name=f"gw{i}")
+        gateway(
+            tmp,
+            eng.url,
+            # Both workers serve (no packing under light load): limits held across them too.
+            args=("--config", str(cfg), "--workers", "2", "--accept-pack-cpu", "0"),
+            name=f"gw{i}",
+        )
         for i in range(n)
     ]
 

@@ -93,6 +93,15 @@ def gateway(
             "it for large multimodal (base64) requests.",
         ),
     ] = None,
+    accept_pack_cpu: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            max=8,
+            help="With several workers: one worker takes every new connection while its CPU "
+            "is under this share of a core, then they spread [0.5]. 0: always spread.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run the streaming gateway in front of OpenAI-compatible engines (vLLM included)."""
@@ -110,6 +119,7 @@ def gateway(
         "queue_timeout_s": queue_timeout,
         "routing": routing,
         "max_body_bytes": max_body_bytes,
+        "accept_pack_cpu": accept_pack_cpu,
     }
     try:
         launch = prepare(

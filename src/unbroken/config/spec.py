@@ -120,6 +120,16 @@ class GatewaySettings(_Spec):
         "weight read delays the engines' steps, not the relay of every stream (docs/pipeline.md); "
         "0: off; a negative value needs root (CAP_SYS_NICE), else it is skipped with a warning",
     )
+    accept_pack_cpu: Annotated[float, Field(ge=0, le=8)] = Field(
+        default=0.5,
+        description="with several workers: the lowest-numbered worker takes every new client "
+        "connection while its CPU is under this share of a core (and its connections under "
+        "accept_pack_conns), so that light load costs one process's CPU per token, not two "
+        "half-busy ones'; past it connections spread evenly; 0: always spread",
+    )
+    accept_pack_conns: Annotated[int, Field(ge=1)] = Field(
+        default=512, description="a packing worker's connections before new ones spread"
+    )
     handover_on_reload: bool = Field(
         default=True,
         description="at a reload, hand open streams with their client connections to the new "

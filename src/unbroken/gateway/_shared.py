@@ -6,6 +6,8 @@ One file mapped by every process holds two tables of int64:
     depth[row, prio]     requests worker `row` has queued, per priority
     conns[row]           client connections worker `row` has open (its accepts' balance)
     listening[row]       1 while worker `row` accepts on the shared socket
+    busy[row]            worker `row`'s CPU, per mille of a core, over its last ~0.5 s
+    seen[row]            when `busy` was written (CLOCK_MONOTONIC, ms): a hung worker's is old
 
 A process writes only its own row, so giving slots back needs no lock; an endpoint's load is
 the sum of its column. Taking slots is check-then-add, so it runs under one POSIX record lock
@@ -21,6 +23,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,19 +34,21 @@ __all__ = ["MAX_ENDPOINTS", "MAX_WORKERS", "SharedCounters", "SharedSlot"]
 MAX_WORKERS = 64  # rows: serving workers plus old ones still draining after reloads
 MAX_ENDPOINTS = 1024  # columns
 _PRIOS = 3
+_STALE_MS = 2000  # a worker whose `busy` is older than this is not packed onto
 
 
 class SharedCounters:
     def __init__(self, path: Path, *, create: bool = False, row: int = -1) -> None:
         self.path = path
         self.row = row
-        size = 8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS + 2)
+        size = 8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS + 4)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(path, flags, 0o600)
         if create:
             os.ftruncate(self._fd, size)
-        # A main process of an older version (before `conns`, 2026-12-05) made a shorter file
-        # and keeps it across a reload: its new workers map what is there, without balance.
+        # A main process of an older version (before `conns`, 2026-12-05, or `busy`,
+        # 2026-12-06) made a shorter file and keeps it across a reload: its new workers map
+        # what is there, without balance (or without packing).
         size = min(size, os.fstat(self._fd).st_size)
         self._map = mmap.mmap(self._fd, size)
         flat = np.frombuffer(self._map, dtype=np.int64)
@@ -54,6 +59,9 @@ class SharedCounters:
         self.balanced = len(flat) >= at + 2 * MAX_WORKERS
         self.conns = flat[at : at + MAX_WORKERS]  # empty in an older file
         self.listening = flat[at + MAX_WORKERS : at + 2 * MAX_WORKERS]
+        self.packs = len(flat) >= at + 4 * MAX_WORKERS
+        self.busy = flat[at + 2 * MAX_WORKERS : at + 3 * MAX_WORKERS]
+        self.seen = flat[at + 3 * MAX_WORKERS : at + 4 * MAX_WORKERS]
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -89,6 +97,28 @@ class SharedCounters:
         others = [int(self.conns[r]) for r in np.flatnonzero(self.listening) if r != self.row]
         return min(others) if others else None
 
+    def set_busy(self, permille: int) -> None:
+        if self.packs:
+            self.busy[self.row] = permille
+            self.seen[self.row] = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1_000_000
+
+    def packer(self, max_busy: int, max_conns: int) -> int | None:
+        """The row that takes new connections while workers pack: the lowest-numbered
+        accepting worker whose CPU (published in the last `_STALE_MS`) is under `max_busy`
+        per mille and whose connections are under `max_conns`. None when none is (or in an
+        older table): then connections spread by count."""
+        if not self.packs:
+            return None
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1_000_000
+        for r in np.flatnonzero(self.listening):
+            if (
+                self.busy[r] < max_busy
+                and self.conns[r] < max_conns
+                and now - self.seen[r] < _STALE_MS
+            ):
+                return int(r)
+        return None
+
     def clear_row(self, row: int) -> None:
         """A worker is gone: what it held is free again."""
         self.inflight[row, :] = 0
@@ -96,10 +126,13 @@ class SharedCounters:
         if self.balanced:
             self.conns[row] = 0
             self.listening[row] = 0
+        if self.packs:
+            self.busy[row] = 0
+            self.seen[row] = 0
 
     def close(self) -> None:
         # The numpy views hold the buffer; drop them before the map.
-        del self.inflight, self.depth, self.conns, self.listening
+        del self.inflight, self.depth, self.conns, self.listening, self.busy, self.seen
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)

@@ -187,7 +187,13 @@ class WorkerGateway(Gateway):
             cfg.host,
             cfg.port,
             limits=limits,
-            site_for=lambda runner: BalancedSite(runner, listen, shared),
+            site_for=lambda runner: BalancedSite(
+                runner,
+                listen,
+                shared,
+                pack_cpu=cfg.accept_pack_cpu or None,
+                pack_conns=cfg.accept_pack_conns,
+            ),
         )
         self._runners = [self.runner]
 
