@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -166,6 +168,14 @@ def test_logprobs_shapes(shared_engine: Proc) -> None:
 def test_models_health_metrics(shared_engine: Proc) -> None:
     models = httpx.get(shared_engine.url + "/v1/models").json()
     assert models["data"][0]["id"] == MODEL
+    # vLLM's ModelCard: a creation time and one model_permission (was `created: 0`, none).
+    card = models["data"][0]
+    assert abs(card["created"] - time.time()) < 3600
+    (perm,) = card["permission"]
+    assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
+    assert perm["allow_sampling"] is True and perm["organization"] == "*"
+    again = httpx.get(shared_engine.url + "/v1/models").json()["data"][0]
+    assert again == card  # the same card at every call (the gateway's merged list is equal)
     assert httpx.get(shared_engine.url + "/health").status_code == 200
     before = metric(shared_engine.url, "vllm:generation_tokens_total")
     _post(shared_engine, "/v1/completions", {"model": MODEL, "prompt": "m", "max_tokens": 7})
@@ -182,6 +192,18 @@ def test_models_health_metrics(shared_engine: Proc) -> None:
         metric(shared_engine.url, name)
     assert metric(shared_engine.url, "vllm:request_success_total", finished_reason="length") >= 1
     assert metric(shared_engine.url, "unbroken_engine_cuda_stub_loaded") == 1
+
+
+def test_stream_null_is_a_plain_request_as_in_vllm(shared_engine: Proc) -> None:
+    """vLLM types `stream` as `bool | None`: null is a plain (non-streamed) answer."""
+    body = {"model": MODEL, "prompt": "null stream", "max_tokens": 4, "stream": None}
+    r = _post(shared_engine, "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": None}
+    r = _post(shared_engine, "/v1/chat/completions", {**chat, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    r = _post(shared_engine, "/v1/completions", {**body, "stream_options": {}})
+    assert r.status_code == 400  # stream options only with stream true, as vLLM
 
 
 BAD = [

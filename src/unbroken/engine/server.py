@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,24 @@ class Engine:
         self.cfg = cfg
         self.model = TextModel(cfg.seed, cfg.eos_rate)
         self.names = cfg.served_model_names
+        # /v1/models: vLLM stamps its cards with the time of the call and a new permission id;
+        # the start time and one id keep a card the same across calls (the gateway's merged
+        # list equals the engine's), with vLLM's fields and types.
+        self._created = int(time.time())
+        self._permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": self._created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
         self._base_names = frozenset(self.names)
         self.metrics = EngineMetrics(
             cfg.model_name, cfg.profile.max_model_len, cfg.max_loras if cfg.enable_lora else None
@@ -334,15 +353,18 @@ class Engine:
     async def models(self, request: web.Request) -> web.Response:
         """One card per served name, then one per adapter (`root` its path, `parent` its
         base), as vLLM's show_available_models."""
+        created = self._created
+        perm = [self._permission]
         cards: list[dict[str, Any]] = [
             {
                 "id": name,
                 "object": "model",
-                "created": 0,
-                "owned_by": "unbroken",
+                "created": created,
+                "owned_by": "unbroken",  # vLLM says "vllm": `unbroken bench` tells them apart
                 "root": self.cfg.model_name,  # vLLM: the one model's path, for every name
                 "parent": None,
                 "max_model_len": self.cfg.profile.max_model_len,
+                "permission": perm,
             }
             for name in self.names
         ]
@@ -351,11 +373,12 @@ class Engine:
                 {
                     "id": a.name,
                     "object": "model",
-                    "created": 0,
+                    "created": created,
                     "owned_by": "unbroken",
                     "root": a.path,
                     "parent": a.base_model_name,
                     "max_model_len": None,
+                    "permission": perm,
                 }
                 for a in self.loras.adapters.values()
             ]

@@ -49,7 +49,7 @@ class StreamOptions(_Model):
 
 class _Sampling(_Model):
     model: Annotated[str, Field(min_length=1, max_length=512)]
-    stream: bool = False
+    stream: bool | None = False  # vLLM's type: `"stream": null` is a plain request
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
