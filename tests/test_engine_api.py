@@ -206,6 +206,21 @@ def test_stream_null_is_a_plain_request_as_in_vllm(shared_engine: Proc) -> None:
     assert r.status_code == 400  # stream options only with stream true, as vLLM
 
 
+def test_a_request_without_model_is_served_by_the_model_as_in_vllm(shared_engine: Proc) -> None:
+    """vLLM 0.32 types `model` as `str | None`: absent, null or "" is its served model (the
+    answer names it); an unknown name is still a 404."""
+    want = expected_completion("no model", 5).text
+    for extra in ({}, {"model": None}, {"model": ""}):
+        body = {"prompt": "no model", "max_tokens": 5, "temperature": 0, **extra}
+        r = _post(shared_engine, "/v1/completions", body)
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["model"] == MODEL and r.json()["choices"][0]["text"] == want
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = _post(shared_engine, "/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    assert _post(shared_engine, "/v1/completions", {**body, "model": "nope"}).status_code == 404
+
+
 BAD = [
     ("/v1/completions", b"{not json", 400),
     ("/v1/completions", b"[1, 2]", 400),

@@ -456,10 +456,11 @@ class Engine:
                 503, "the engine is starting", code="starting", headers={"Retry-After": "1"}
             )
 
-    def _resolve(self, model: str) -> LoadedAdapter | None:
-        """The adapter a request's `model` names (None: a served name of the base model);
-        404 as vLLM for anything else."""
-        if model in self._base_names:
+    def _resolve(self, model: str | None) -> LoadedAdapter | None:
+        """The adapter a request's `model` names (None: a served name of the base model, or
+        no name: vLLM serves its model to a request without one); 404 as vLLM for anything
+        else."""
+        if not model or model in self._base_names:
             return None
         if self.loras is not None and (a := self.loras.get(model)) is not None:
             return a

@@ -48,7 +48,8 @@ class StreamOptions(_Model):
 
 
 class _Sampling(_Model):
-    model: Annotated[str, Field(min_length=1, max_length=512)]
+    # Optional as in vLLM (`str | None`): absent, null or "" is the served model.
+    model: Annotated[str, Field(max_length=512)] | None = None
     stream: bool | None = False  # vLLM's type: `"stream": null` is a plain request
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
