@@ -247,3 +247,40 @@ def test_a_gateway_routes_adapters_to_where_they_run_and_learns_runtime_adapters
         g.stop()
         a.stop()
         b.stop()
+
+
+def test_an_adapter_loaded_at_runtime_is_served_from_its_first_request(tmp_path: Path) -> None:
+    """vLLM serves an adapter from the moment `/v1/load_lora_adapter` answers. The gateway
+    learnt it only at a probe, and on real vLLM only once `vllm:lora_requests_info` shows
+    (after the engine's first request): its first requests got 404 (tests/vllm/
+    test_vllm_lora.py found it). Now a request for a model no endpoint is known to serve
+    has the engines' models read first. Probes 60 s apart here, so they cannot be what
+    learns it; one worker, and two (the main process reads for the workers)."""
+    lora = ("--served-model-name", "base", "--enable-lora", "--max-loras", "1")
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    e = lora_engine(tmp_path, *lora, "--lora-modules", "a1=/l/a1", name="e", env=env)
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("probe_interval_s: 60\n")
+    try:
+        for i, workers in enumerate(("1", "2")):
+            g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", workers))
+            try:
+                name = f"runtime{i}"
+                assert _post(g, name).status_code == 404  # not loaded yet: read, then 404
+                r = httpx.post(
+                    e.url + "/v1/load_lora_adapter",
+                    json={"lora_name": name, "lora_path": f"/l/{name}"},
+                )
+                assert r.status_code == 200, r.text
+                time.sleep(0.1)  # past MODELS_FRESH_S since the read of the 404 above
+                for _ in range(2):
+                    r = _post(g, name)
+                    assert r.status_code == 200, (workers, r.text)
+                    want = expected_completion("route me", 4, adapter=name).text
+                    assert r.json()["choices"][0]["text"] == want
+                r = _post(g, "never-loaded")
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            finally:
+                g.stop()
+    finally:
+        e.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -35,7 +36,14 @@ if TYPE_CHECKING:
     from unbroken.config.tenants import TenantSpec
     from unbroken.gateway._metrics import GatewayMetrics
 
-__all__ = ["PASSTHROUGH_ROUTES", "Handlers"]
+__all__ = ["MODELS_FRESH_S", "PASSTHROUGH_ROUTES", "Handlers"]
+
+# A request naming a model no endpoint is known to serve makes the engines' models be read
+# again (`_learned`), one read at a time and at most one per MODELS_FRESH_S (a flood of
+# unknown names: at most 20 reads of each engine's /v1/models a second), waiting at most
+# MODELS_WAIT_S.
+MODELS_FRESH_S = 0.05
+MODELS_WAIT_S = 3.0
 
 # Engine routes the gateway forwards without interpreting them (vLLM's names).
 PASSTHROUGH_ROUTES = (
@@ -68,6 +76,40 @@ class Handlers:
     tenancy: Tenancy
     legs: Legs
     forwarder: Forwarder
+    # Reads every ready engine's /v1/models now: the prober's (one process) or the main
+    # process's through the control socket (a worker); None: no such reader.
+    read_models: Callable[[], Awaitable[None]] | None = None
+    _reading_models: asyncio.Future[None] | None = None
+    _models_read_at = 0.0
+
+    async def _learned(self, model: str) -> bool:
+        """Whether `model` is served after the engines' models were read again: a request
+        named a model no endpoint is known to serve. An adapter loaded at runtime
+        (`/v1/load_lora_adapter`) is served by its engine from that moment, while the prober
+        reads models again only at its next probe, and only on engines whose
+        `vllm:lora_requests_info` shows, which real vLLM exposes after its first request:
+        without this read such an adapter got a 404 (found on real vLLM,
+        tests/vllm/test_vllm_lora.py). One read at a time, none within MODELS_FRESH_S of the
+        last (a request then gets its 404 at once)."""
+        if self.read_models is None:
+            return False
+        task = self._reading_models
+        if task is None:
+            if time.monotonic() - self._models_read_at < MODELS_FRESH_S:
+                return False
+            task = self._reading_models = asyncio.ensure_future(self._read_models())
+        await asyncio.shield(task)
+        return self.pool.serves(model)
+
+    async def _read_models(self) -> None:
+        assert self.read_models is not None
+        try:
+            await asyncio.wait_for(self.read_models(), MODELS_WAIT_S)
+        except (TimeoutError, *UPSTREAM_ERRORS):
+            pass
+        finally:
+            self._models_read_at = time.monotonic()
+            self._reading_models = None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/completions", chat=False)
@@ -163,7 +205,7 @@ class Handlers:
                         headers={"Retry-After": "1"},
                     )
                 model = known[0]
-            elif model not in known:
+            elif model not in known and not await self._learned(model):
                 raise ApiError(
                     404,
                     f"The model `{model}` does not exist.",
@@ -348,7 +390,11 @@ class Handlers:
                     param="n",
                     code="too_many_sequences",
                 )
-            if not self.pool.serves(model) and self.pool.configured(model) is None:
+            if (
+                not self.pool.serves(model)
+                and self.pool.configured(model) is None
+                and not await self._learned(model)
+            ):
                 if (
                     any(
                         e.state in (State.STARTING, State.WARMING) and not e.models

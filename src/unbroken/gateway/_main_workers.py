@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from unbroken.gateway._messages import (
     AggrMsg,
     MetricsAsk,
+    ModelsMsg,
     StateMsg,
     ToMain,
     ToWorker,
@@ -197,6 +198,10 @@ class WorkerProcesses(Gateway):
                     task = asyncio.create_task(self._answer_metrics(w, msg["id"]))
                     w.tasks.append(task)
                     task.add_done_callback(w.tasks.remove)
+                elif t == "models?":
+                    task = asyncio.create_task(self._answer_models(w, msg["id"]))
+                    w.tasks.append(task)
+                    task.add_done_callback(w.tasks.remove)
 
     async def _watch(self, w: Worker) -> None:
         code = await w.proc.wait()
@@ -286,6 +291,17 @@ class WorkerProcesses(Gateway):
         self.metrics.late_workers.set(late)
         own = generate_latest(self.metrics.registry).decode()
         return merge_expositions(own, texts, self._retired_metrics)
+
+    async def _answer_models(self, w: Worker, k: int) -> None:
+        """A worker met a model no endpoint is known to serve: read the engines' models,
+        send every worker the state, then answer (after the state, on the same socket)."""
+        await self.read_models()
+        self.broadcast()
+        w.send(ModelsMsg(t="models", id=k))
+
+    def broadcast(self) -> None:
+        """The state to every worker (`MainGateway.broadcast`)."""
+        raise NotImplementedError
 
     async def _answer_metrics(self, w: Worker, k: int) -> None:
         w.send(AggrMsg(t="aggr", id=k, text=await self.merged_metrics()))

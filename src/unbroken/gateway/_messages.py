@@ -8,10 +8,13 @@ state is written by `endpoint_state` and read back by `apply_endpoint`, side by 
 
     main → worker   StateMsg (endpoints, caps, routes), MetricsAsk (send your exposition),
                     AggrMsg (the merged /metrics it asked for), RebalanceMsg, DrainMsg
-                    (with, at a reload, the new workers' handover sockets), ForceMsg
+                    (with, at a reload, the new workers' handover sockets), ForceMsg,
+                    ModelsMsg (the engines' models were read again: the state before it has
+                    them)
     worker → main   UpMsg (serving), AckMsg (applied a state), SuspectMsg (an endpoint
                     hung), MetricsMsg, AggrAsk (a /metrics scrape landed here), HandedMsg
-                    (a stream went out to, or came in from, another worker)
+                    (a stream went out to, or came in from, another worker), ModelsAsk (a
+                    request named a model no endpoint is known to serve: read them again)
 
 Also here: `WorkerSpec`, what a worker is started with (its environment), and `StreamState`,
 what a stream handed to another worker at a reload carries (`_handover`, `StreamRelay.
@@ -37,6 +40,8 @@ __all__ = [
     "HandedMsg",
     "MetricsAsk",
     "MetricsMsg",
+    "ModelsAsk",
+    "ModelsMsg",
     "RebalanceMsg",
     "StateMsg",
     "StreamState",
@@ -123,7 +128,12 @@ class ForceMsg(TypedDict):
     t: Literal["force"]
 
 
-ToWorker = StateMsg | MetricsAsk | AggrMsg | RebalanceMsg | DrainMsg | ForceMsg
+class ModelsMsg(TypedDict):
+    t: Literal["models"]
+    id: int
+
+
+ToWorker = StateMsg | MetricsAsk | AggrMsg | RebalanceMsg | DrainMsg | ForceMsg | ModelsMsg
 
 
 # -- worker → main ------------------------------------------------------------------------------
@@ -158,7 +168,12 @@ class HandedMsg(TypedDict):
     dir: Literal["in", "out"]
 
 
-ToMain = UpMsg | AckMsg | SuspectMsg | MetricsMsg | AggrAsk | HandedMsg
+class ModelsAsk(TypedDict):
+    t: Literal["models?"]
+    id: int
+
+
+ToMain = UpMsg | AckMsg | SuspectMsg | MetricsMsg | AggrAsk | HandedMsg | ModelsAsk
 
 
 def encode(msg: ToWorker | ToMain) -> bytes:

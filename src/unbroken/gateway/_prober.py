@@ -289,6 +289,11 @@ class Prober:
         if ep.lora is not None:
             await self._refresh_models(ep)
 
+    async def read_models(self, eps: list[Endpoint]) -> None:
+        """Read these endpoints' /v1/models now rather than at their next probe (a request
+        named a model none is known to serve: `Handlers._learned`)."""
+        await asyncio.gather(*(self._refresh_models(ep) for ep in eps))
+
     async def _refresh_models(self, ep: Endpoint) -> None:
         """Re-read /v1/models (adapters come and go at runtime); a failed read keeps the
         models known, and a change wakes whatever waits for an endpoint of a model."""

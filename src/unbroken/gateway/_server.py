@@ -206,6 +206,12 @@ class Gateway:
         if ep.state == State.DRAINING and ep.inflight == 0 and self.pool.get(ep.name) is ep:
             self.remove_endpoint(ep)
 
+    async def read_models(self) -> None:
+        """Every ready endpoint's models, read again now (`Prober.read_models`)."""
+        if self.prober is not None:
+            eps = [e for e in self.pool.endpoints.values() if e.state == State.READY]
+            await self.prober.read_models(eps)
+
     def _on_change(self, ep: Endpoint) -> None:
         self._changed()
 
@@ -320,6 +326,7 @@ class Gateway:
             headers_for=lambda ep: self.proxy.upstream_headers({}, ep),
         )
         self.proxy.on_hang = self.prober.suspect
+        self.proxy.read_models = self.read_models
         for s in static:
             self.add_endpoint(
                 s.url,

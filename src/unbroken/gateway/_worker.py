@@ -42,6 +42,7 @@ from unbroken.gateway._messages import (
     AckMsg,
     AggrAsk,
     MetricsMsg,
+    ModelsAsk,
     StateMsg,
     SuspectMsg,
     ToMain,
@@ -169,6 +170,17 @@ class WorkerGateway(Gateway):
             self._asked.pop(k, None)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def _ask_models(self) -> None:
+        """The main process reads the engines' models again; its answer follows the state
+        that has them (one socket, in order), so they are applied here when it comes."""
+        k = next(self._ids)
+        fut = self._asked[k] = asyncio.get_running_loop().create_future()
+        self.send(ModelsAsk(t="models?", id=k))
+        try:
+            await fut
+        finally:
+            self._asked.pop(k, None)
+
     def send_metrics(self, k: int) -> None:
         """This worker's exposition to the main process, which merges every worker's."""
         self.send(
@@ -179,6 +191,7 @@ class WorkerGateway(Gateway):
         cfg = self.cfg
         self.proxy.session = client_session(connect_timeout=cfg.connect_timeout_s)
         self.proxy.on_hang = lambda ep: self.send(SuspectMsg(t="suspect", name=ep.name))
+        self.proxy.read_models = self._ask_models
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
         freeze_startup_heap()
         shared = self.shared
@@ -241,6 +254,10 @@ class WorkerGateway(Gateway):
                 fut = self._asked.get(msg["id"])
                 if fut is not None and not fut.done():
                     fut.set_result(msg["text"])
+            elif t == "models":
+                fut = self._asked.get(msg["id"])
+                if fut is not None and not fut.done():
+                    fut.set_result("")
             elif t == "rebalance":
                 ep = self.pool.get(msg["endpoint"])
                 if ep is not None:
