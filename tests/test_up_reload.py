@@ -218,3 +218,65 @@ def test_reload_report_never_shows_a_secret() -> None:
     keys = {c["key"] for c in report}
     assert {"pools.a.api_key", "pools.a.engine.env.HF_TOKEN", "gateway.priority_keys"} <= keys
     assert "secret" not in json.dumps(report), report
+
+
+TENANT_SPEC = """
+model: {model}
+pools:
+  - name: main
+    replicas: 1
+    weights_size: 8MiB
+    engine: {{profile: fp16, overrides: {{decode_base_s: 0.01}}}}
+controller: {{enabled: false}}
+tenants:
+{tenants}
+"""
+
+
+def _tenant(name: str, key: str, rpm: int) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return (
+        f"  - name: {name}\n    api_keys: ['sha256:{digest}']\n"
+        f"    limits: {{requests_per_minute: {rpm}}}\n"
+    )
+
+
+def test_reload_applies_changed_tenants_and_limits(tmp_path: Path) -> None:
+    """The spec's top-level `tenants:` are gateway settings: a reload applies a changed
+    limit and a removed tenant (its key is refused from then on), and its report says so
+    without a key. It used to render them from the running spec ("no change", the removed
+    tenant's key kept working; found by a review with the openai client)."""
+    spec = tmp_path / "pipeline.yaml"
+    both = _tenant("acme", "sk-acme-secret", 30) + _tenant("beta", "sk-beta-secret", 30)
+    spec.write_text(TENANT_SPEC.format(model=MODEL, tenants=both))
+    up = Up(tmp_path, spec)
+
+    def ask(key: str) -> httpx.Response:
+        body = {"model": MODEL, "prompt": "tenant", "max_tokens": 2}
+        return httpx.post(
+            up.url + "/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+
+    try:
+        wait_for(lambda: ask("sk-acme-secret").status_code == 200, timeout=60, what="serving")
+        assert ask("sk-acme-secret").headers["x-ratelimit-limit-requests"] == "30"
+        assert ask("sk-beta-secret").status_code == 200
+        spec.write_text(
+            TENANT_SPEC.format(model=MODEL, tenants=_tenant("acme", "sk-acme-secret", 5))
+        )
+        r = reload(up)
+        assert r.returncode == 0, r.stderr
+        assert "no change" not in r.stdout and "gateway.tenants" in r.stdout, r.stdout
+        assert "secret" not in r.stdout
+        assert ask("sk-acme-secret").headers["x-ratelimit-limit-requests"] == "5"
+        assert ask("sk-beta-secret").status_code == 401
+        # The supervisor's spec is the applied one: a second reload changes nothing.
+        r = reload(up)
+        assert r.returncode == 0 and "gateway settings: no change" in r.stdout, r.stdout
+    finally:
+        assert up.stop() == 0

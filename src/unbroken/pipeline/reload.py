@@ -157,6 +157,7 @@ class _Plan:
     changed: list[dict[str, Any]]
     caps: dict[str, int | None]
     not_applied: list[dict[str, Any]]
+    spec: PipelineSpec  # the file read again
 
 
 class Reloader:
@@ -213,7 +214,10 @@ class Reloader:
             update={k: getattr(spec.gateway, k) for k in GATEWAY_RESTART_KEYS}
         )
         old_r = render_gateway_settings(spec)
-        new_r = render_gateway_settings(spec.model_copy(update={"gateway": applied}))
+        # The spec-wide parts the gateway enforces (tenants, the rate-limit store) are its
+        # settings too: the new file's (they were the running spec's, so a reload said "no
+        # change" and a removed tenant's key kept working).
+        new_r = render_gateway_settings(self._applied_spec(new, applied))
         changed = diff(
             flatten(old_r.model_dump(mode="json"), "gateway."),
             flatten(new_r.model_dump(mode="json"), "gateway."),
@@ -225,7 +229,18 @@ class Reloader:
             if q is not None and q.cap != p.cap:
                 caps[p.name] = q.cap
                 changed.append(change(f"pools.{p.name}.cap", p.cap, q.cap))
-        return _Plan(applied, old_r, new_r, changed, caps, not_applied(spec, new))
+        return _Plan(applied, old_r, new_r, changed, caps, not_applied(spec, new), new)
+
+    def _applied_spec(self, new: PipelineSpec, gateway: GatewaySettings) -> PipelineSpec:
+        """The running spec with what a reload applies taken from `new`: the gateway section
+        and the spec-wide parts the gateway enforces (tenants, the rate-limit store)."""
+        applied = self.sup.spec.model_copy(
+            update={"gateway": gateway, "tenants": new.tenants, "rate_limit": new.rate_limit}
+        )
+        if "rate_limit" not in new.model_fields_set:
+            # Not in the file: the gateway section's store, as `gateway_settings` renders it.
+            applied.model_fields_set.discard("rate_limit")
+        return applied
 
     async def _reload(self) -> dict[str, Any]:
         sup = self.sup
@@ -248,7 +263,7 @@ class Reloader:
             sup.gateway.write_config(plan.old)  # nothing changed
             raise
         warnings = await self._apply_admin(plan)
-        sup.spec.gateway = plan.gateway
+        sup.spec = self._applied_spec(plan.spec, plan.gateway)
         sup.record(
             "gateway_reloaded",
             generation=generation,
