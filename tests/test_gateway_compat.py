@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, admin, engine, gateway, metric, stream, wait_endpoints
+from helpers import MODEL, Proc, admin, engine, gateway, metric, stream, wait_endpoints, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,13 @@ def test_the_engine_judges_what_the_gateway_does_not_need(gw: tuple[Proc, Proc])
     )
     ok = _same(g, e, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert ok.status_code == 200
+    # A stream's options the gateway adds to (usage on every chunk, token ids) stay the
+    # engine's to judge: they got 200 when the gateway overwrote them (a helper's review).
+    streamed = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}
+    for bad in ("x", {"include_usage": "x"}, {"continuous_usage_stats": [1]}):
+        r = _same(g, e, "/v1/completions", {**streamed, "stream_options": bad})
+        assert r.status_code == 400, bad
+    _same(g, e, "/v1/completions", {**streamed, "return_token_ids": "x"})
     # What the gateway needs is still its own to refuse.
     assert httpx.post(g.url + "/v1/completions", content=b"[1]", timeout=10).status_code == 400
     r = httpx.post(g.url + "/v1/completions", json={"model": 5, "prompt": "x"}, timeout=10)
@@ -81,6 +88,28 @@ def test_usage_reaches_the_client_only_as_asked(gw: tuple[Proc, Proc], chat: boo
     )
     counts = [e["usage"]["completion_tokens"] for e in _usage_chunks(every)]
     assert len(counts) > 20 and counts == sorted(counts) and counts[-1] == 20
+
+
+def test_a_client_that_leaves_mid_stream_counts_in_its_pool(gw: tuple[Proc, Proc]) -> None:
+    """499 (the client left) under the pool its stream ran on; it was counted under `none`
+    (the pool was known only once the relay returned, which a cancelled request never
+    does)."""
+    g, _ = gw
+
+    def left(pool: str) -> float:
+        try:
+            return metric(g.url, "unbroken_gateway_requests_total", status="499", pool=pool)
+        except KeyError:  # no such series yet
+            return 0.0
+
+    before = left("default")
+    body = {"model": MODEL, "prompt": "leave", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", g.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the stream runs: then the client goes
+
+    wait_for(lambda: left("default") == before + 1, timeout=10, what="499 in pool default")
+    assert left("none") == 0
 
 
 def test_models_keep_the_engines_fields(gw: tuple[Proc, Proc]) -> None:

@@ -156,6 +156,10 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
             assert "sk-wrong" not in str(ei.value.body)
         ok = client(g, KEYS["acme"]).completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert ok.choices[0].text
+        # /v1/models too, as vLLM with --api-key guards every /v1 route.
+        r = httpx.get(g.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert client(g, KEYS["acme"]).models.list().data[0].id == MODEL
         # Engine routes the gateway passes through need a tenant's key too.
         tok = {"model": MODEL, "tokens": [1, 2]}
         r = httpx.post(g.url + "/detokenize", json=tok, headers={"Authorization": "Bearer nope"})
@@ -181,7 +185,7 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
                 tenant="none",
                 reason="invalid_api_key",
             )
-            == 3
+            == 4
         )
         # Keys never reach the metrics or the log.
         text = httpx.get(g.url + "/metrics").text
@@ -198,6 +202,7 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
     try:
         r = client(g, "sk-whoever").completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert r.choices[0].text
+        assert client(g, "sk-whoever").models.list().data[0].id == MODEL
         assert metric(g.url, "unbroken_gateway_tenant_requests_total", tenant="anonymous") == 1
     finally:
         g.stop()

@@ -25,6 +25,7 @@ from typing import Any
 __all__ = [
     "NotExact",
     "augment",
+    "augmentable",
     "continuation_body",
     "not_migratable",
     "token_continuation_body",
@@ -65,6 +66,22 @@ _CHAT_ONLY = (
 class NotExact(Exception):
     """No exact continuation on this path (the argument: why); an explicit error beats a
     guessed prompt."""
+
+
+def augmentable(raw: dict[str, Any]) -> bool:
+    """Whether `augment` keeps the client's own verdict: `stream_options` absent or an
+    object whose usage flags are booleans or null, `return_token_ids` a boolean or null.
+    Anything else is left to the engine to refuse (vLLM answers 400 for `"stream_options":
+    "x"`): overwritten by `augment`, the engine would have taken it."""
+    so = raw.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            return False
+        flags = (so.get("include_usage"), so.get("continuous_usage_stats"))
+        if any(v is not None and not isinstance(v, bool) for v in flags):
+            return False
+    ids = raw.get("return_token_ids")
+    return ids is None or isinstance(ids, bool)
 
 
 def augment(raw: dict[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Completion:
     augmented: bytes | None = None  # a stream's body asking for token counts and ids
     tenant: TenantSpec | None = None
     lease: Lease | None = None
+    pool: str = "none"  # of the last leg opened: a request the client cancels counts there
 
 
 class Forwarder:
@@ -159,6 +160,7 @@ class Forwarder:
                     tried.remove(moved_from)
                     moved_from = None
             ep, up = leg.ep, leg.up
+            c.pool = ep.pool
             if up.status != 200 or not c.streaming:
                 self.legs.release(ep, leg.n)
                 data = leg.data or b""

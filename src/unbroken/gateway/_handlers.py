@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from unbroken.gateway._continuation import augment
+from unbroken.gateway._continuation import augment, augmentable
 from unbroken.gateway._forward import Completion, Forwarder
 from unbroken.gateway._headers import Headers, request_id
 from unbroken.gateway._health import EndpointHealth
@@ -120,8 +120,11 @@ class Handlers:
     async def models(self, request: web.Request) -> web.Response:
         """The models of the ready endpoints, with each engine's own fields (vLLM's
         `max_model_len`, `root`, ...); a model no endpoint listed just now keeps a plain
-        entry."""
+        entry. With tenants, only for a known key (or the `anonymous` tenant), as vLLM with
+        `--api-key` guards every /v1 route: the served names are not for anyone who asks."""
         assert self.session is not None
+        if self.tenancy.tenants is not None:
+            self.tenancy.resolve(request)
         eps = [e for e in self.pool.endpoints.values() if e.state == State.READY and e.healthy]
         lists = await asyncio.gather(*(self._models_of(e) for e in eps))
         merged: dict[str, dict[str, Any]] = {}
@@ -362,6 +365,7 @@ class Handlers:
         rid = request_id(request)
         tenant: TenantSpec | None = None
         lease: Lease | None = None
+        c: Completion | None = None
         try:
             priority, tenant = self.tenancy.identify(request)
             body = await request.read()
@@ -380,7 +384,7 @@ class Handlers:
             hint = self._hint(request, view.raw, chat, model)
             # The body asking the engine for what continuation needs (`augment`), made from
             # the dict parsed above.
-            plus = orjson.dumps(augment(view.raw)) if streaming else None
+            plus = orjson.dumps(augment(view.raw)) if streaming and augmentable(view.raw) else None
             del view  # a waiter keeps its body's bytes, nothing bigger
             if weight > self.cfg.max_sequences_per_request:
                 raise ApiError(
@@ -446,6 +450,8 @@ class Handlers:
             raise
         except asyncio.CancelledError:
             status = 499  # client closed the request (nginx's convention)
+            if c is not None:
+                pool_label = c.pool  # the pool of the leg it was on (none: not sent yet)
             raise
         finally:
             self.metrics.requests.labels(str(status), priority, pool_label).inc()

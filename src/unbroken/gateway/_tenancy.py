@@ -65,13 +65,19 @@ class Tenancy:
         without, the header, else `priority_keys`, else the default, as before tenants."""
         if self.tenants is None:
             return self.priority(request), None
+        tenant = self.resolve(request)
+        asked = request.headers.get(self.cfg.priority_header)
+        return priority_for(tenant, None if asked is None else self._asked(asked)), tenant
+
+    def resolve(self, request: web.Request) -> TenantSpec:
+        """The tenant the request's key names (401 in OpenAI's format when none does and
+        there is no `anonymous` tenant, counted). Only with tenants."""
+        assert self.tenants is not None
         try:
-            tenant = self.tenants.resolve(request.headers.get("Authorization"))
+            return self.tenants.resolve(request.headers.get("Authorization"))
         except ApiError:
             self.metrics.tenant_rejections.labels(NONE, "invalid_api_key").inc()
             raise
-        asked = request.headers.get(self.cfg.priority_header)
-        return priority_for(tenant, None if asked is None else self._asked(asked)), tenant
 
     def _asked(self, value: str) -> str:
         value = value.strip().lower()
