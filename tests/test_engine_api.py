@@ -165,6 +165,48 @@ def test_logprobs_shapes(shared_engine: Proc) -> None:
     assert len(r["choices"][0]["logprobs"]["token_logprobs"]) == 3
 
 
+def test_logprobs_count_and_echo_as_vllm(shared_engine: Proc) -> None:
+    """vLLM returns `top_logprobs` / `logprobs` alternatives per token (the sampled one
+    among them), and with `echo` the prompt's tokens first (the first without a logprob),
+    `text_offset` running through prompt and answer. The simulator returned one entry, no
+    prompt tokens, and offsets from 0 at the answer (a helper's review)."""
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    for c in _post(shared_engine, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"][
+        "content"
+    ]:
+        top = c["top_logprobs"]
+        assert len(top) == 3 and top[0]["token"] == c["token"], c
+        assert len({t["token"] for t in top}) == 3
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+    body = {"model": MODEL, "prompt": "hi  there", "max_tokens": 3, "temperature": 0}
+    r = _post(shared_engine, "/v1/completions", {**body, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert [len(t) for t in lp["top_logprobs"]] == [2, 2, 2]
+    assert all(
+        next(iter(t)) == tok for t, tok in zip(lp["top_logprobs"], lp["tokens"], strict=True)
+    )
+    r = _post(shared_engine, "/v1/completions", {**body, "logprobs": 2, "echo": True}).json()
+    ch = r["choices"][0]
+    lp = ch["logprobs"]
+    assert "".join(lp["tokens"]) == ch["text"] and ch["text"].startswith("hi  there")
+    assert lp["tokens"][:2] == ["hi", "  there"] and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 2
+    offsets = [sum(map(len, lp["tokens"][:j])) for j in range(len(lp["tokens"]))]
+    assert lp["text_offset"] == offsets
+    events, _ = stream(
+        shared_engine.url, "/v1/completions", {**body, "logprobs": 1, "echo": True, "stream": True}
+    )
+    toks = [t for e in events if isinstance(e, dict) for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert "".join(toks) == "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict))
+
+
 def test_models_health_metrics(shared_engine: Proc) -> None:
     models = httpx.get(shared_engine.url + "/v1/models").json()
     assert models["data"][0]["id"] == MODEL
@@ -221,6 +263,19 @@ def test_a_request_without_model_is_served_by_the_model_as_in_vllm(shared_engine
     assert _post(shared_engine, "/v1/completions", {**body, "model": "nope"}).status_code == 404
 
 
+def test_continuous_usage_only_with_include_usage_as_vllm(shared_engine: Proc) -> None:
+    """vLLM sends usage on each chunk only for include_usage and continuous_usage_stats."""
+    body = {"model": MODEL, "prompt": "usage", "max_tokens": 4, "stream": True}
+    for opts, every in (
+        ({"continuous_usage_stats": True}, False),
+        ({"include_usage": True, "continuous_usage_stats": True}, True),
+    ):
+        events, _ = stream(shared_engine.url, "/v1/completions", {**body, "stream_options": opts})
+        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+        assert chunks and all(("usage" in c) == every for c in chunks), (opts, chunks)
+        assert any("usage" in e for e in events if isinstance(e, dict)) == every
+
+
 BAD = [
     ("/v1/completions", b"{not json", 400),
     ("/v1/completions", b"[1, 2]", 400),
@@ -233,6 +288,8 @@ BAD = [
     ("/v1/completions", b'{"model": "unbroken-sim", "prompt": "x", "temperature": 9}', 400),
     ("/v1/completions", b'{"model": "unbroken-sim", "prompt": "x", "stream": "yes"}', 400),
     ("/v1/completions", b'{"model": "unbroken-sim", "prompt": []}', 400),
+    ("/v1/completions", b'{"model": "unbroken-sim", "prompt": [1, 2, -5]}', 400),
+    ("/v1/completions", b'{"model": "unbroken-sim", "prompt": [[1], [-1]]}', 400),
     ("/v1/completions", b'{"model": "nope", "prompt": "x"}', 404),
     ("/v1/chat/completions", b'{"model": "unbroken-sim", "messages": []}', 400),
     ("/v1/chat/completions", b'{"model": "unbroken-sim", "messages": [{"role": "x"}]}', 400),

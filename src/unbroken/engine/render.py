@@ -3,14 +3,51 @@
 
 from __future__ import annotations
 
+import re
+import zlib
 from typing import Any
 
 from unbroken.engine.core import Output
 from unbroken.engine.request import RequestState
+from unbroken.engine.textmodel import VOCAB
 from unbroken.wire.openai import ChatRequest, CompletionRequest
 from unbroken.wire.sse import encode_json
 
-__all__ = ["ChatFormat", "CompletionFormat", "Format"]
+__all__ = ["ChatFormat", "CompletionFormat", "Format", "alternatives", "prompt_pieces"]
+
+_PIECE = re.compile(r"\s*\S+(?:\s+$)?")
+
+
+def prompt_pieces(text: str) -> list[str]:
+    """A prompt as the simulator counts its tokens (`count_tokens`: whitespace-separated
+    words), each piece with the whitespace before it, so that the pieces join to `text`."""
+    return _PIECE.findall(text) or ([text] if text else [])
+
+
+def alternatives(token: str, logprob: float, k: int, salt: int) -> list[tuple[str, float]]:
+    """The `k` most likely tokens where `token` was chosen with `logprob`, as a model's
+    top-k: `token` first, then k-1 other words, deterministic, each less likely than the one
+    before (the simulator's choice is its argmax). vLLM returns this many entries (its
+    sampled token among them)."""
+    if k <= 0:
+        return []
+    out = [(token, logprob)]
+    h = zlib.crc32(token.encode(), salt)
+    lead = " " if token.startswith(" ") else ""
+    seen = {token}
+    step = 1
+    while len(out) < k:
+        word = lead + VOCAB[(h + 7919 * step) % len(VOCAB)]
+        step += 1
+        if word in seen:
+            continue
+        seen.add(word)
+        out.append((word, round(out[-1][1] - 0.5 - 0.25 * ((h >> len(out)) % 3), 6)))
+    return out
+
+
+def _prompt_logprob(piece: str) -> float:
+    return -round(1.0 + (zlib.crc32(piece.encode()) % 700) / 100.0, 4)
 
 
 class Format:
@@ -30,7 +67,10 @@ class Format:
         self.state, self.model = state, model
         self.prompt_tokens = prompt_tokens  # counted once, by the handler
         self.usage_on = bool(req.stream_options and req.stream_options.include_usage)
-        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        # vLLM: continuous usage only with include_usage (include_usage and continuous_...).
+        self.continuous = self.usage_on and bool(
+            req.stream_options and req.stream_options.continuous_usage_stats
+        )
 
     def _usage(self) -> dict[str, int]:
         p, c = self.prompt_tokens, sum(self.state.tokens)
@@ -71,6 +111,7 @@ class CompletionFormat(Format):
         self.req, self.prompts = req, prompts
         self.offsets = [0] * state.n
         self.echoed = [False] * state.n
+        self.lp_echoed = [False] * state.n
         self.lp: list[dict[str, list[Any]]] = [
             {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for _ in range(state.n)
@@ -83,15 +124,35 @@ class CompletionFormat(Format):
         return ""
 
     def _logprobs(self, o: Output) -> dict[str, Any] | None:
-        if self.req.logprobs is None or o.logprob is None:
+        k = self.req.logprobs
+        if k is None or o.logprob is None:
             return None
         i = o.seq.index
-        d = {
-            "tokens": [o.text],
-            "token_logprobs": [o.logprob],
-            "top_logprobs": [{o.text: o.logprob}] if self.req.logprobs else None,
-            "text_offset": [self.offsets[i]],
+        d: dict[str, Any] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [] if k else None,
+            "text_offset": [],
         }
+        if self.req.echo and not self.lp_echoed[i]:
+            # vLLM's echo: the prompt's tokens first (the first without a logprob), the
+            # offsets then running on through the generated text.
+            self.lp_echoed[i] = True
+            for j, piece in enumerate(prompt_pieces(self.prompts[i // self.req.n])):
+                lp = None if j == 0 else _prompt_logprob(piece)
+                d["tokens"].append(piece)
+                d["token_logprobs"].append(lp)
+                if k:
+                    d["top_logprobs"].append(
+                        None if lp is None else dict(alternatives(piece, lp, k, j))
+                    )
+                d["text_offset"].append(self.offsets[i])
+                self.offsets[i] += len(piece)
+        d["tokens"].append(o.text)
+        d["token_logprobs"].append(o.logprob)
+        if k:
+            d["top_logprobs"].append(dict(alternatives(o.text, o.logprob, k, self.offsets[i])))
+        d["text_offset"].append(self.offsets[i])
         self.offsets[i] += len(o.text)
         return d
 
@@ -148,7 +209,10 @@ class ChatFormat(Format):
         if not self.req.logprobs or o.logprob is None:
             return None
         entry = {"token": o.text, "logprob": o.logprob, "bytes": list(o.text.encode())}
-        top = [dict(entry)] if self.req.top_logprobs else []
+        top = [
+            {"token": t, "logprob": lp, "bytes": list(t.encode())}
+            for t, lp in alternatives(o.text, o.logprob, self.req.top_logprobs or 0, o.seq.index)
+        ]
         return {"content": [{**entry, "top_logprobs": top}]}
 
     def head(self) -> bytes:

@@ -82,8 +82,11 @@ class _Sampling(_Model):
         return self
 
 
+TokenId = Annotated[int, Field(ge=0)]  # vLLM's: a negative id is a 400
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: NonNegInt | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
