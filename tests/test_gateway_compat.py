@@ -106,7 +106,9 @@ def test_a_client_that_leaves_mid_stream_counts_in_its_pool(gw: tuple[Proc, Proc
     body = {"model": MODEL, "prompt": "leave", "max_tokens": 3000, "stream": True}
     with httpx.stream("POST", g.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
-        next(r.iter_raw())  # the stream runs: then the client goes
+        assert (
+            r.headers["content-type"] == "text/event-stream; charset=utf-8"
+        )  # as vLLM        next(r.iter_raw())  # the stream runs: then the client goes
 
     wait_for(lambda: left("default") == before + 1, timeout=10, what="499 in pool default")
     assert left("none") == 0

@@ -326,7 +326,7 @@ class Handlers:
         upstream ends it with an error event (no silent truncation)."""
         resp = web.StreamResponse(
             headers={
-                "Content-Type": "text/event-stream",
+                "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
                 **self.headers.response(headers, ep),
             }

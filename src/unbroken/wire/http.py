@@ -38,7 +38,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
+    "Content-Type": "text/event-stream; charset=utf-8",  # as vLLM (Starlette) sends it
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
