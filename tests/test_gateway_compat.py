@@ -169,3 +169,49 @@ def test_a_run_of_5xx_takes_an_endpoint_out_until_readiness(tmp_path: Path) -> N
     finally:
         for p in (g, a, b):
             p.stop()
+
+
+def test_cors_as_vllm(gw: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """vLLM answers browsers' CORS preflights and marks its answers for every origin by
+    default (`--allowed-origins`); so do the simulator and the gateway (streams included).
+    Both answered a preflight 405 and sent no CORS header, so a browser app could not call
+    them."""
+    g, e = gw
+    pre = {
+        "Origin": "http://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    for url in (e.url, g.url):
+        r = httpx.options(url + "/v1/chat/completions", headers=pre, timeout=10)
+        assert r.status_code == 200, (url, r.text)
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"] == "authorization,content-type"
+        body = {"model": MODEL, "prompt": "cors", "max_tokens": 3, "stream": True}
+        events, r = stream(url, "/v1/completions", body, headers={"Origin": "http://app.example"})
+        assert r.headers["access-control-allow-origin"] == "*" and events[-1] == "[DONE]"
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert "access-control-allow-origin" not in r.headers  # no Origin, no CORS
+    # Origins named in the settings: only those.
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("cors_allowed_origins: ['http://good.example']\n")
+    g2 = gateway(tmp_path, e.url, args=("--config", str(cfg)))
+    try:
+        ok = httpx.options(
+            g2.url + "/v1/completions", headers={**pre, "Origin": "http://good.example"}
+        )
+        assert ok.status_code == 200
+        assert ok.headers["access-control-allow-origin"] == "http://good.example"
+        assert ok.headers["vary"] == "Origin"
+        bad = httpx.options(
+            g2.url + "/v1/completions", headers={**pre, "Origin": "http://evil.example"}
+        )
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+        body = {"model": MODEL, "prompt": "cors", "max_tokens": 3}
+        r = httpx.post(
+            g2.url + "/v1/completions", json=body, headers={"Origin": "http://evil.example"}
+        )
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        g2.stop()

@@ -120,6 +120,11 @@ class GatewaySettings(_Spec):
         "weight read delays the engines' steps, not the relay of every stream (docs/pipeline.md); "
         "0: off; a negative value needs root (CAP_SYS_NICE), else it is skipped with a warning",
     )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="origins a browser app may call the API from (CORS, as vLLM's "
+        "--allowed-origins, whose default is every origin); [] turns CORS off",
+    )
     accept_pack_cpu: Annotated[float, Field(ge=0, le=8)] = Field(
         default=0.5,
         description="with several workers: the lowest-numbered worker takes every new client "

@@ -42,7 +42,13 @@ from unbroken.engine.textmodel import (
 from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
 from unbroken.wire.errors import ApiError
 from unbroken.wire.heap import freeze_startup_heap
-from unbroken.wire.http import bearer_auth_middleware, error_middleware, prepare_sse, start_site
+from unbroken.wire.http import (
+    Cors,
+    bearer_auth_middleware,
+    error_middleware,
+    prepare_sse,
+    start_site,
+)
 from unbroken.wire.openai import (
     ChatRequest,
     CompletionRequest,
@@ -302,6 +308,7 @@ class Engine:
             resp.headers["X-Unbroken-Profile"] = profile
 
         app.on_response_prepare.append(say_profile)
+        Cors(["*"]).install(app)  # vLLM's default --allowed-origins
         app.router.add_get("/v1/models", self.models)
         if self.runtime_lora:
             log.warning(

@@ -31,6 +31,7 @@ from unbroken.gateway._routing import make_policy
 from unbroken.gateway._tenants import Tenants
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
+    Cors,
     ServerLimits,
     body_middleware,
     client_session,
@@ -265,6 +266,7 @@ class Gateway:
             ],
         )
         app.on_response_prepare.append(self._close_when_draining)
+        Cors(self.cfg.cors_allowed_origins).install(app)
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
         app.router.add_get("/v1/models", self.proxy.models)

@@ -10,7 +10,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +24,7 @@ from unbroken.wire.errors import ApiError, error_body, error_response
 
 __all__ = [
     "SSE_HEADERS",
+    "Cors",
     "ServerLimits",
     "bearer_auth_middleware",
     "body_middleware",
@@ -44,6 +45,73 @@ SSE_HEADERS = {
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_CORS_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+
+
+class Cors:
+    """vLLM's CORS: FastAPI's CORSMiddleware with `--allowed-origins` (default `["*"]`),
+    every method and header, no credentials, so that a browser app on another origin may
+    call the API. A preflight (OPTIONS with `Origin` and `Access-Control-Request-Method`)
+    is answered 200 on any path, as Starlette does; every other answer to a request from an
+    allowed origin says so (`on_prepare`, streams included). An empty `origins`: off."""
+
+    def __init__(self, origins: Sequence[str]) -> None:
+        self.any = "*" in origins
+        self.origins = frozenset(origins)
+
+    def allows(self, origin: str) -> bool:
+        return self.any or origin in self.origins
+
+    def _origin_headers(self, origin: str) -> dict[str, str]:
+        return (
+            {"Access-Control-Allow-Origin": "*"}
+            if self.any
+            else {
+                "Access-Control-Allow-Origin": origin,
+                "Vary": "Origin",
+            }
+        )
+
+    @web.middleware
+    async def preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if (
+            request.method != "OPTIONS"
+            or origin is None
+            or "Access-Control-Request-Method" not in request.headers
+        ):
+            return await handler(request)
+        if not self.allows(origin):
+            return web.Response(status=400, text="Disallowed CORS origin")
+        headers = {
+            **self._origin_headers(origin),
+            "Access-Control-Allow-Methods": _CORS_METHODS,
+            "Access-Control-Max-Age": "600",
+        }
+        if asked := request.headers.get("Access-Control-Request-Headers"):
+            headers["Access-Control-Allow-Headers"] = asked
+        return web.Response(status=200, text="OK", headers=headers)
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if (
+            origin is not None
+            and self.allows(origin)
+            and "Access-Control-Allow-Origin" not in response.headers  # a preflight's own
+        ):
+            for k, v in self._origin_headers(origin).items():
+                if k == "Vary":
+                    response.headers.add(k, v)
+                else:
+                    response.headers[k] = v
+
+    def install(self, app: web.Application) -> None:
+        """Before the app starts: the preflight answer first of its middlewares."""
+        if not self.origins:
+            return
+        app.middlewares.insert(0, self.preflight)
+        app.on_response_prepare.append(self.on_prepare)
 
 
 @web.middleware
