@@ -150,12 +150,18 @@ class BalancedSite(web.BaseSite):
         def resume() -> None:
             if not self._listening:
                 return
-            if packer is not None and shared.conns[packer] > before:
+            if (packer is not None and shared.conns[packer] > before) or self._accept():
                 self._watch()
-            elif self._accept():
-                self._watch()
+            else:
+                self._starved()
 
         loop.call_later(seconds, resume)
+
+    def _starved(self) -> None:
+        """Out of descriptors or memory (`_accept`): not watching for a second."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._sock.fileno())
+        loop.call_later(1.0, self._watch)
 
     def _ready(self) -> None:
         mine = self._conns()
@@ -175,9 +181,7 @@ class BalancedSite(web.BaseSite):
                 self._pause(DEFER_S)
                 return
         if not self._accept():
-            loop = asyncio.get_running_loop()
-            loop.remove_reader(self._sock.fileno())
-            loop.call_later(1.0, self._watch)
+            self._starved()
 
     def _accept(self) -> bool:
         """Take what is waiting (up to `_BATCH`); False when the process is out of
