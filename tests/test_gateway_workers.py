@@ -8,6 +8,8 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -616,4 +618,41 @@ def test_metrics_never_go_back_for_a_stopped_killed_or_reloaded_worker(
     finally:
         for c in clients:
             c.close()
+        g.stop()
+
+
+def test_workers_out_of_descriptors_do_not_spin_and_serve_again(tmp_path: Path, eng: Proc) -> None:
+    """Each worker's descriptor limit lowered to what it holds + 8 (prlimit), then 40
+    client connections: accept(2) fails with EMFILE while they wait. A worker stops
+    watching the socket for a second instead of spinning on it, says so in its log, and
+    serves again once the clients are gone."""
+    g = gateway(tmp_path, eng.url, args=("--workers", "2", *SPREAD))
+    socks: list[socket.socket] = []
+    try:
+        pids = workers_of(g)["pids"]
+        time.sleep(1.5)  # the workers done starting (their tables mapped, serving)
+        for pid in pids:
+            n = len(os.listdir(f"/proc/{pid}/fd")) + 8
+            subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={n}:{n}"], check=True)
+        socks = [socket.create_connection(("127.0.0.1", g.port), timeout=5) for _ in range(40)]
+        wait_for(lambda: "accept failed" in g.tail(200), timeout=10, what="EMFILE logged")
+        before = {pid: cpu_ticks(pid) for pid in pids}
+        time.sleep(2.0)
+        spent = {pid: cpu_ticks(pid) - before[pid] for pid in pids}
+        assert max(spent.values()) < 60, spent  # of 200 ticks: not spinning on accept
+        for s in socks:
+            s.close()
+        socks = []
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+
+        def serves() -> bool:
+            try:
+                return httpx.post(g.url + "/v1/completions", json=body, timeout=5).is_success
+            except httpx.HTTPError:
+                return False
+
+        wait_for(serves, timeout=20, what="serving again")
+    finally:
+        for s in socks:
+            s.close()
         g.stop()
