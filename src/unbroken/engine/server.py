@@ -139,7 +139,7 @@ class Engine:
         # list equals the engine's), with vLLM's fields and types.
         self._created = int(time.time())
         self._permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}",
+            "id": f"modelperm-{uuid.uuid4().hex[:16]}",  # vLLM: 16 hex digits
             "object": "model_permission",
             "created": self._created,
             "allow_create_engine": False,
