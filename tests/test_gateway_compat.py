@@ -88,6 +88,9 @@ def test_usage_reaches_the_client_only_as_asked(gw: tuple[Proc, Proc], chat: boo
     )
     counts = [e["usage"]["completion_tokens"] for e in _usage_chunks(every)]
     assert len(counts) > 20 and counts == sorted(counts) and counts[-1] == 20
+    # continuous_usage_stats alone: no usage at all, as from the engine (vLLM's rule).
+    alone, _ = stream(g.url, path, {**base, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in e for e in alone if isinstance(e, dict))
 
 
 def test_a_client_that_leaves_mid_stream_counts_in_its_pool(gw: tuple[Proc, Proc]) -> None:

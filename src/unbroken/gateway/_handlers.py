@@ -498,8 +498,11 @@ def _wants(raw: dict[str, Any]) -> tuple[bool, bool, bool]:
     return_token_ids). The relay strips what it did not ask for."""
     so = raw.get("stream_options")
     so = so if isinstance(so, dict) else {}
+    usage = bool(lax_bool(so.get("include_usage")))
     return (
-        bool(lax_bool(so.get("include_usage"))),
-        bool(lax_bool(so.get("continuous_usage_stats"))),
+        usage,
+        # vLLM: usage on every chunk only with include_usage too (the client saw usage on
+        # every chunk where the engine sends none: a helper's diff of gateway and engine).
+        usage and bool(lax_bool(so.get("continuous_usage_stats"))),
         bool(lax_bool(raw.get("return_token_ids"))),
     )
