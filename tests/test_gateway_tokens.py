@@ -37,6 +37,7 @@ class FakeVllm:
         self.die_after = die_after
         self.per_event = per_event
         self.suffix = ""  # appended to non-streamed answers: an engine that disagrees
+        self.old = False  # an engine without `return_token_ids` (400 for it)
         # Tokens that end inside a character: their text is held back until the next token
         # (and lost if the stream aborts first); /detokenize ends in U+FFFD after one.
         self.partial: set[int] = set()
@@ -92,6 +93,9 @@ class FakeVllm:
         body = await request.json()
         path = request.path
         self.bodies.append((path, body))
+        bad = "return_token_ids" in body and self.old
+        if bad or not isinstance(body.get("max_tokens", 0), int):  # 400s as vLLM's
+            return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
         chat = path.endswith("chat/completions")
         prompt = body.get("prompt")
         ids = list(prompt) if isinstance(prompt, list) else list(PROMPT_IDS[path])
@@ -293,3 +297,34 @@ def test_a_split_inside_a_character_is_moved_back(
     cont = [bd for _, bd in b.bodies if bd.get("stream")]
     assert cont[0]["prompt"] == [1, 2, 3] + [103 + i for i in range(9)]  # 112 given back
     assert cont[0]["max_tokens"] == 31
+
+
+def test_only_an_engine_that_takes_the_plain_form_is_marked_as_refusing(tmp_path: Path) -> None:
+    """The gateway asks for token ids and usage on every chunk (the augmented form) and
+    falls back to the client's own body on a 4xx; an endpoint that refused the augmented
+    form while taking the plain one is not asked for it again. A request the engine refuses
+    in both forms (a bad `max_tokens`) says nothing about the form: it marked the endpoint
+    for good, so that one bad request cost every later stream its exact continuation (a
+    helper's review)."""
+    e = FakeVllm()
+    g = gateway(tmp_path, e.url)
+    try:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4}
+        for _ in range(2):
+            _, r = stream(g.url, "/v1/completions", {**body, "max_tokens": "five"})
+            assert r.status_code == 400
+        e.bodies.clear()
+        events, r = stream(g.url, "/v1/completions", body)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert e.bodies[0][1].get("return_token_ids") is True  # still augmented
+        assert "refuses augmented" not in g.tail(200)
+        # An engine that takes only the plain form: asked once, then not again.
+        e.old = True
+        for _ in range(2):
+            e.bodies.clear()
+            events, r = stream(g.url, "/v1/completions", body)
+            assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert [b.get("return_token_ids") for _, b in e.bodies] == [None]
+        assert "refuses augmented" in g.tail(200)
+    finally:
+        g.stop()

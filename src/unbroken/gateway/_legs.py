@@ -150,6 +150,7 @@ class Legs:
                     stop_waiting = h.patience(tmo, h.first_byte_patience(ep, start))
                 elif answer is not None:
                     stop_waiting = h.patience(tmo, answer(ep))
+                balked: str | None = None  # a sticky form this endpoint answered 4xx
                 for i, form in enumerate(todo):
                     up = await self.upstream.request(ep.url, form.path, form.body, hdrs, sent=learn)
                     if up.status == 200 and streaming:
@@ -168,8 +169,14 @@ class Legs:
                             (data or b"")[:200].decode(errors="replace"),
                         )
                         if form.sticky:
-                            self.health.refused(ep, form.kind)
+                            balked = form.kind
                         continue
+                    if balked is not None and up.status < 400:
+                        # Refused the sticky form, took a later one: not asked for it again.
+                        # Only then: a request the engine refuses in every form (a bad
+                        # `max_tokens`) said nothing about the form, and marked the endpoint
+                        # for good (a helper's review).
+                        self.health.refused(ep, balked)
                     if up.status < 500:
                         h.upstream_ok(ep)
                     if up.status == 200 and not streaming and data is not None:
