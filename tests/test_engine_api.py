@@ -102,6 +102,8 @@ def test_n_choices_and_stop_strings(shared_engine: Proc) -> None:
         {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "n": 3},
     )
     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    # The prompt counted once, whatever n (vLLM 0.32 sums it per prompt): it was 3x.
+    assert r.json()["usage"] == {"prompt_tokens": 1, "completion_tokens": 15, "total_tokens": 16}
     full = expected_completion("abc", 30).text
     stop = full.split(" ")[5]
     r = _post(

@@ -219,7 +219,8 @@ def test_values_follow_from_the_requests(eng: Proc) -> None:
     )
     generated = sum(r["usage"]["completion_tokens"] for r in (r1, r2, r3))
     assert generated == 3 * 5 + 9 + 4 * 4  # no EOS (eos-rate 0): every choice runs to length
-    prompt = sum(r["usage"]["prompt_tokens"] for r in (r1, r2, r3))  # every choice's
+    # usage counts each prompt once whatever n (vLLM); the counter every sequence's prompt.
+    prompt = sum(r["usage"]["prompt_tokens"] * n for r, n in ((r1, 3), (r2, 1), (r3, 2)))
     m = Scrape(eng.url)
 
     # request_params_n: one observation per prompt (a parent request), its n.

@@ -626,7 +626,7 @@ class Engine:
             state,
             self.cfg.model_name if adapter is None else adapter.name,
             prompts,
-            sum(t for _, t in contexts) * req.n,
+            sum(t for _, t in contexts),  # once per prompt, whatever n (vLLM 0.32)
         )
         try:
             if req.stream:
