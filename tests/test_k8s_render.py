@@ -232,6 +232,13 @@ def test_gateway_and_controller_objects() -> None:
     assert "big=llm/unbroken-big:http" in args and "big=6" in args
     assert "small=256" in args  # no pool cap: the gateway default, as a whole
     assert gw["spec"]["replicas"] == 3
+    # SIGTERM's drain is the spec's drain deadline (13 s here), and the grace period holds
+    # the preStop sleep, that drain and a margin: it was the drain + 10 s while the gateway
+    # drained for the CLI's 30 s, so a short drain_deadline_s meant a SIGKILL mid-drain.
+    pod = gw["spec"]["template"]["spec"]
+    assert args[args.index("--shutdown-timeout") + 1] == "13"
+    sleep = int(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] >= sleep + 13 + 5
     assert by(objs, "PodDisruptionBudget", "unbroken-gateway")[0]["spec"]["minAvailable"] == 1
     admin_svc = by(objs, "Service", "unbroken-gateway-admin")[0]
     assert admin_svc["spec"]["clusterIP"] == "None"

@@ -44,6 +44,7 @@ HOOK_MARGIN_S = 5
 # Kubelet and runtime latency between the end of the preStop hook and SIGTERM, and between
 # the engine's exit and the pod's end.
 GRACE_MARGIN_S = 10
+GATEWAY_PRESTOP_S = 5  # the gateway's preStop sleep: the Service drops the pod before SIGTERM
 
 # The agent's capabilities, each for a reason (see docs/kubernetes.md):
 #   BPF         load programs, create maps (bpf(2) without CAP_SYS_ADMIN, kernel >= 5.8)
@@ -447,6 +448,11 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
         args += ["--k8s-service", f"{pool.name}={o.namespace}/{o.prefix}-{pool.name}:http"]
         args += ["--pool-cap", f"{pool.name}={pool.cap or spec.gateway.default_cap}"]
     args += ["--k8s-peers", f"{o.namespace}/{o.prefix}-gateway-admin:admin"]
+    # On SIGTERM open streams may finish for the drain deadline (else the CLI's 30 s, which
+    # a shorter drain_deadline_s left past the grace period: SIGKILL mid-drain, the clients'
+    # streams cut without their error event; a helper's review).
+    drain_s = spec.gateway.drain_deadline_s
+    args += ["--shutdown-timeout", str(math.ceil(drain_s))]
     sel = _selector(o, "gateway")
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(o, name, "gateway")}
     role = {
@@ -475,7 +481,6 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
         "type": "Opaque",
         "stringData": {"token": o.admin_token or secrets.token_urlsafe(32)},
     }
-    drain_s = spec.gateway.drain_deadline_s
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -491,7 +496,10 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                 "metadata": {"labels": _meta(o, name, "gateway")["labels"]},
                 "spec": {
                     "serviceAccountName": name,
-                    "terminationGracePeriodSeconds": math.ceil(drain_s + GRACE_MARGIN_S),
+                    # The preStop sleep counts against it, then the drain, then margin.
+                    "terminationGracePeriodSeconds": math.ceil(
+                        GATEWAY_PRESTOP_S + math.ceil(drain_s) + GRACE_MARGIN_S
+                    ),
                     "enableServiceLinks": False,
                     "securityContext": {
                         "runAsNonRoot": True,
@@ -514,7 +522,9 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                             "readinessProbe": _http_probe("/health", "http", 5, 2),
                             "livenessProbe": _http_probe("/health", "http", 10, 3),
                             # Let the Service's endpoints drop this pod before SIGTERM.
-                            "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+                            "lifecycle": {
+                                "preStop": {"exec": {"command": ["sleep", str(GATEWAY_PRESTOP_S)]}}
+                            },
                             "resources": {
                                 "requests": {"cpu": "1", "memory": "512Mi"},
                                 "limits": {"memory": "2Gi"},
