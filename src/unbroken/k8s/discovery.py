@@ -218,7 +218,8 @@ class SliceWatcher:
                     if time.monotonic() - watched_at > 1.0:
                         delay = self.backoff[0]
                     watching, watched_at = True, time.monotonic()
-                    async with asyncio.timeout(self.server_timeout_s + 30):
+                    idle = self.server_timeout_s + 30
+                    async with asyncio.timeout(idle) as tmo:
                         async for kind, obj in client.watch(
                             EndpointSlice,
                             namespace=self.ref.namespace,
@@ -226,6 +227,7 @@ class SliceWatcher:
                             resource_version=version,
                             server_timeout=self.server_timeout_s,
                         ):
+                            tmo.reschedule(asyncio.get_running_loop().time() + idle)
                             if kind == "DELETED":
                                 self.slices.pop(obj.metadata.name, None)
                             elif kind in ("ADDED", "MODIFIED"):
@@ -239,9 +241,16 @@ class SliceWatcher:
                     if _gone(e):
                         log.info("watch of %s: 410 Gone, listing again", self.ref)
                         self.on_api(True, "gone")
+                        if time.monotonic() - watched_at < 1.0:  # gone at once: not a hot loop
+                            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                            delay = min(delay * 2, self.backoff[1])
                         continue
                     if isinstance(e, TimeoutError):
-                        # No event and no server-side end within the timeout: re-list.
+                        # No event for server_timeout_s + 30 s. lightkube renews a watch the
+                        # server ended by itself, from the last version, without a word, and
+                        # sets no read timeout: so this list is what bounds how long a
+                        # half-open connection could hide changes (a quiet Service is listed
+                        # again every ~270 s; a busy one's watch lives on).
                         self.on_api(True, "timeout")
                         continue
                     if client is not None:
