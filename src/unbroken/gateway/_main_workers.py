@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,12 @@ class Worker:
     def send(self, msg: ToWorker) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg))
+
+    def run(self, coro: Coroutine[Any, Any, None]) -> None:
+        """An answer to this worker, as a task of its own (kept until it ends)."""
+        task = asyncio.create_task(coro)
+        self.tasks.append(task)
+        task.add_done_callback(self.tasks.remove)
 
 
 class WorkerGauge(Collector):
@@ -195,13 +201,9 @@ class WorkerProcesses(Gateway):
                 elif t == "handed":
                     self.metrics.handed_over.labels(msg["dir"]).inc()
                 elif t == "aggr?":
-                    task = asyncio.create_task(self._answer_metrics(w, msg["id"]))
-                    w.tasks.append(task)
-                    task.add_done_callback(w.tasks.remove)
+                    w.run(self._answer_metrics(w, msg["id"]))
                 elif t == "models?":
-                    task = asyncio.create_task(self._answer_models(w, msg["id"]))
-                    w.tasks.append(task)
-                    task.add_done_callback(w.tasks.remove)
+                    w.run(self._answer_models(w, msg["id"]))
 
     async def _watch(self, w: Worker) -> None:
         code = await w.proc.wait()

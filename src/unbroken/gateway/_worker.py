@@ -151,12 +151,24 @@ class WorkerGateway(Gateway):
         self.admission.wake()
 
     # -- /metrics: one gateway, all workers merged by the main process -------------------------
+    async def _ask(self, msg: ToMain, k: int, timeout: float | None = None) -> str:
+        """Send the main process `msg` (asking under id `k`) and wait for its answer."""
+        fut = self._asked[k] = asyncio.get_running_loop().create_future()
+        self.send(msg)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._asked.pop(k, None)
+
+    def _answered(self, k: int, text: str) -> None:
+        fut = self._asked.get(k)
+        if fut is not None and not fut.done():
+            fut.set_result(text)
+
     async def metrics_handler(self, request: web.Request) -> web.Response:
         k = next(self._ids)
-        fut = self._asked[k] = asyncio.get_running_loop().create_future()
-        self.send(AggrAsk(t="aggr?", id=k))
         try:
-            text = await asyncio.wait_for(fut, MERGE_WAIT_S)
+            text = await self._ask(AggrAsk(t="aggr?", id=k), k, MERGE_WAIT_S)
         except TimeoutError:
             # This worker's counters alone would read as a reset of the others': fail the
             # scrape instead (Prometheus records it as down and keeps the series intact).
@@ -166,20 +178,13 @@ class WorkerGateway(Gateway):
                 f"expositions within {MERGE_WAIT_S:g} s",
                 type="service_unavailable",
             ) from None
-        finally:
-            self._asked.pop(k, None)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _ask_models(self) -> None:
         """The main process reads the engines' models again; its answer follows the state
         that has them (one socket, in order), so they are applied here when it comes."""
         k = next(self._ids)
-        fut = self._asked[k] = asyncio.get_running_loop().create_future()
-        self.send(ModelsAsk(t="models?", id=k))
-        try:
-            await fut
-        finally:
-            self._asked.pop(k, None)
+        await self._ask(ModelsAsk(t="models?", id=k), k)
 
     def send_metrics(self, k: int) -> None:
         """This worker's exposition to the main process, which merges every worker's."""
@@ -251,13 +256,9 @@ class WorkerGateway(Gateway):
             elif t == "metrics":
                 self.send_metrics(msg["id"])
             elif t == "aggr":
-                fut = self._asked.get(msg["id"])
-                if fut is not None and not fut.done():
-                    fut.set_result(msg["text"])
+                self._answered(msg["id"], msg["text"])
             elif t == "models":
-                fut = self._asked.get(msg["id"])
-                if fut is not None and not fut.done():
-                    fut.set_result("")
+                self._answered(msg["id"], "")
             elif t == "rebalance":
                 ep = self.pool.get(msg["endpoint"])
                 if ep is not None:
