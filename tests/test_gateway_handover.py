@@ -201,7 +201,7 @@ def test_five_reloads_hand_streams_over_under_40_users(
         assert max(lived) < 6.0, lived  # a generation lasts 8-20 s here
         ws = workers_of(g)
         assert ws["serving"] == 2 and ws["draining"] == 0 and ws["main_pid"] == main_pid
-        assert metric(g.url, "unbroken_gateway_worker_restarts", kind="reload") == 5
+        assert metric(g.url, "unbroken_gateway_worker_restarts_total", kind="reload") == 5
         assert metric(g.url, "unbroken_gateway_streams_dropped_total") == 0
     finally:
         stop.set()

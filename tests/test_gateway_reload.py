@@ -140,7 +140,7 @@ def test_five_reloads_under_40_streaming_users(tmp_path: Path, engines: tuple[Pr
             timeout=30,
         )
         assert ws["serving"] == 2 and ws["main_pid"] == main_pid == g.pid
-        assert metric(g.url, "unbroken_gateway_worker_restarts", kind="reload") == 5
+        assert metric(g.url, "unbroken_gateway_worker_restarts_total", kind="reload") == 5
         assert metric(g.url, "unbroken_gateway_workers", state="draining") == 0
         assert metric(g.url, "unbroken_gateway_streams_dropped_total") == 0
     finally:

@@ -211,7 +211,7 @@ def test_killed_worker_costs_only_its_streams_and_is_replaced(tmp_path: Path, en
             timeout=15,
         )
         assert other in ws["pids"]
-        assert metric(g.url, "unbroken_gateway_worker_restarts", kind="replaced") == 1
+        assert metric(g.url, "unbroken_gateway_worker_restarts_total", kind="replaced") == 1
         # The dead worker's slots came back: nothing counts as in flight any more.
         wait_for(lambda: metric(g.url, "unbroken_gateway_inflight") == 0, timeout=10)
         text, err = stream_text(g.url, "after the kill", 20)

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from unbroken.gateway._continuation import augment, augmentable
+from unbroken.gateway._engine_routes import EngineRoutes, ResponseHomes, StreamScan
 from unbroken.gateway._forward import Completion, Forwarder
 from unbroken.gateway._headers import Headers, request_id
 from unbroken.gateway._health import EndpointHealth
@@ -64,7 +65,7 @@ PASSTHROUGH_ROUTES = (
 )
 
 
-class Handlers:
+class Handlers(EngineRoutes):
     """The route handlers; the parts they use are set by `Proxy.__init__`."""
 
     cfg: GatewaySettings
@@ -76,6 +77,7 @@ class Handlers:
     tenancy: Tenancy
     legs: Legs
     forwarder: Forwarder
+    homes: ResponseHomes
     # Reads every ready engine's /v1/models now: the prober's (one process) or the main
     # process's through the control socket (a worker); None: no such reader.
     read_models: Callable[[], Awaitable[None]] | None = None
@@ -178,7 +180,9 @@ class Handlers:
         `/v1/responses`, ...): forwarded as is to a ready endpoint of the request's model (of
         any model when it names none), with the same admission, retry before the first byte
         (connect error, 5xx) and 4xx pass-through as completions. A stream is relayed byte for
-        byte; it is not migrated if its engine dies mid-way."""
+        byte; it is not migrated if its engine dies mid-way. A Responses API turn that
+        continues a stored response (`previous_response_id`) goes to the replica that holds
+        it (`ResponseHomes`; else each in turn until one does not answer 404)."""
         t0 = time.monotonic()
         rid = request_id(request)
         priority = self.cfg.default_priority
@@ -198,6 +202,8 @@ class Handlers:
                     obj = None
             model = obj.get("model") if isinstance(obj, dict) else None
             stream = bool(lax_bool(obj.get("stream"))) if isinstance(obj, dict) else False
+            prev = obj.get("previous_response_id") if isinstance(obj, dict) else None
+            home = self.homes.get(prev) if isinstance(prev, str) else None
             known = sorted(self.pool.known_models())
             if not isinstance(model, str) or not model:
                 if not known:
@@ -222,7 +228,17 @@ class Handlers:
                 del headers["Content-Type"]
             lease = await self.tenancy.admit(tenant, headers)
             resp, pool_label = await self._pass(
-                request, model, priority, body, headers, stream, t0, tenant, lease
+                request,
+                model,
+                priority,
+                body,
+                headers,
+                stream,
+                t0,
+                tenant,
+                lease,
+                home=home,
+                hunt=isinstance(prev, str),
             )
             status = resp.status
             return resp
@@ -251,16 +267,30 @@ class Handlers:
         t0: float,
         tenant: TenantSpec | None = None,
         lease: Lease | None = None,
+        *,
+        home: str | None = None,
+        hunt: bool = False,
     ) -> tuple[web.StreamResponse, str]:
+        """`home`: the endpoint to ask first; `hunt`: a 404 means "not held here" (a stored
+        response), so each endpoint is asked in turn."""
         assert self.session is not None
         url_path = request.rel_url.raw_path_qs
+        notes = request.path == "/v1/responses"
         tried: list[Endpoint] = []
         deadline = t0 + self.cfg.request_timeout_s
-        for attempt in range(self.cfg.max_attempts):
+        attempts = max(self.cfg.max_attempts, len(self.pool.endpoints)) if hunt else None
+        not_here: web.Response | None = None
+        for attempt in range(attempts or self.cfg.max_attempts):
             if attempt and not self.pool.could_serve(model, priority, tried):
                 break
+            exclude = tried
+            h = self.pool.endpoints.get(home) if attempt == 0 and home else None
+            if h is not None:
+                others = [e for e in self.pool.endpoints.values() if e is not h]
+                if self.pool.could_serve(model, priority, others):
+                    exclude = others
             ep, n = await self.legs.admit(
-                model, priority, tried, size=len(body), tenant=tenant, leg=False
+                model, priority, exclude, size=len(body), tenant=tenant, leg=False
             )
             try:
                 limit = self.health.ttfb_limit(ep) if stream else deadline - time.monotonic()
@@ -297,8 +327,19 @@ class Handlers:
                     continue
                 if up.status < 400:
                     self.health.upstream_ok(ep)
+                if up.status == 404 and hunt:
+                    tried.append(ep)
+                    not_here = web.Response(
+                        status=404,
+                        body=data,
+                        content_type=up.content_type,
+                        headers=self.headers.response(headers, ep),
+                    )
+                    continue
                 if lease is not None and up.status == 200 and not sse:
                     self.tenancy.charge_body(lease, data)
+                if notes and up.status == 200 and not sse:
+                    self.homes.note_body(data, ep)
                 if not sse or up.status != 200:
                     return web.Response(
                         status=up.status,
@@ -306,9 +347,16 @@ class Handlers:
                         content_type=up.content_type,
                         headers=self.headers.response(headers, ep),
                     ), ep.pool
-                return await self._pass_stream(request, up, ep, headers), ep.pool
+                scan = (
+                    StreamScan(ep, self.homes if notes else None, lease, self.tenancy.charge)
+                    if notes or lease is not None
+                    else None
+                )
+                return await self._pass_stream(request, up, ep, headers, scan), ep.pool
             finally:
                 self.legs.release(ep, n)
+        if not_here is not None:
+            return not_here, "none"
         raise ApiError(
             502,
             f"no endpoint could serve the request after {len(tried)} attempt(s)",
@@ -321,9 +369,11 @@ class Handlers:
         up: aiohttp.ClientResponse,
         ep: Endpoint,
         headers: dict[str, str],
+        scan: StreamScan | None = None,
     ) -> web.StreamResponse:
         """Relay an event stream byte for byte; a stall past `stall_timeout_s` or a broken
-        upstream ends it with an error event (no silent truncation)."""
+        upstream ends it with an error event (no silent truncation). `scan` reads the
+        stream's usage (the tenant's tokens) and a stored response's id on the way."""
         resp = web.StreamResponse(
             headers={
                 "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
@@ -341,6 +391,8 @@ class Handlers:
                         chunk = await it.__anext__()
                 except StopAsyncIteration:
                     break
+                if scan is not None:
+                    scan.feed(chunk)
                 await resp.write(chunk)
         except (*UPSTREAM_ERRORS, TimeoutError) as e:
             kind = "stall" if isinstance(e, TimeoutError) else "reset"

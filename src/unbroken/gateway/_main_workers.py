@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from unbroken.gateway._messages import (
@@ -81,26 +81,32 @@ class Worker:
 
 
 class WorkerGauge(Collector):
-    def __init__(self, main: WorkerProcesses) -> None:
+    """The workers by state, and their restarts. `main` None: a gateway of one process
+    (`--workers 1`), which serves itself and is never restarted or reloaded, exports the
+    same series (an alert on `unbroken_gateway_workers{state="serving"} < 1` reads the same
+    whatever the worker count)."""
+
+    def __init__(self, main: WorkerProcesses | None) -> None:
         self.main = main
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         g = GaugeMetricFamily(
             "unbroken_gateway_workers",
             "Worker processes: serving, and old ones still finishing their streams after a "
             "reload or during shutdown.",
             labels=["state"],
         )
-        ws = self.main.workers
-        g.add_metric(["serving"], sum(not w.draining for w in ws))
+        main = self.main
+        ws = main.workers if main is not None else []
+        g.add_metric(["serving"], sum(not w.draining for w in ws) if main is not None else 1)
         g.add_metric(["draining"], sum(w.draining for w in ws))
-        r = GaugeMetricFamily(
+        r = CounterMetricFamily(
             "unbroken_gateway_worker_restarts",
             "Workers that died and were replaced, and reloads done, since start.",
             labels=["kind"],
         )
-        r.add_metric(["replaced"], self.main.replaced)
-        r.add_metric(["reload"], self.main.reloads)
+        r.add_metric(["replaced"], main.replaced if main is not None else 0)
+        r.add_metric(["reload"], main.reloads if main is not None else 0)
         yield from (g, r)
 
 

@@ -325,7 +325,8 @@ class GatewayMetrics:
                 raise ApiError(
                     404,
                     f"no route {request.method} {request.path[:200]}: this server has POST "
-                    "/v1/completions, POST /v1/chat/completions and GET /v1/models (a client's "
+                    "/v1/completions, POST /v1/chat/completions, GET /v1/models and vLLM's "
+                    "other routes (/v1/embeddings, /v1/responses, /tokenize, ...; a client's "
                     "base URL is http://HOST:PORT/v1)",
                     type="not_found_error",
                     code="unknown_route",

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from unbroken.gateway._admission import Admission
+from unbroken.gateway._engine_routes import ResponseHomes
 from unbroken.gateway._forward import Forwarder
 from unbroken.gateway._handlers import PASSTHROUGH_ROUTES, Handlers, _max_tokens, _wants
 from unbroken.gateway._headers import Headers
@@ -59,6 +60,7 @@ class Proxy(Handlers):
         self.headers = Headers(cfg)
         self.health = EndpointHealth(cfg, pool, metrics)
         self.tenancy = Tenancy(cfg, self.headers, metrics)
+        self.homes = ResponseHomes()
         self.legs = Legs(
             pool, admission, self.health, self.headers, self.upstream, metrics, on_release
         )

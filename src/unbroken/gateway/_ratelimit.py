@@ -62,16 +62,20 @@ def cap_share(total: int, replicas: int, rank: int) -> int:
 
 
 def reset_text(seconds: float) -> str:
-    """OpenAI's duration form for the `x-ratelimit-reset-*` headers: `1s`, `6m0s`, `20ms`."""
+    """OpenAI's duration form for the `x-ratelimit-reset-*` headers, Go's `time.Duration`
+    text: `20ms`, `1s`, `8.64s`, `6m0s`, `1m1.5s`, `2h1m0.4s`. Rounded up to the
+    millisecond, so that a client that waits as long is not refused again."""
     if seconds <= 0:
         return "0s"
-    if seconds < 1:
-        return f"{max(1, math.ceil(seconds * 1000))}ms"
-    m, s = divmod(seconds, 60)
-    if m >= 60:
-        h, m = divmod(m, 60)
-        return f"{int(h)}h{int(m)}m{s:.0f}s"
-    return f"{int(m)}m{s:.0f}s" if m else f"{s:.3g}s"
+    ms = max(1, math.ceil(seconds * 1000 - 1e-6))
+    if ms < 1000:
+        return f"{ms}ms"
+    h, rem = divmod(ms, 3_600_000)
+    m, rem = divmod(rem, 60_000)
+    s = f"{rem / 1000:.3f}".rstrip("0").rstrip(".")
+    if h:
+        return f"{h}h{m}m{s}s"
+    return f"{m}m{s}s" if m else f"{s}s"
 
 
 _WHAT = {

@@ -11,6 +11,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from unbroken.gateway._main import serve_main
+from unbroken.gateway._main_workers import WorkerGauge
 from unbroken.gateway._process import (
     READINESS_LEAD_S,
     UNREADY_WARNING_S,
@@ -42,6 +43,7 @@ async def serve(
     """One process serves everything (`--workers 1`) until SIGTERM, then drains."""
     token = resolve_token(admin_token)
     gw = Gateway(cfg, token)
+    gw.metrics.registry.register(WorkerGauge(None))
     try:
         await gw.start(static, warmup=warmup, k8s=k8s)
     except OSError:

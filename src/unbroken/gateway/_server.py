@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
 from unbroken.gateway._admission import Admission
+from unbroken.gateway._engine_routes import LORA_ROUTES, RESPONSE_ROUTES
 from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
@@ -262,6 +263,7 @@ class Gateway:
                 self._count_inflight,
                 error_middleware,
                 body_middleware(self.cfg.body_timeout_s),
+                self._auth_unrouted,
                 self.metrics.count_unknown_routes(),
             ],
         )
@@ -272,9 +274,29 @@ class Gateway:
         app.router.add_get("/v1/models", self.proxy.models)
         for method, route in PASSTHROUGH_ROUTES:  # engine routes forwarded as they are
             app.router.add_route(method, route, self.proxy.passthrough)
+        for method, route in RESPONSE_ROUTES:  # asked of the replica holding the response
+            app.router.add_route(method, route, self.proxy.response_by_id)
+        for method, route in LORA_ROUTES:  # applied on every replica of the base model
+            app.router.add_route(method, route, self.proxy.lora_adapter)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)  # vLLM's (SageMaker's) name for /health
+        app.router.add_post("/ping", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         return app
+
+    @web.middleware
+    async def _auth_unrouted(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With tenants, a /v1 path with no route (404) or not for this method (405) checks
+        the key first (401), as vLLM with `--api-key` guards every /v1 path before routing:
+        a bad key learns nothing of the routes. Preflights (OPTIONS) are not asked for one."""
+        if (
+            request.match_info.http_exception is not None
+            and self.proxy.tenancy.tenants is not None
+            and request.path.startswith("/v1")
+            and request.method != "OPTIONS"
+        ):
+            self.proxy.tenancy.resolve(request)
+        return await handler(request)
 
     @web.middleware
     async def _count_inflight(self, request: web.Request, handler: Any) -> web.StreamResponse:

@@ -22,6 +22,7 @@ from unbroken.gateway._messages import LeaseState
 from unbroken.gateway._ratelimit import Lease, Limiter, RateLimited
 from unbroken.gateway._tenants import NONE, Tenants, priority_for
 from unbroken.wire.errors import ApiError
+from unbroken.wire.openai import usage_of
 
 if TYPE_CHECKING:
     from unbroken.config.spec import GatewaySettings
@@ -120,21 +121,17 @@ class Tenancy:
             self.metrics.tenant_tokens.labels(lease.tenant, "completion").inc(lease.completion - c0)
 
     def charge_body(self, lease: Lease, data: bytes | None) -> None:
-        """A whole answer's usage (non-streaming: one body, never continued)."""
+        """A whole answer's usage (non-streaming: one body, never continued); the Responses
+        API's names for it too (`input_tokens`, `output_tokens`)."""
         if not data:
             return
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             return
-        u = obj.get("usage") if isinstance(obj, dict) else None
-        if isinstance(u, dict):
-            pt, ct = u.get("prompt_tokens"), u.get("completion_tokens")
-            self.charge(
-                lease,
-                pt if isinstance(pt, int) else None,
-                ct if isinstance(ct, int) else None,
-            )
+        u = usage_of(obj)
+        if u is not None:
+            self.charge(lease, *u)
 
     def done(self, tenant: TenantSpec | None, lease: Lease | None, status: int) -> None:
         if tenant is None:

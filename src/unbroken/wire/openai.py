@@ -27,6 +27,7 @@ __all__ = [
     "StreamOptions",
     "gateway_view",
     "parse_request",
+    "usage_of",
     "validation_message",
 ]
 
@@ -243,3 +244,23 @@ def gateway_view(body: bytes, chat: bool) -> GatewayView:
         if isinstance(p, list) and p and not isinstance(p[0], int):
             prompts = len(p)
     return GatewayView(model, stream, prompts * fan, raw)
+
+
+def usage_of(obj: Any) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) tokens of an answer or an event: Chat and Completions' `usage`
+    (`prompt_tokens`, `completion_tokens`) or the Responses API's (`input_tokens`,
+    `output_tokens`, top level or in its events' `response`); None without usage."""
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        r = obj.get("response")
+        u = r.get("usage") if isinstance(r, dict) else None
+        if not isinstance(u, dict):
+            return None
+    p = u.get("prompt_tokens", u.get("input_tokens"))
+    c = u.get("completion_tokens", u.get("output_tokens"))
+    return (
+        p if isinstance(p, int) and not isinstance(p, bool) else None,
+        c if isinstance(c, int) and not isinstance(c, bool) else None,
+    )
