@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import socket
 import time
 
@@ -49,6 +50,7 @@ REFRESH_S = 0.5  # this worker's count is published at least this often
 _BATCH = 64  # connections taken per wake-up at most
 # Out of descriptors or memory (`_accept`).
 _RESOURCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+ACCEPT_WARN_S = 30.0  # a descriptor shortage is warned of once per this, with its count
 
 
 class BalancedSite(web.BaseSite):
@@ -59,6 +61,8 @@ class BalancedSite(web.BaseSite):
 
     __slots__ = (
         "_cpu_at",
+        "_failed",
+        "_failed_said",
         "_listening",
         "_name",
         "_pack_conns",
@@ -93,6 +97,10 @@ class BalancedSite(web.BaseSite):
         self._listening = False
         self._refresh: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[object]] = set()
+        # accept(2) failures for want of descriptors or memory since the last warning, and
+        # when that was: one warning per ACCEPT_WARN_S, not one a second while it lasts.
+        self._failed = 0
+        self._failed_said = -math.inf
 
     @property
     def name(self) -> str:
@@ -199,7 +207,17 @@ class BalancedSite(web.BaseSite):
                 break
             except OSError as e:
                 if e.errno in _RESOURCE:
-                    log.warning("accept failed (%s): not accepting for 1 s", e)
+                    self._failed += 1
+                    now = time.monotonic()
+                    if now - self._failed_said >= ACCEPT_WARN_S:
+                        log.warning(
+                            "accept failed %d time(s) in the last %.0f s (%s): not accepting "
+                            "for 1 s after each",
+                            self._failed,
+                            min(now - self._failed_said, ACCEPT_WARN_S),
+                            e,
+                        )
+                        self._failed, self._failed_said = 0, now
                     return False
                 break  # the client gave up before it was accepted (ECONNABORTED): next
             try:
