@@ -5,6 +5,7 @@ follow from the requests sent."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,11 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:estimated_write_bytes_per_gpu": ("counter", ()),
     "vllm:cache_config_info": ("gauge", ()),  # labels checked below
 }
+
+# vLLM's page (prometheus_client's default REGISTRY, `_created` samples left on) has one
+# `<name>_created` sample per counter and histogram series, never for a gauge; the text
+# format gives them families of their own, typed gauge.
+CREATED = {f"{name}_created": name for name, (kind, _) in EXPECTED.items() if kind != "gauge"}
 
 # Label values vLLM pre-creates (loggers.py; FinishReason, PromptTokenStats.ALL_SOURCES,
 # CacheHitSource, ADMISSION_REASONS).
@@ -172,9 +178,19 @@ PROMPT = "The history of the printing press begins with movable type in East Asi
 def test_every_default_vllm_series_with_vllm_types_labels_and_buckets(eng: Proc) -> None:
     m = Scrape(eng.url)
     ours = {n for n in m.families if n.startswith("vllm:")}
-    assert ours == set(EXPECTED), (
-        f"missing: {sorted(set(EXPECTED) - ours)}; extra: {sorted(ours - set(EXPECTED))}"
-    )
+    want = set(EXPECTED) | set(CREATED)
+    assert ours == want, f"missing: {sorted(want - ours)}; extra: {sorted(ours - want)}"
+    now = time.time()
+    for name, base in CREATED.items():
+        fam = m.families[name]
+        assert fam.type == "gauge", (name, fam.type)
+        series = {tuple(sorted(s.labels.items())) for s in m.samples(name)}
+        assert series == {
+            tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            for s in m.families[base].samples
+        }, name
+        # When each series was created: at the engine's start, before this scrape.
+        assert all(now - 600 < s.value <= now for s in m.samples(name)), name
     for name, (kind, extra) in EXPECTED.items():
         fam = m.families[name]
         assert fam.type == kind, (name, fam.type)
@@ -261,6 +277,23 @@ def test_values_follow_from_the_requests(eng: Proc) -> None:
     assert m.value("vllm:num_requests_waiting") == 0
     for reason in ("capacity", "deferred"):
         assert m.value("vllm:num_requests_waiting_by_reason", reason=reason) == 0
+
+
+def test_time_per_output_token_is_observed_for_every_finished_request(eng: Proc) -> None:
+    """vLLM observes request_time_per_output_token_seconds for every finished request, 0
+    for one without a decode (one token): its count is e2e's."""
+    before = Scrape(eng.url)
+    tpot = "vllm:request_time_per_output_token_seconds"
+    zero = before.value(tpot, "_bucket", le="0.01")
+    for max_tokens in (1, 1, 6):
+        _post(eng, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens})
+    m = Scrape(eng.url)
+    e2e = m.value("vllm:e2e_request_latency_seconds", "_count")
+    assert e2e == before.value("vllm:e2e_request_latency_seconds", "_count") + 3
+    assert m.value(tpot, "_count") == e2e
+    assert m.value(tpot, "_count") - before.value(tpot, "_count") == 3
+    # The two one-token requests observed 0 (the first bucket, le=0.01).
+    assert m.value(tpot, "_bucket", le="0.01") - zero >= 2
 
 
 def test_preemptions_per_request(logdir: Path) -> None:
@@ -365,3 +398,38 @@ def test_name_filter_renders_only_the_named_samples(eng: Proc) -> None:
     read = lines(part)
     assert read == lines(full)
     assert dict(read)["vllm:time_to_first_token_seconds_count"] >= 1, read
+
+
+def test_created_samples_whatever_turned_them_off_in_the_process() -> None:
+    """The gateway's metrics module turns prometheus_client's `_created` samples off for the
+    whole process when imported; the engine's page has them all the same, and leaves the
+    process's setting as it found it."""
+    import prometheus_client.metrics as prom_metrics
+
+    import unbroken.gateway._metrics  # noqa: F401  (turns them off)
+    from unbroken.engine.metrics import EngineMetrics
+
+    assert prom_metrics._use_created is False
+    m = EngineMetrics(MODEL)
+    text = m.render([]).decode()
+    fams = {f.name for f in text_string_to_metric_families(text)}
+    assert set(CREATED) <= fams, sorted(set(CREATED) - fams)
+    part = m.render(["vllm:prompt_tokens_created"]).decode()
+    assert [s.name for f in text_string_to_metric_families(part) for s in f.samples] == [
+        "vllm:prompt_tokens_created"
+    ]
+    assert prom_metrics._use_created is False
+
+
+def test_classic_text_whatever_the_scraper_asks(eng: Proc) -> None:
+    """vLLM 0.32's GET /metrics (prometheus-fastapi-instrumentator's route) answers the classic
+    text, uncompressed, to a scraper that asks for OpenMetrics and gzip: so does the simulator,
+    so Prometheus ingests the same series (`_created` ones included) from both."""
+    headers = {
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5",
+        "Accept-Encoding": "gzip",
+    }
+    r = httpx.get(eng.url + "/metrics", headers=headers, timeout=10)
+    assert r.status_code == 200 and "content-encoding" not in r.headers
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "# EOF" not in r.text and "# TYPE vllm:prompt_tokens_total counter" in r.text

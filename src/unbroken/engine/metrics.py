@@ -10,13 +10,16 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import prometheus_client.metrics as prom_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["EngineMetrics", "FinishedSeq", "LoraInfo", "cache_config_info"]
 
-disable_created_metrics()
+# vLLM's API server renders prometheus_client's default REGISTRY with its `_created` samples
+# (one per counter and histogram series) unless PROMETHEUS_DISABLE_CREATED_SERIES says not to.
+CREATED = prom_metrics._get_use_created()
 
 TTFT_BUCKETS = (
     0.001,
@@ -509,6 +512,20 @@ class EngineMetrics:
         )
         self.lora: LoraInfo | None = None if max_loras is None else LoraInfo(r, max_loras)
 
+    def render(self, names: list[str]) -> bytes:
+        """The exposition of the registry, restricted to the samples `names` when not empty,
+        with vLLM's `_created` samples. Whether prometheus_client renders those is one
+        process-wide flag read at collect time, which the gateway's metrics module turns off
+        when imported (in-process tests hold both): set it for this render only. Nothing
+        else renders meanwhile: this runs to its end on the event loop's thread."""
+        reg = self.registry
+        was = prom_metrics._use_created
+        prom_metrics._use_created = CREATED
+        try:
+            return generate_latest(reg.restricted_registry(names) if names else reg)
+        finally:
+            prom_metrics._use_created = was
+
     def log_cache_config(self, info: dict[str, str]) -> None:
         """vllm:cache_config_info, set once at start as vLLM's log_engine_initialized: a gauge
         at 1 whose labels are the cache config's fields plus `engine` (no `model_name`)."""
@@ -559,5 +576,6 @@ class EngineMetrics:
         self.prefill_kv_computed.observe(f.prompt - f.cached)
         if f.max_tokens:
             self.params_max_tokens.observe(f.max_tokens)
-        if f.generated > 1:
-            self.tpot.observe((f.last - f.first) / (f.generated - 1))
+        # Every finished sequence, 0 without a decode (vLLM's mean_time_per_output_token):
+        # its count is e2e's.
+        self.tpot.observe((f.last - f.first) / (f.generated - 1) if f.generated > 1 else 0.0)

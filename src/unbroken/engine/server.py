@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from unbroken.engine import cuda as cuda_mod
@@ -181,6 +181,9 @@ class Engine:
         self.cuda: cuda_mod.CudaStub | None = None
         self.core: EngineCore | None = None
         self.states: dict[str, RequestState] = {}
+        # Sequences aborted before they finished (client gone, error, shutdown): /admin/state's
+        # only record of them, as vLLM's abort counts them in no metric.
+        self.aborted = 0
         self.draining = False
         self.ready = False
         self.weights_report: LoadReport | None = None
@@ -346,15 +349,15 @@ class Engine:
         return web.json_response({"version": __version__, "engine": "unbroken-sim"})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        """The Prometheus page; `?name[]=SAMPLE&name[]=...` restricts it to those samples, as
-        prometheus_client's own exposition does. vLLM 0.32 ignores the query (its page is
-        prometheus-fastapi-instrumentator's): where vLLM's API server is a process of its own,
-        a scrape delays its streams, not the engine's steps, while here the page's rendering
-        (~6 ms for vLLM's series) holds the one process that also runs the steps, so the
-        controller's five reads a second ask for the few series they parse."""
-        names = request.query.getall("name[]", [])
-        reg = self.metrics.registry
-        body = generate_latest(reg.restricted_registry(names) if names else reg)
+        """The Prometheus page in the classic text format, whatever Accept or Accept-Encoding
+        ask, as vLLM 0.32's GET /metrics (prometheus-fastapi-instrumentator's route, added
+        before the make_asgi_app mount, so it wins; it ignores the query too). Unlike vLLM,
+        `?name[]=SAMPLE&name[]=...` restricts it to those samples, as prometheus_client's own
+        exposition does: where vLLM's API server is a process of its own, a scrape delays its
+        streams, not the engine's steps, while here the page's rendering (~6 ms for vLLM's
+        series) holds the one process that also runs the steps, so the controller's five
+        reads a second ask for the few series they parse."""
+        body = self.metrics.render(request.query.getall("name[]", []))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -585,9 +588,12 @@ class Engine:
         if self.states.pop(state.key, None) is not None and not state.done:
             assert self.core is not None
             self.core.abort(state.key)
+            # Not counted in request_success_total{finished_reason="abort"}: vLLM 0.32's
+            # AsyncLLM.abort drops the request's state (OutputProcessor.abort_requests) without
+            # the finished-request stats; only the engine core's own aborts count there.
             for i, f in enumerate(state.finish):
                 if f is None:
-                    self.metrics.success("abort")
+                    self.aborted += 1
                     state.finish[i] = "abort"
         if not self.states:
             self._idle.set()
@@ -836,6 +842,7 @@ class Engine:
                 "preemptions": core.preemptions,
                 "max_num_seqs": core.max_num_seqs,
                 "requests": len(self.states),
+                "aborted": self.aborted,
                 "cuda_stub": str(self.cuda.directory) if self.cuda else None,
                 "startup_s": self.startup_s,
                 "weights": None
