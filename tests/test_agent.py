@@ -17,13 +17,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
+from aiohttp import web
 
 from helpers import MODEL, Up, wait_for
 from unbroken.agent import maps
 from unbroken.agent.build import BPF_DIR, BuildError, build_objects
-from unbroken.agent.service import Agent, AgentConfig
+from unbroken.agent.service import Agent, AgentConfig, build_app
 from unbroken.agent.tcp import SockDiagSampler
 from unbroken.engine.cuda import load
 from unbroken.wire.http import free_port
@@ -500,3 +502,47 @@ def test_once_snapshot_and_fallback_cli() -> None:
         timeout=30,
     )
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
+
+
+def test_probes_of_copies_of_a_library_are_one_series_each(agent: Agent, tmp_path: Path) -> None:
+    """Two copies of a CUDA library (one per venv or image: the same basename, two inodes)
+    get probes each; the exporter labels probes by basename, so it shows each
+    (library, function, prologue, mode) once, valued by the copies, not once per copy."""
+    assert agent.cuda is not None
+    src = load().directory / "libunbroken_cuda.so.1"
+    for d in ("venv-a", "venv-b"):
+        (tmp_path / d).mkdir()
+        shutil.copy(src, tmp_path / d / src.name)
+        rep = agent.cuda.attach_library(str(tmp_path / d / src.name))
+        assert rep is not None and rep.attached
+        agent.libraries.append(rep)  # as discover() does for a library a process maps
+    want: dict[str, int] = {}  # attached function -> copies (the module's agent may hold more)
+    for r in agent.libraries:
+        if os.path.basename(r.path) == src.name:
+            for pr in r.attached:
+                want[pr.function] = want.get(pr.function, 0) + 1
+    assert want and min(want.values()) >= 2
+
+    async def scrape() -> str:
+        runner = web.AppRunner(build_app(agent))
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                return await r.text()
+        finally:
+            await runner.cleanup()
+
+    seen: dict[str, list[float]] = {}  # a series' labels -> its samples
+    for line in asyncio.run(scrape()).splitlines():
+        if line.startswith("unbroken_agent_probes{") and f'library="{src.name}"' in line:
+            labels, _, value = line.rpartition(" ")
+            seen.setdefault(labels, []).append(float(value))
+    assert seen and all(len(v) == 1 for v in seen.values()), seen
+    got = {
+        labels.split('function="')[1].split('"')[0]: v[0]
+        for labels, v in seen.items()
+        if 'mode="attached"' in labels
+    }
+    assert got == want, (got, want)

@@ -226,16 +226,21 @@ class _Collector(Collector):
             yield calls
             probes = GaugeMetricFamily(
                 "unbroken_agent_probes",
-                "Traced functions per library (mode: attached, or "
-                "skipped because the probe would be single-stepped).",
+                "Traced functions per library (mode: attached, or skipped because the probe "
+                "would be single-stepped); the value counts the copies of that library.",
                 labels=["library", "function", "prologue", "mode"],
             )
+            # Labelled by the library's basename, which copies share (one per venv or
+            # container image): one series per label set, counting them, not one per copy.
+            copies: dict[tuple[str, str, str, str], int] = {}
             for rep in a.libraries:
                 lib = os.path.basename(rep.path)
-                for pr in rep.attached:
-                    probes.add_metric([lib, pr.function, pr.prologue, "attached"], 1)
-                for pr in rep.skipped:
-                    probes.add_metric([lib, pr.function, pr.prologue, "skipped"], 1)
+                for mode, found in (("attached", rep.attached), ("skipped", rep.skipped)):
+                    for pr in found:
+                        key = (lib, pr.function, pr.prologue, mode)
+                        copies[key] = copies.get(key, 0) + 1
+            for key, n in sorted(copies.items()):
+                probes.add_metric(list(key), n)
             yield probes
         if a.tcp is not None:
             src = a.tcp.source
