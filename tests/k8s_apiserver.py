@@ -10,10 +10,16 @@ that speaks the parts of the API the gateway uses, as a real server does:
   `{"type": "ADDED"|"MODIFIED"|"DELETED", "object": ...}` with every change after RV; a
   version older than the compaction point answers `410 Gone` (as a Status ERROR event on an
   open watch, as HTTP 410 on a new one), which is the client's cue to list again;
-- `timeoutSeconds` ends a watch cleanly, as the real server does.
+- `timeoutSeconds` ends a watch cleanly, as the real server does;
+- `allowWatchBookmarks=true`: the watch gets BOOKMARK events when the test calls `bookmark`,
+  in the minimal form the Kubernetes docs show (an object with only `kind`, `apiVersion` and
+  `metadata.resourceVersion`, the version the watch has reached); a watch that did not ask
+  gets none.
 
-The test drives it: `put_slice`, `delete_slice`, `compact` (410 for every watcher),
-`drop_watches` (cut open watch connections mid-stream), `stop`/`start` (unreachable).
+The test drives it: `put_slice`, `delete_slice`, `compact` (410 for every watcher, or only
+for new watches from older versions), `bookmark`, `fail_watches` (every new watch refused
+with that HTTP status), `drop_watches` (cut open watch connections mid-stream),
+`stop`/`start` (unreachable).
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ class ApiServer:
         self.events: list[tuple[int, str, dict[str, Any]]] = []
         self.lists = 0
         self.watches: list[str | None] = []  # resourceVersion of each watch request
+        self.watch_params: list[dict[str, str]] = []  # the query of each watch request
+        self.fail_watches: tuple[int, str] | None = None  # (code, reason): refuse new watches
+        self._bookmarks = 0  # bookmark() calls so far
+        self._cuts = 0  # compact() calls that cut open watches
         self._cond: asyncio.Condition | None = None
         self._open: dict[int, web.Request] = {}  # id → open watch request
         self._runner: web.AppRunner | None = None
@@ -134,9 +144,15 @@ class ApiServer:
         obj = self.slices[(namespace, name)]
         self._call(self._change("DELETED", obj))
 
-    def compact(self) -> None:
-        """Every version so far falls out of the window: open watches get an ERROR 410."""
-        self._call(self._compact())
+    def compact(self, cut_watches: bool = True) -> None:
+        """Every version so far falls out of the window: a new watch from one gets HTTP 410;
+        with `cut_watches` open watches get an ERROR 410 too, else they go on (as the real
+        server's watch cache does: a new watch from the current version is fine)."""
+        self._call(self._compact(cut_watches))
+
+    def bookmark(self) -> None:
+        """Send a BOOKMARK to every open watch that asked for bookmarks."""
+        self._call(self._bookmark())
 
     def drop_watches(self) -> None:
         """Cut every open watch connection mid-stream (a load balancer or server restart)."""
@@ -171,10 +187,18 @@ class ApiServer:
         async with self._cond:
             self._cond.notify_all()
 
-    async def _compact(self) -> None:
+    async def _compact(self, cut_watches: bool) -> None:
         assert self._cond is not None
-        self.rv += 1
+        if cut_watches:
+            self.rv += 1
+            self._cuts += 1
         self.compacted = self.rv
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def _bookmark(self) -> None:
+        assert self._cond is not None
+        self._bookmarks += 1
         async with self._cond:
             self._cond.notify_all()
 
@@ -223,6 +247,11 @@ class ApiServer:
             return web.Response(body=orjson.dumps(body), content_type="application/json")
         since = q.get("resourceVersion")
         self.watches.append(since)
+        self.watch_params.append(dict(q))
+        if self.fail_watches is not None:
+            code, reason = self.fail_watches
+            err = self._status(code, reason, f"watch refused: {reason}")
+            return web.json_response(err, status=code, dumps=lambda o: orjson.dumps(o).decode())
         start = int(since) if since else self.rv
         if start < self.compacted:
             gone = self._status(410, "Expired", f"too old resource version: {start}")
@@ -233,11 +262,13 @@ class ApiServer:
         timeout = float(q.get("timeoutSeconds", "300"))
         assert self._cond is not None
         seen = start
-        compacted_seen = self.compacted
+        cuts_seen = self._cuts
+        bookmarks = q.get("allowWatchBookmarks") == "true"
+        bookmarks_seen = self._bookmarks
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    if self.compacted > compacted_seen:
+                    if self._cuts > cuts_seen:
                         gone = self._status(410, "Expired", "too old resource version")
                         line = orjson.dumps({"type": "ERROR", "object": gone}) + b"\n"
                         await resp.write(line)
@@ -247,8 +278,20 @@ class ApiServer:
                         if self._matches(obj, ns, selector):
                             await resp.write(orjson.dumps({"type": kind, "object": obj}) + b"\n")
                     seen = now
+                    if self._bookmarks > bookmarks_seen:
+                        bookmarks_seen = self._bookmarks
+                        if bookmarks:
+                            bm = {
+                                "kind": "EndpointSlice",
+                                "apiVersion": "discovery.k8s.io/v1",
+                                "metadata": {"resourceVersion": str(now)},
+                            }
+                            line = {"type": "BOOKMARK", "object": bm}
+                            await resp.write(orjson.dumps(line) + b"\n")
                     async with self._cond:
-                        await self._cond.wait_for(lambda: self.rv > seen)  # noqa: B023
+                        await self._cond.wait_for(
+                            lambda: self.rv > seen or self._bookmarks > bookmarks_seen  # noqa: B023
+                        )
         except TimeoutError:
             pass
         except ConnectionError:

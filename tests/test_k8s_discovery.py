@@ -15,13 +15,16 @@ so this is a shape the real API also produces).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,13 @@ from k8s_apiserver import ApiServer, Ep
 from unbroken.engine.textmodel import expected_completion
 from unbroken.gateway._discovery import cap_share
 from unbroken.k8s import hooks
-from unbroken.k8s.discovery import ServiceRef, SliceEndpoint, gateway_settings, slice_endpoints
+from unbroken.k8s.discovery import (
+    ServiceRef,
+    SliceEndpoint,
+    SliceWatcher,
+    gateway_settings,
+    slice_endpoints,
+)
 from unbroken.wire.sse import SSEDecoder
 
 NS = "default"
@@ -499,3 +508,102 @@ def test_rendered_pod_commands_run(tmp_path: Path, api: ApiServer) -> None:
     finally:
         g.stop()
         e.stop()
+
+
+# -- the watch loop itself, in this process against the stand-in API server --------------
+async def until(cond: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def watching(**kw: Any) -> AsyncIterator[SliceWatcher]:
+    """A SliceWatcher of `default/eng:http` running in this loop, after its first list."""
+    w = SliceWatcher(ServiceRef(NS, "eng", "http"), lambda eps: None, **kw)
+    task = asyncio.create_task(w.run())
+    try:
+        await until(lambda: w.synced, 10, "the first list")
+        yield w
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def put_elsewhere(api: ApiServer, n: int) -> None:
+    """The cluster moves on: changes that no watch of `eng` sees."""
+    for i in range(n):
+        api.put_slice("other", f"x-{i}", "other", [Ep(f"x{i}")], 8000, "http")
+
+
+async def test_watch_resumes_without_listing_when_the_server_ends_it(api: ApiServer) -> None:
+    """Every WATCH asks for bookmarks with the server's timeout, and a watch the server ends
+    (timeoutSeconds) is renewed from the last version seen, without a LIST. (The API server is
+    the stand-in, the one thing faked here.)"""
+    api.put_slice(NS, "eng-a", "eng", [Ep("p1")], 8000, "http")
+    async with watching(server_timeout_s=1) as w:
+        await until(lambda: api.watches, 5, "a watch")
+        api.put_slice(NS, "eng-b", "eng", [Ep("p2")], 8000, "http")
+        await until(lambda: "p2.default" in w.endpoints, 5, "the change")
+        changed = str(api.rv)
+        await until(lambda: len(api.watches) >= 3, 5, "two renewals")
+    assert api.lists == 1
+    assert api.watches[-1] == changed  # from the change's version, not the list's
+    for q in api.watch_params:
+        assert q["allowWatchBookmarks"] == "true", q
+        assert q["timeoutSeconds"] == "1" and q["labelSelector"] == "kubernetes.io/service-name=eng"
+
+
+async def test_minimal_bookmarks_keep_a_quiet_watch_current(api: ApiServer) -> None:
+    """A quiet Service's watch follows the cluster's version through bookmarks in the minimal
+    form the Kubernetes docs show (only metadata.resourceVersion): once older versions are
+    compacted, the renewed watch starts from the bookmark's version, so no 410 and no LIST.
+    (The API server is the stand-in, the one thing faked here.)"""
+    api.put_slice(NS, "eng-a", "eng", [Ep("p1")], 8000, "http")
+    async with watching(server_timeout_s=1) as w:
+        await until(lambda: api.watches, 5, "a watch")
+        put_elsewhere(api, 3)
+        version = str(api.rv)
+        api.bookmark()
+        # The server ends the watch each second: the next one starts from the bookmark.
+        await until(lambda: api.watches[-1] == version, 5, "a watch from the bookmark's version")
+        assert w.version == version
+        api.compact(cut_watches=False)  # the list's version is gone now
+        n = len(api.watches)
+        await until(lambda: len(api.watches) >= n + 2, 5, "two renewals")
+        assert api.lists == 1
+        assert api.watches[-1] == version
+        api.put_slice(NS, "eng-b", "eng", [Ep("p2")], 8000, "http")
+        await until(lambda: "p2.default" in w.endpoints, 5, "a change after the bookmarks")
+        assert "p1.default" in w.endpoints and api.lists == 1
+
+
+@pytest.mark.parametrize(("code", "reason"), [(410, "Expired"), (500, "InternalError")])
+async def test_watch_failing_at_once_backs_off_and_reports_down(
+    api: ApiServer, caplog: pytest.LogCaptureFixture, code: int, reason: str
+) -> None:
+    """Every watch refused right after its (successful) LIST: the lists back off (0.25 s
+    doubling to 2 s: at most 5 lists in 4 s, where a delay reset after each list gave 7 or
+    more), and after 3 such watches the API is reported down (gauge 0, a WARNING); a watch
+    that lives again reports it up. (The API server is the stand-in, the one thing faked.)"""
+    api.put_slice(NS, "eng-a", "eng", [Ep("p1")], 8000, "http")
+    ups: list[tuple[bool, str | None]] = []
+    kw: dict[str, Any] = {"backoff": (0.25, 2.0), "server_timeout_s": 2}
+    async with watching(on_api=lambda up, why: ups.append((up, why)), **kw) as w:
+        await until(lambda: api.watches, 5, "a watch")
+        api.fail_watches = (code, reason)
+        lists = api.lists
+        api.drop_watches()
+        await asyncio.sleep(4.0)
+        assert 3 <= api.lists - lists <= 5, api.lists - lists
+        assert not w.api_up and ups[-1] == (False, "watch failing"), ups
+        assert any(
+            r.levelno == logging.WARNING and "watch failing" in r.getMessage()
+            for r in caplog.records
+        )
+        assert "p1.default" in w.endpoints  # the last known state stays
+        api.fail_watches = None
+        await until(lambda: w.api_up, 10, "api up once a watch lives")
+        assert ups[-1] == (True, None)

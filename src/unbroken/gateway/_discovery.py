@@ -64,7 +64,8 @@ class Discovery:
         )
         self.m_restarts = Counter(
             "unbroken_gateway_k8s_watch_restarts",
-            "EndpointSlice watch restarts (gone: 410 re-list; timeout; error: back-off).",
+            "EndpointSlice watch restarts (gone: 410 re-list; dropped; ended: at once; "
+            "timeout; error: list failed; watch failing: 3+ watches in a row failed at once).",
             ["service", "reason"],
             registry=r,
         )

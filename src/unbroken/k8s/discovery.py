@@ -1,8 +1,10 @@
 """A Service's endpoints from its EndpointSlices (`discovery.k8s.io/v1`), kept current with
-lightkube: list, then watch from the list's resourceVersion; re-list at once on `410 Gone`
-(the version fell out of the API server's window); on any other error (refused, reset,
-dropped watch) keep the last known state, report the API as down and re-list after an
-exponential back-off. This is the only module that talks to the Kubernetes API.
+lightkube: list, then watch from the list's resourceVersion, asking for bookmarks so that the
+version keeps up while the Service is quiet; when the server ends a watch (timeoutSeconds),
+watch again from the last version seen, without a list. `410 Gone` (the version fell out of
+the API server's window) and a broken watch lead to a list; a failing list keeps the last
+known state, reports the API as down and backs off exponentially; so do watches that keep
+failing right after their list. This is the only module that talks to the Kubernetes API.
 
 Each change hands the merged view of all the Service's slices to `on_change`, as
 `{name: SliceEndpoint}`; the caller (the gateway's discovery) turns it into actions.
@@ -12,15 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from lightkube import AsyncClient, KubeConfig
+from lightkube.core import decoders
 from lightkube.core.exceptions import ApiError
+from lightkube.core.internal_models import meta_v1
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from unbroken.k8s.hooks import endpoint_name
@@ -154,6 +157,20 @@ def merge(slices: Iterable[list[SliceEndpoint]]) -> dict[str, SliceEndpoint]:
     return out
 
 
+class _BookmarkMeta(msgspec.Struct):
+    resourceVersion: str | None = None
+
+
+class _Bookmark(msgspec.Struct):
+    """A BOOKMARK's object: only `metadata.resourceVersion` is promised, the rest may be
+    missing (the docs' form), so it is not decoded as an EndpointSlice."""
+
+    metadata: _BookmarkMeta | None = None
+
+
+FAILING = 3  # watches in a row that fail at once before the API is reported down
+
+
 class SliceWatcher:
     def __init__(
         self,
@@ -171,9 +188,17 @@ class SliceWatcher:
         self.client_factory = client_factory
         self.backoff = backoff
         self.server_timeout_s = server_timeout_s
+        # A watch that lived this long, or delivered an event, is healthy: the back-off
+        # resets. Half the server's timeout when that is short, so a watch the server ends
+        # on time always counts as healthy.
+        self.healthy_s = min(10.0, server_timeout_s / 2)
         self.slices: dict[str, list[SliceEndpoint]] = {}
+        self.version: str | None = None  # the last version seen; None: list first
         self.synced = False  # one list succeeded
         self.api_up = False
+        self._delay = backoff[0]
+        self._fails = 0  # watches in a row that failed (or ended) at once
+        self._healthy = False  # the current watch lived healthy_s or delivered an event
 
     @property
     def endpoints(self) -> dict[str, SliceEndpoint]:
@@ -194,84 +219,173 @@ class SliceWatcher:
         self.api_up = up
         self.on_api(up, why)
 
+    def _restart(self, why: str) -> None:
+        """Count a restart without changing whether the API is up."""
+        self.on_api(self.api_up, why)
+
+    def _mark_healthy(self) -> None:
+        if self._healthy:
+            return
+        self._healthy = True
+        self._fails, self._delay = 0, self.backoff[0]
+        if not self.api_up:
+            self._api(True, None)
+
+    async def _backoff(self) -> None:
+        await asyncio.sleep(self._delay * random.uniform(0.8, 1.2))
+        self._delay = min(self._delay * 2, self.backoff[1])
+
+    async def _failed_at_once(self, why: str) -> None:
+        """A watch that failed (or ended) before it was healthy: back off, and after FAILING
+        in a row report the API as down, even though each list succeeds."""
+        self._fails += 1
+        if self._fails >= FAILING:
+            self._api(False, "watch failing")
+        else:
+            self._restart(why)
+        await self._backoff()
+
+    async def _list(self, client: AsyncClient) -> None:
+        # A quorum list, not resourceVersion="0" (served from the API server's watch cache,
+        # as client-go's reflector does): that cache may lag behind what this replica has
+        # already seen (another API server, right after a 410), and with bookmarks a list
+        # happens only at start, after a 410 or a broken watch, of one Service's few slices.
+        listing = client.list(
+            EndpointSlice, namespace=self.ref.namespace, labels={SERVICE_LABEL: self.ref.service}
+        )
+        slices = {}
+        async for obj in listing:
+            slices[obj.metadata.name] = slice_endpoints(obj, self.ref.port)
+        self.slices, self.synced, self.version = slices, True, listing.resourceVersion
+        if self._fails < FAILING:  # a list that works while every watch fails: still down
+            self._api(True, None)
+        self._emit()
+
+    async def _watch(self, client: AsyncClient) -> None:
+        """One WATCH request from `self.version`, until the server ends it (timeoutSeconds).
+
+        Our own loop over lightkube's request machinery (config, auth, TLS), because
+        `AsyncClient.watch` neither asks for bookmarks nor survives one: it decodes every
+        event as a full EndpointSlice, and a bookmark carries only metadata.resourceVersion.
+        Without bookmarks a quiet Service's watch is renewed from the list's version until
+        that is compacted (a 410 and a list every few minutes)."""
+        gc = client._client
+        br = gc.prepare_request(
+            "list",
+            res=EndpointSlice,
+            namespace=self.ref.namespace,
+            watch=True,
+            params={
+                "timeoutSeconds": str(self.server_timeout_s),
+                "resourceVersion": self.version,
+                "allowWatchBookmarks": "true",
+                "labelSelector": f"{SERVICE_LABEL}={self.ref.service}",
+            },
+        )
+        req = gc._client.build_request(
+            br.method, br.url, params=br.params, timeout=gc._watch_timeout
+        )
+        loop = asyncio.get_running_loop()
+        healthy = loop.call_later(self.healthy_s, self._mark_healthy)
+        # lightkube sets no read timeout on a watch: this idle deadline (each line restarts
+        # it) is what finds a half-open connection.
+        idle = self.server_timeout_s + 30
+        try:
+            async with asyncio.timeout(idle) as tmo:
+                resp = await gc.send(req, stream=True)
+                try:
+                    if not resp.is_success:
+                        raise _status_error(resp.status_code, await resp.aread())
+                    async for line in resp.aiter_lines():
+                        tmo.reschedule(loop.time() + idle)
+                        if line.strip():
+                            self._event(line)
+                finally:
+                    await resp.aclose()
+        finally:
+            healthy.cancel()
+
+    def _event(self, line: str) -> None:
+        ev = decoders.decode_watch_event(line)
+        if ev.type == "ERROR":
+            raise ApiError(status=decoders.decode_status(ev.object))
+        if ev.type == "BOOKMARK":
+            bm = msgspec.json.decode(ev.object, type=_Bookmark)
+            if bm.metadata is not None and bm.metadata.resourceVersion:
+                self.version = bm.metadata.resourceVersion
+            self._mark_healthy()
+            return
+        if ev.type not in ("ADDED", "MODIFIED", "DELETED"):
+            return
+        obj = decoders.decode_object(ev.object, EndpointSlice)
+        if ev.type == "DELETED":
+            self.slices.pop(obj.metadata.name, None)
+        else:
+            self.slices[obj.metadata.name] = slice_endpoints(obj, self.ref.port)
+        self.version = obj.metadata.resourceVersion or self.version
+        self._mark_healthy()
+        self._emit()
+
     async def run(self) -> None:
-        delay = self.backoff[0]
-        watched_at = -math.inf
         client: AsyncClient | None = None
-        labels = {SERVICE_LABEL: self.ref.service}
         try:
             while True:
                 watching = False
                 try:
                     if client is None:
                         client = self.client_factory()
-                    listing = client.list(
-                        EndpointSlice, namespace=self.ref.namespace, labels=labels
-                    )
-                    slices = {}
-                    async for obj in listing:
-                        slices[obj.metadata.name] = slice_endpoints(obj, self.ref.port)
-                    version = listing.resourceVersion
-                    self.slices, self.synced = slices, True
-                    self._api(True, None)
-                    self._emit()
-                    if time.monotonic() - watched_at > 1.0:
-                        delay = self.backoff[0]
-                    watching, watched_at = True, time.monotonic()
-                    idle = self.server_timeout_s + 30
-                    async with asyncio.timeout(idle) as tmo:
-                        async for kind, obj in client.watch(
-                            EndpointSlice,
-                            namespace=self.ref.namespace,
-                            labels=labels,
-                            resource_version=version,
-                            server_timeout=self.server_timeout_s,
-                        ):
-                            tmo.reschedule(asyncio.get_running_loop().time() + idle)
-                            if kind == "DELETED":
-                                self.slices.pop(obj.metadata.name, None)
-                            elif kind in ("ADDED", "MODIFIED"):
-                                self.slices[obj.metadata.name] = slice_endpoints(obj, self.ref.port)
-                            else:  # BOOKMARK
-                                continue
-                            self._emit()
+                    if self.version is None:
+                        await self._list(client)
+                    watching, self._healthy = True, False
+                    await self._watch(client)
+                    # The server ended it (timeoutSeconds): watch on from the last version
+                    # seen, without a list; at once unless it ended before it was healthy.
+                    if not self._healthy:
+                        await self._failed_at_once("ended")
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    if _gone(e):
-                        log.info("watch of %s: 410 Gone, listing again", self.ref)
-                        self.on_api(True, "gone")
-                        if time.monotonic() - watched_at < 1.0:  # gone at once: not a hot loop
-                            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                            delay = min(delay * 2, self.backoff[1])
+                    if not watching:
+                        if client is not None:
+                            await _close(client)
+                            client = None
+                        self._api(False, "error")
+                        log.warning("EndpointSlices of %s: %s: %s", self.ref, type(e).__name__, e)
+                        await self._backoff()
                         continue
                     if isinstance(e, TimeoutError):
-                        # No event for server_timeout_s + 30 s. lightkube renews a watch the
-                        # server ended by itself, from the last version, without a word, and
-                        # sets no read timeout: so this list is what bounds how long a
-                        # half-open connection could hide changes (a quiet Service is listed
-                        # again every ~270 s; a busy one's watch lives on).
-                        self.on_api(True, "timeout")
-                        continue
-                    if client is not None:
-                        await _close(client)
-                        client = None
-                    if watching:
-                        # A watch cut mid-stream (restart, load balancer): list again, at once
-                        # unless watches keep breaking; only a failing list means unreachable.
+                        # No line for server_timeout_s + 30 s: a half-open connection. The
+                        # version is still good: watch again from it, no list needed.
+                        why = "timeout"
+                    elif _gone(e):
+                        log.info("watch of %s: 410 Gone, listing again", self.ref)
+                        self.version, why = None, "gone"
+                    else:
+                        # Cut mid-stream (restart, load balancer) or refused: list again.
                         log.info("watch of %s broke (%s): listing again", self.ref, e)
-                        self.on_api(True, "dropped")
-                        if time.monotonic() - watched_at < 1.0:
-                            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                            delay = min(delay * 2, self.backoff[1])
-                        continue
-                    self._api(False, "error")
-                    log.warning("EndpointSlices of %s: %s: %s", self.ref, type(e).__name__, e)
-                    await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                    delay = min(delay * 2, self.backoff[1])
+                        self.version, why = None, "dropped"
+                        if client is not None:
+                            await _close(client)
+                            client = None
+                    if self._healthy:
+                        self._restart(why)
+                    else:  # failing at once: back off, whatever the cause
+                        await self._failed_at_once(why)
         finally:
             if client is not None:
                 await _close(client)
+
+
+def _status_error(code: int, body: bytes) -> ApiError:
+    """A watch refused with a non-2xx answer, as the ApiError its Status body describes (a
+    410 then leads to a list like an ERROR event does)."""
+    try:
+        status = decoders.decode_status(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        status = meta_v1.Status(code=code, message=body[:200].decode(errors="replace"))
+    if status.code is None:
+        status.code = code
+    return ApiError(status=status)
 
 
 def _gone(e: Exception) -> bool:
