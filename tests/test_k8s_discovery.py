@@ -607,3 +607,40 @@ async def test_watch_failing_at_once_backs_off_and_reports_down(
         api.fail_watches = None
         await until(lambda: w.api_up, 10, "api up once a watch lives")
         assert ups[-1] == (True, None)
+
+
+def test_endpoint_moving_between_slices_keeps_its_stream(tmp_path: Path, api: ApiServer) -> None:
+    """The EndpointSlice controller moves a pod's endpoint to another slice: the old slice is
+    rewritten without it, then the new slice added (two events). The endpoint, briefly in no
+    slice, stays ready and its stream is not migrated; gone for good, it is removed after
+    the grace. (The API server is the stand-in, the one thing faked here.)"""
+    a = engine(tmp_path, *SLOW, name="a")
+    b = engine(tmp_path, *SLOW, name="b")
+    put(api, "a", a)
+    put(api, "b", b)
+    g = k8s_gateway(tmp_path)
+    try:
+        wait_endpoints(g, lambda eps: [e["state"] for e in eps] == ["ready", "ready"])
+        body = {"model": MODEL, "prompt": "move", "max_tokens": 300, "temperature": 0}
+        states: list[str] = []
+
+        def move(first: str) -> None:
+            pod, proc = {"a.default": ("a", a), "b.default": ("b", b)}[first]
+            api.put_slice(NS, f"eng-{pod}", "eng", [], proc.port, "http")
+            api.put_slice(NS, f"eng-{pod}-2", "eng", [Ep(pod)], proc.port, "http")
+            deadline = time.monotonic() + 2.5  # longer than the grace
+            while time.monotonic() < deadline:
+                states.append(names(g).get(first, {}).get("state", "absent"))
+                time.sleep(0.05)
+
+        text, first = read_stream(g.url, body, after=10, action=move)
+        assert set(states) == {"ready"}, states
+        assert text == expected_completion("move", 300).text
+        assert count(g, "unbroken_gateway_streams_migrated_total") == 0
+        assert "left its EndpointSlice" not in g.tail(200)
+        pod = first.split(".")[0]
+        api.delete_slice(NS, f"eng-{pod}-2")  # gone for good: removed once the grace is over
+        wait_endpoints(g, lambda eps: first not in {e["name"] for e in eps}, timeout=10)
+    finally:
+        for p in (g, a, b):
+            p.stop()

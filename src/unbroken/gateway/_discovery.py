@@ -7,6 +7,8 @@ its EndpointSlices and mapped onto the gateway's own endpoint lifecycle:
                                     drain deadline); an endpoint already draining (the pod's
                                     preStop got there first) is left alone
     gone from every slice        →  drain with deadline 0: what still streams migrates now
+                                    (one last seen ready: only if still gone after a short
+                                    grace, as it may be moving to another slice)
 
 Only endpoints this module added are touched. With `--k8s-peers NAMESPACE/SERVICE` (the
 gateway's own Service) each replica takes its share of every engine's cap, so the cap holds
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
@@ -49,6 +52,14 @@ class Discovery:
         self.s = settings
         self.managed: dict[str, str] = {}  # endpoint name → pool, for endpoints we added
         self.released: set[str] = set()  # managed names their slice has shown not ready
+        self.last: dict[str, SliceEndpoint] = {}  # managed name → its last slice entry
+        self.missing: dict[str, float] = {}  # managed name → when it left every slice
+        # An endpoint moving between slices (the controller rewrites one, then adds it to
+        # another: two events) is briefly in none; a ready one is removed only if still gone
+        # after this long.
+        self.move_grace_s = 1.5
+        self._pools: dict[str, SliceWatcher] = {}
+        self._rechecks: dict[str, asyncio.TimerHandle] = {}
         self.replicas = 1
         self.rank = 0
         self.reconcile_s = 2.0
@@ -80,7 +91,9 @@ class Discovery:
     def start(self) -> None:
         pools = []
         for pool, ref in self.s.services.items():
-            pools.append((pool, self._watch(ref, lambda eps, pool=pool: self.apply(pool, eps))))
+            w = self._watch(ref, lambda eps, pool=pool: self.apply(pool, eps))
+            self._pools[pool] = w
+            pools.append((pool, w))
         if self.s.peers is not None:
             self._watch(self.s.peers, self.apply_peers)
         self._tasks.append(asyncio.create_task(self._reconcile(pools), name="k8s-reconcile"))
@@ -111,7 +124,23 @@ class Discovery:
         self._tasks.append(asyncio.create_task(w.run(), name=f"k8s-{label}"))
         return w
 
+    def _recheck(self, pool: str, after: float) -> None:
+        """Apply the pool's view again once a missing endpoint's grace is over."""
+        if pool in self._rechecks:
+            return
+
+        def again() -> None:
+            del self._rechecks[pool]
+            w = self._pools.get(pool)
+            if w is not None and w.synced:
+                self.apply(pool, w.endpoints)
+
+        self._rechecks[pool] = asyncio.get_running_loop().call_later(after, again)
+
     async def stop(self) -> None:
+        for h in self._rechecks.values():
+            h.cancel()
+        self._rechecks.clear()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -153,12 +182,25 @@ class Discovery:
                     why = "terminating" if e.terminating else "not ready"
                     log.info("%s is %s in its EndpointSlice: draining", name, why)
                     gw.drain_endpoint(ep, None)
+        now = time.monotonic()
         for name, p in list(self.managed.items()):
-            if p != pool or name in endpoints:
+            if p != pool:
                 continue
+            if name in endpoints:
+                self.last[name] = endpoints[name]
+                self.missing.pop(name, None)
+                continue
+            last = self.last.get(name)
+            if last is not None and last.ready and not last.terminating:
+                since = self.missing.setdefault(name, now)
+                if now - since < self.move_grace_s:
+                    self._recheck(pool, since + self.move_grace_s - now + 0.05)
+                    continue
             ep = gw.pool.get(name)
             del self.managed[name]
             self.released.discard(name)
+            self.last.pop(name, None)
+            self.missing.pop(name, None)
             if ep is None:
                 continue
             if ep.state in (State.STARTING, State.WARMING) or ep.inflight == 0:
