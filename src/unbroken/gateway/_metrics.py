@@ -7,7 +7,7 @@ main process's merge of its workers' expositions is `_metrics_merge`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -313,13 +313,17 @@ class GatewayMetrics:
             for p in PRIORITIES:
                 self.requests.labels(status, p, pool)
 
-    def count_unknown_routes(self) -> Any:
+    def count_unknown_routes(self, check: Callable[[web.Request], None] | None = None) -> Any:
         """Middleware: count requests that match no route (the router's 404) and answer them
-        with what the routes are (the usual cause is a base URL with /v1 twice)."""
+        with what the routes are (the usual cause is a base URL with /v1 twice). `check` is
+        called first on any request without a route (404 or 405): it may refuse it (401)."""
 
         @web.middleware
         async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-            if isinstance(request.match_info.http_exception, web.HTTPNotFound):
+            unrouted = request.match_info.http_exception
+            if unrouted is not None and check is not None:
+                check(request)
+            if isinstance(unrouted, web.HTTPNotFound):
                 method = request.method if request.method in METHODS else "other"
                 self.unknown_routes.labels(method).inc()
                 raise ApiError(

@@ -263,8 +263,7 @@ class Gateway:
                 self._count_inflight,
                 error_middleware,
                 body_middleware(self.cfg.body_timeout_s),
-                self._auth_unrouted,
-                self.metrics.count_unknown_routes(),
+                self.metrics.count_unknown_routes(self._auth_unrouted),
             ],
         )
         app.on_response_prepare.append(self._close_when_draining)
@@ -284,19 +283,16 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_handler)
         return app
 
-    @web.middleware
-    async def _auth_unrouted(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    def _auth_unrouted(self, request: web.Request) -> None:
         """With tenants, a /v1 path with no route (404) or not for this method (405) checks
         the key first (401), as vLLM with `--api-key` guards every /v1 path before routing:
         a bad key learns nothing of the routes. Preflights (OPTIONS) are not asked for one."""
         if (
-            request.match_info.http_exception is not None
-            and self.proxy.tenancy.tenants is not None
+            self.proxy.tenancy.tenants is not None
             and request.path.startswith("/v1")
             and request.method != "OPTIONS"
         ):
             self.proxy.tenancy.resolve(request)
-        return await handler(request)
 
     @web.middleware
     async def _count_inflight(self, request: web.Request, handler: Any) -> web.StreamResponse:
