@@ -1,6 +1,7 @@
 """The engine simulator's HTTP server: vLLM's OpenAI-compatible API over the EngineCore.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and
+POST .../cancel of a stored response: responses.py), GET /v1/models, GET /health,
 GET /metrics, and a bearer-protected /admin/* (faults, runtime config, state); with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter. Several served names and LoRA adapters as vLLM (`lora.py`).
@@ -9,6 +10,7 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST /v1/load_lora_adapter and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -24,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from unbroken.engine import cuda as cuda_mod
+from unbroken.engine import responses as responses_mod
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
 from unbroken.engine.kvcache import root_hash
@@ -303,6 +306,9 @@ class Engine:
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.responses_api.retrieve)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.responses_api.cancel)
         profile = self.cfg.profile.name
 
         async def say_profile(_request: web.Request, resp: web.StreamResponse) -> None:
@@ -695,6 +701,62 @@ class Engine:
             if req.stream:
                 return await self._stream(request, state, fmt)
             return await self._collect(state, fmt)
+        finally:
+            self._release(state)
+
+    # -- /v1/responses (vLLM's Responses API, responses.py) ----------------------------------
+    @functools.cached_property
+    def responses_api(self) -> responses_mod.ResponsesAPI:
+        return responses_mod.ResponsesAPI()
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        self._admit()
+        api = self.responses_api
+        req, _ = parse_request(responses_mod.ResponsesRequest, await request.read())
+        adapter = self._resolve(req.model)
+        self._check_seed(req)  # type: ignore[arg-type]
+        responses_mod.validate(req, api.enabled)
+        api.effective_store(req)
+        try:
+            prev = api.previous(req)
+        except KeyError:
+            return responses_mod.not_found(req.previous_response_id or "")
+        messages, cont = responses_mod.conversation(req, prev)
+        ctx = render_chat(
+            responses_mod.chat_pairs(messages),
+            add_generation_prompt=not cont,
+            continue_final_message=cont,
+        )
+        ptoks = count_tokens(ctx)
+        max_tokens = responses_mod.output_limit(
+            ptoks, req.max_output_tokens, self.cfg.profile.max_model_len
+        )
+        state = RequestState(req.request_id or f"resp_{responses_mod.random_id()}", 1)
+        self._maybe_fail(state)
+        seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter)  # type: ignore[arg-type]
+        self._submit(state, seqs)
+        fmt = responses_mod.ResponsesFormat(
+            req,
+            state,
+            self.cfg.model_name if adapter is None else adapter.name,
+            ptoks,
+            max_tokens,
+            messages=messages,
+            store=api if req.store else None,
+        )
+        if req.background:
+
+            async def run() -> None:
+                try:
+                    await self._collect(state, fmt)  # type: ignore[arg-type]
+                finally:
+                    self._release(state)
+
+            return api.start_background(fmt, run())
+        try:
+            if req.stream:
+                return await responses_mod.stream(request, state, fmt)
+            return await self._collect(state, fmt)  # type: ignore[arg-type]
         finally:
             self._release(state)
 
