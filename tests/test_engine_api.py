@@ -222,6 +222,9 @@ def test_models_health_metrics(shared_engine: Proc) -> None:
     again = httpx.get(shared_engine.url + "/v1/models").json()["data"][0]
     assert again == card  # the same card at every call (the gateway's merged list is equal)
     assert httpx.get(shared_engine.url + "/health").status_code == 200
+    # vLLM's /ping (GET and POST), the same answer as /health.
+    assert httpx.get(shared_engine.url + "/ping").status_code == 200
+    assert httpx.post(shared_engine.url + "/ping").status_code == 200
     before = metric(shared_engine.url, "vllm:generation_tokens_total")
     _post(shared_engine, "/v1/completions", {"model": MODEL, "prompt": "m", "max_tokens": 7})
     assert metric(shared_engine.url, "vllm:generation_tokens_total") == before + 7

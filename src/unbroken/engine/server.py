@@ -327,6 +327,9 @@ class Engine:
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/health", self.health)
+        # vLLM serves these always (its SageMaker router): the same answer as /health.
+        app.router.add_get("/ping", self.health)
+        app.router.add_post("/ping", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/version", self.version)
         if self.cfg.admin_token:
