@@ -162,7 +162,12 @@ class Proc:
 
 
 def engine(
-    tmp: Path, *args: str, name: str = "engine", fast: bool = True, token: str | None = TOKEN
+    tmp: Path,
+    *args: str,
+    name: str = "engine",
+    fast: bool = True,
+    token: str | None = TOKEN,
+    env: dict[str, str] | None = None,
 ) -> Proc:
     port = free_port()
     argv = [
@@ -175,7 +180,7 @@ def engine(
         *(FAST if fast else []),
         *args,
     ]
-    env = {"UNBROKEN_ADMIN_TOKEN": token} if token else {"UNBROKEN_ADMIN_TOKEN": ""}
+    env = {**(env or {}), "UNBROKEN_ADMIN_TOKEN": token or ""}
     return Proc(argv, port, tmp / f"{name}-{port}.log", env=env).start()
 
 

@@ -5,8 +5,9 @@ runtime LoRA adapters go to every replica of their base, `/ping` answers as `/he
 bad key on a /v1 path without a route gets 401 before 404/405 (vLLM's order), and the
 `x-ratelimit-reset-*` durations are Go's text as OpenAI sends it.
 
-The engines here are `tests/responses_engine.py`, a stand-in for vLLM's Responses and
-adapter routes (the simulator has no Responses API); everything else is real processes."""
+The engines are the simulator (its Responses API, with vLLM's store on) and, for the cases
+the simulator cannot make (a refused adapter load, usage of a set size), a stand-in for
+vLLM's Responses and adapter routes, `tests/responses_engine.py`; all real processes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import Proc, admin, gateway, metric
+from helpers import MODEL, Proc, admin, engine, gateway, metric
 from unbroken.config.tenants import key_digest
 from unbroken.gateway._engine_routes import ResponseHomes, StreamScan
 from unbroken.gateway._ratelimit import Lease, reset_text
@@ -219,3 +220,32 @@ def test_ping_and_auth_before_routing(two: tuple[Proc, Proc, Proc]) -> None:
     assert httpx.get(g.url + "/v1/completions", headers=good).status_code == 405
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=g.url + "/v1", api_key="wrong", max_retries=0).models.retrieve("x")
+
+
+def test_a_conversation_on_simulators_stays_where_its_turns_are(tmp_path: Path) -> None:
+    """Two simulators with vLLM's Responses store on, round robin: every turn of a
+    conversation (`previous_response_id`) is served, by the replica that holds the one
+    before, and its text is the one the engine gives for the whole conversation."""
+    store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+    a = engine(tmp_path, name="a", env=store)
+    b = engine(tmp_path, name="b", env=store)
+    g = gateway(tmp_path, a.url, b.url, args=("--routing", "round_robin"))
+    try:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0)
+        first = client.responses.with_raw_response.create(
+            model=MODEL, input="tell me about rivers", max_output_tokens=8
+        )
+        home = first.headers["x-unbroken-endpoint"]
+        prev = first.parse()
+        for turn in ("and lakes", "and the sea"):
+            raw = client.responses.with_raw_response.create(
+                model=MODEL, input=turn, previous_response_id=prev.id, max_output_tokens=8
+            )
+            assert raw.headers["x-unbroken-endpoint"] == home
+            prev = raw.parse()
+            assert prev.status == "incomplete" and prev.output_text  # 8 tokens, as asked
+        again = client.responses.retrieve(prev.id)
+        assert again.output_text == prev.output_text
+    finally:
+        for p in (g, a, b):
+            p.stop()
