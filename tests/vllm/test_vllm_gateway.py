@@ -310,6 +310,35 @@ def test_engine_routes_pass_through(stack_random: Stack) -> None:
         assert "response.completed" in body_text
 
 
+def test_stored_responses_are_found_where_they_live(stack_random: Stack) -> None:
+    """vLLM keeps a stored response on the server that made it (another answers 404). One
+    made on `b` directly is found through the gateway, which prefers `a` (the primary pool):
+    a GET by id, and the next turn (`previous_response_id`) served by `b`, and the turn after
+    that sent straight to `b` (noted), whatever the pools' order."""
+    s = stack_random
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    made = httpx.post(s.b.url + "/v1/responses", json=body, timeout=60)
+    assert made.status_code == 200, made.text
+    rid = made.json()["id"]
+    assert httpx.get(s.a.url + f"/v1/responses/{rid}", timeout=30).status_code == 404
+    got = httpx.get(s.g.url + f"/v1/responses/{rid}", timeout=60)
+    assert got.status_code == 200 and got.json()["id"] == rid, got.text
+    b_name = f"127.0.0.1:{s.b.port}"
+    prev = rid
+    for turn in ("more", "and more"):
+        nxt = httpx.post(
+            s.g.url + "/v1/responses",
+            json={**body, "input": turn, "previous_response_id": prev},
+            timeout=60,
+        )
+        assert nxt.status_code == 200, nxt.text
+        assert nxt.headers["x-unbroken-endpoint"] == b_name
+        prev = nxt.json()["id"]
+    missing = httpx.get(s.g.url + "/v1/responses/resp_nope", timeout=30)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "Response with id 'resp_nope' not found."
+
+
 def test_the_controller_and_prober_metric_reads_work_on_vllm(stack_random: Stack) -> None:
     """The controller (five times a second) and the gateway's prober ask /metrics for their
     series by name (`name[]`, prometheus_client's exposition filter, which the simulator

@@ -112,6 +112,9 @@ class Vllm:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_LOGGING_LEVEL": "WARNING",
+            # The Responses API's store (off by default): a stored response lives on the
+            # server that made it (tests/vllm/test_vllm_gateway.py).
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         }
         argv = [
             str(self.venv / "bin" / "vllm"),
