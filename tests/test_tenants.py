@@ -404,7 +404,9 @@ def test_a_stream_handed_over_at_a_reload_keeps_its_tenant_count(tmp_path: Path)
         [{"name": "acme", "key": KEYS["acme"], "limits": {"concurrent_streams": 1}}],
     )
     g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", "2"))
-    n = 400  # ~4 s at 10 ms a token: the reload happens in its middle
+    # ~10 s at 10 ms a token: the reload (new workers started, on a loaded machine in up to
+    # ~5 s) happens in its middle (400 tokens ended before it once, in a busy run).
+    n = 1000
     out: dict[str, Any] = {}
     flowing = threading.Event()
     try:
