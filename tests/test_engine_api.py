@@ -309,7 +309,7 @@ BAD = [
     (
         "/v1/chat/completions",
         b'{"model": "unbroken-sim", "messages": [{"role": "user", "content": "x"}], '
-        b'"response_format": {"type": "json_object"}}',
+        b'"response_format": {"type": "json_schema"}}',
         400,
     ),
 ]

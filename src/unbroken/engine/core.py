@@ -26,7 +26,7 @@ from unbroken.engine.cuda import CudaStub, Fn
 from unbroken.engine.faults import Faults
 from unbroken.engine.kvcache import Block, KVCache
 from unbroken.engine.profiles import EngineProfile
-from unbroken.engine.textmodel import Cursor, StopChecker, piece_id
+from unbroken.engine.textmodel import Cursor, StopChecker, piece_id, text_piece_id
 
 __all__ = ["EngineCore", "Output", "Seq"]
 
@@ -63,6 +63,11 @@ class Seq:
     cache_root: int = 0  # the parent hash of its first block (0: the cache's own root)
     n: int = 1  # its request's n: sequences index // n .. share one prompt (metrics)
     preemptions: int = 0  # times preempted (vllm:request_num_preemptions)
+    # A constrained output (structured output, a forced tool call: structured.py), its pieces
+    # drawn before the first step: produced one a step instead of the cursor's words, then
+    # EOS (the grammar allows nothing else once complete).
+    script: list[str] | None = None
+    script_at: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -318,13 +323,23 @@ class EngineCore:
 
     def _advance(self, s: Seq) -> Output | None:
         lp = s.cursor.logprob() if s.want_logprobs else None
-        piece, eos = s.cursor.next(allow_eos=not s.ignore_eos and s.generated >= s.min_tokens)
-        if eos:
-            s.finished = True
-            return Output(s, s.stop.flush(), "stop", 0)
+        if s.script is not None:
+            if s.script_at >= len(s.script):
+                s.finished = True
+                return Output(s, s.stop.flush(), "stop", 0)
+            piece = s.script[s.script_at]
+            s.script_at += 1
+            s.cursor.feed(piece)
+            tid = text_piece_id(piece)
+        else:
+            piece, eos = s.cursor.next(allow_eos=not s.ignore_eos and s.generated >= s.min_tokens)
+            if eos:
+                s.finished = True
+                return Output(s, s.stop.flush(), "stop", 0)
+            tid = piece_id(piece) if s.token_ids else 0
         s.generated += 1
         if s.token_ids:
-            s.token_ids.append(piece_id(piece))
+            s.token_ids.append(tid)
         text, stopped = s.stop.add(piece)
         if stopped:
             s.finished = True

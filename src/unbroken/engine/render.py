@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import re
+import uuid
 import zlib
 from typing import Any
 
 from unbroken.engine.core import Output
 from unbroken.engine.request import RequestState
+from unbroken.engine.structured import CallSpan, ToolMode, required_spans, tool_calls_of
 from unbroken.engine.textmodel import VOCAB
 from unbroken.wire.openai import ChatRequest, CompletionRequest
 from unbroken.wire.sse import encode_json
@@ -194,16 +196,81 @@ class CompletionFormat(Format):
         return self._envelope(choices, usage=True, full=True)
 
 
+def tool_call_id() -> str:
+    """vLLM's make_tool_call_id: `chatcmpl-tool-` and 16 hex digits."""
+    return f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
 class ChatFormat(Format):
     chunk_object = "chat.completion.chunk"
     full_object = "chat.completion"
 
     def __init__(
-        self, req: ChatRequest, state: RequestState, model: str, prompt_tokens: int
+        self,
+        req: ChatRequest,
+        state: RequestState,
+        model: str,
+        prompt_tokens: int,
+        tools: ToolMode | None = None,
     ) -> None:
         super().__init__(req, state, model, prompt_tokens)
         self.req = req
         self.lp: list[list[dict[str, Any]]] = [[] for _ in range(state.n)]
+        # A forced tool call: the text streamed so far per choice and what has been announced
+        # (vLLM's parser state), read by `_tool_delta`.
+        self.tools = tools
+        self.sent = [""] * state.n
+        self.spans: list[list[CallSpan] | None] = [None] * state.n
+        self.announced = [False] * state.n
+
+    def _tool_delta(self, o: Output) -> dict[str, Any] | None:
+        """The delta of a forced tool call, as vLLM 0.32's parser streams it: a named call's
+        first delta carries id, type, name and the first arguments text, later ones the new
+        arguments text; "required" scans the JSON array of calls and streams each call once
+        its name is complete and its parameters began (later deltas carry `name: null`)."""
+        mode = self.tools
+        assert mode is not None
+        i = o.seq.index
+        prev = self.sent[i]
+        cur = self.sent[i] = prev + o.text
+        if mode.name is not None:
+            if not o.text and not self.announced[i]:
+                return None
+            if self.announced[i]:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": o.text}}]}
+            self.announced[i] = True
+            call = {
+                "id": tool_call_id(),
+                "type": "function",
+                "index": 0,
+                "function": {"name": mode.name, "arguments": o.text},
+            }
+            return {"tool_calls": [call]}
+        spans = self.spans[i]
+        if spans is None:
+            spans = self.spans[i] = required_spans("".join(o.seq.script or ()))
+        calls = []
+        n = len(cur)
+        for index, sp in enumerate(spans):
+            if not (sp.name_end <= n and sp.args_start < n):
+                break  # in order: nothing later is ready
+            end = min(sp.args_end, n)
+            if sp.name_end <= len(prev) and sp.args_start < len(prev):
+                new = cur[min(end, len(prev)) : end]
+                if new:
+                    calls.append({"index": index, "function": {"name": None, "arguments": new}})
+                continue
+            calls.append(
+                {
+                    "id": tool_call_id(),
+                    "type": "function",
+                    "index": index,
+                    "function": {"name": sp.name, "arguments": cur[sp.args_start : end]},
+                }
+            )
+        if calls:
+            self.announced[i] = True
+        return {"tool_calls": calls} if calls else None
 
     def _logprobs(self, o: Output) -> dict[str, Any] | None:
         if not self.req.logprobs or o.logprob is None:
@@ -236,12 +303,22 @@ class ChatFormat(Format):
     def chunk(self, o: Output) -> bytes:
         if not o.text and o.finish_reason is None:
             return b""
-        delta = {"content": o.text} if o.text or o.finish_reason is None else {}
+        finish = o.finish_reason
+        lp = self._logprobs(o)
+        if self.tools is not None:
+            d = self._tool_delta(o)
+            if d is None and finish is None and lp is None:
+                return b""  # vLLM: nothing to stream yet
+            delta = d or {}
+            if finish == "stop" and self.tools.name is None and self.announced[o.seq.index]:
+                finish = "tool_calls"  # vLLM: "required" calls end so; a named call "stop"
+        else:
+            delta = {"content": o.text} if o.text or finish is None else {}
         choice = {
             "index": o.seq.index,
             "delta": delta,
-            "logprobs": self._logprobs(o),
-            "finish_reason": o.finish_reason,
+            "logprobs": lp,
+            "finish_reason": finish,
         }
         if o.finish_reason is not None:
             # vLLM sets it on the finishing chunk only (the others are serialised with
@@ -259,11 +336,31 @@ class ChatFormat(Format):
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(st.texts[i])},
+                "message": self._message("".join(st.texts[i])),
                 "logprobs": {"content": self.lp[i]} if self.req.logprobs else None,
-                "finish_reason": st.finish[i],
+                "finish_reason": "tool_calls"
+                if self.tools is not None and self.tools.name is None and st.finish[i] == "stop"
+                else st.finish[i],
                 "stop_reason": st.stop_reasons[i],
             }
             for i in range(st.n)
         ]
         return self._envelope(choices, usage=True, full=True)
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """vLLM's message: a forced tool call's text becomes `tool_calls` (left out when none
+        parse, as vLLM's serializer drops an empty list) and the content is ""."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}
+        msg: dict[str, Any] = {"role": "assistant", "content": ""}
+        calls = tool_calls_of(text, self.tools)
+        if calls:
+            msg["tool_calls"] = [
+                {
+                    "id": tool_call_id(),
+                    "type": "function",
+                    "function": {"name": name, "arguments": args},
+                }
+                for name, args in calls
+            ]
+        return msg

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from unbroken.engine import cuda as cuda_mod
 from unbroken.engine import responses as responses_mod
+from unbroken.engine import structured
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
 from unbroken.engine.kvcache import root_hash
@@ -554,7 +555,11 @@ class Engine:
         contexts: list[tuple[str, int]],
         max_tokens: list[int],
         adapter: LoadedAdapter | None = None,
+        constraint: structured.Constraint | None = None,
     ) -> list[Seq]:
+        """One sequence per prompt and choice; with a `constraint`, each carries its output's
+        pieces, drawn from its own cursor (prompt, adapter, salt) so the value is as
+        deterministic as the text."""
         seqs = []
         caching = self.cfg.profile.enable_prefix_caching
         model = self._text_model(adapter)
@@ -566,13 +571,18 @@ class Engine:
             ids = token_ids(ctx) if caching else []
             for j in range(req.n):
                 idx = p * req.n + j
+                cursor = model.cursor(ctx, salt=self._salt(req, idx))
+                script = None
+                if constraint is not None:
+                    script = structured.pieces(constraint.text(cursor.digest()))
                 seqs.append(
                     Seq(
                         request_id=state.key,
                         index=idx,
                         prompt_tokens=ptoks,
                         max_tokens=max_tokens[p],
-                        cursor=model.cursor(ctx, salt=self._salt(req, idx)),
+                        cursor=cursor,
+                        script=script,
                         stop=StopChecker(req.stop_list),
                         sink=state,
                         min_tokens=req.min_tokens,
@@ -610,9 +620,10 @@ class Engine:
     # -- /v1/completions ---------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._admit()
-        req, _ = parse_request(CompletionRequest, await request.read())
+        req, raw = parse_request(CompletionRequest, await request.read())
         adapter = self._resolve(req.model)
         self._check_seed(req)
+        constraint = structured.completion_constraint(raw)
         prompts = self._prompts(req.prompt)
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(
@@ -630,7 +641,7 @@ class Engine:
         rid = f"cmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, len(prompts) * req.n)
         self._maybe_fail(state)
-        seqs = self._seqs(req, state, contexts, limits, adapter)
+        seqs = self._seqs(req, state, contexts, limits, adapter, constraint)
         if all(m == 0 for m in limits):
             for s in seqs:
                 state.push(Output(s, "", "length", 0))
@@ -664,23 +675,10 @@ class Engine:
     # -- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self._admit()
-        req, _ = parse_request(ChatRequest, await request.read())
+        req, raw = parse_request(ChatRequest, await request.read())
         adapter = self._resolve(req.model)
         self._check_seed(req)
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise ApiError(
-                400,
-                "structured output (response_format) is not supported by the simulator",
-                param="response_format",
-                code="unsupported",
-            )
-        if req.tool_choice not in (None, "none", "auto"):
-            raise ApiError(
-                400,
-                "forced tool calls are not supported by the simulator",
-                param="tool_choice",
-                code="unsupported",
-            )
+        constraint, tools = structured.chat_constraint(raw)
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         limit = req.token_limit
@@ -696,9 +694,10 @@ class Engine:
         rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, req.n)
         self._maybe_fail(state)
-        self._submit(state, self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter))
+        seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter, constraint)
+        self._submit(state, seqs)
         fmt = ChatFormat(
-            req, state, self.cfg.model_name if adapter is None else adapter.name, ptoks
+            req, state, self.cfg.model_name if adapter is None else adapter.name, ptoks, tools
         )
         try:
             if req.stream:

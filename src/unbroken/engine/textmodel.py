@@ -28,6 +28,7 @@ __all__ = [
     "model_key",
     "piece_id",
     "render_chat",
+    "text_piece_id",
     "token_ids",
 ]
 
@@ -84,6 +85,14 @@ def piece_id(piece: str) -> int:
     return _VOCAB_ID[piece.lstrip(" ")]
 
 
+def text_piece_id(piece: str) -> int:
+    """The token id of a piece of constrained output (one non-whitespace run after optional
+    whitespace): what `token_ids` gives that word, so the ids of an output are those of its
+    text."""
+    ids = token_ids(piece)
+    return ids[0] if ids else _word_id(piece)
+
+
 def count_tokens(text: str) -> int:
     """Tokens of a prompt: whitespace-separated words (at least one for non-empty text)."""
     n = len(text.split())
@@ -134,6 +143,16 @@ class Cursor:
         self._h.update(piece.encode())
         self._at_space = False
         return piece, False
+
+    def digest(self) -> bytes:
+        """The state over the context so far: the seed of a constrained output (structured.py),
+        so it depends on model, adapter, salt and prompt as the text does."""
+        return self._h.copy().digest()
+
+    def feed(self, piece: str) -> None:
+        """Extend the context by a piece produced elsewhere (a constrained output's)."""
+        self._h.update(piece.encode())
+        self._at_space = piece[-1:].isspace()
 
     def logprob(self) -> float:
         """A deterministic stand-in log-probability for the piece about to be produced."""
