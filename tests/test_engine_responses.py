@@ -293,9 +293,9 @@ def test_bad_requests_answer_400_in_openai_format(plain_engine: Proc) -> None:
     cases: list[tuple[dict[str, Any], str | None, str]] = [
         ({"input": 5}, "input.str", "invalid_value"),
         (
-            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}},
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}},
             "text",
-            "unsupported",
+            "invalid_value",
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
@@ -320,9 +320,12 @@ def test_bad_requests_answer_400_in_openai_format(plain_engine: Proc) -> None:
     )
     with pytest.raises(openai.BadRequestError) as e:
         _client(plain_engine).responses.create(
-            model=MODEL, input="x", text={"format": {"type": "json_object"}}
+            model=MODEL,
+            input="x",
+            tools=[{"type": "function", "name": "f", "parameters": None, "strict": None}],
+            tool_choice={"type": "function", "name": "g"},
         )
-    assert e.value.status_code == 400 and "structured output" in e.value.message
+    assert e.value.status_code == 400 and "Tool 'g' has not been passed" in e.value.message
     # Accepted as vLLM accepts them (the simulator never calls a tool): echoed.
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     r = httpx.post(

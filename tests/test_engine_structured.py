@@ -375,3 +375,100 @@ def test_stop_string_applies(sim: Proc, tmp_path: Path) -> None:
     r = _chat(sim, response_format={"type": "json_object"}, stop=[stop]).json()["choices"][0]
     assert r["finish_reason"] == "stop" and r["stop_reason"] == stop
     assert r["message"]["content"] == text[: text.index(stop)]
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+R_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    **{
+        k: WEATHER["function"][k]
+        for k in ("description", "parameters")  # type: ignore[index]
+    },
+}
+R_CLOCK = {"type": "function", "name": "get_time", "parameters": PARAMS["get_time"]}
+
+
+def test_responses_text_format_json_schema(sim: Proc) -> None:
+    client = _client(sim)
+    fmt = {"type": "json_schema", "name": "person", "schema": Person.model_json_schema()}
+    r = client.responses.create(model=MODEL, input="who", temperature=0, text={"format": fmt})  # type: ignore[typeddict-item]
+    Person.model_validate_json(r.output_text)
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
+    # The same conversation on chat answers the same bytes.
+    chat = httpx.post(
+        sim.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "who"}],
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": fmt},
+        },
+        timeout=30,
+    ).json()
+    assert chat["choices"][0]["message"]["content"] == r.output_text
+    obj = client.responses.create(
+        model=MODEL, input="who", text={"format": {"type": "json_object"}}
+    )
+    assert isinstance(json.loads(obj.output_text), dict)
+    parsed = client.responses.parse(model=MODEL, input="who", temperature=0, text_format=Person)
+    assert isinstance(parsed.output_parsed, Person)
+    deltas = [
+        e.delta
+        for e in client.responses.create(
+            model=MODEL,
+            input="who",
+            temperature=0,
+            text={"format": fmt},
+            stream=True,  # type: ignore[typeddict-item]
+        )
+        if e.type == "response.output_text.delta"
+    ]
+    assert "".join(deltas) == r.output_text and len(deltas) == count_tokens(r.output_text)
+
+
+def test_responses_forced_tool_calls(sim: Proc) -> None:
+    client = _client(sim)
+    named = client.responses.create(
+        model=MODEL,
+        input="weather",
+        temperature=0,
+        tools=[R_WEATHER, R_CLOCK],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    assert named.status == "completed"
+    [call] = named.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("chatcmpl-tool-") and call.id and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), PARAMS["get_weather"])
+    assert named.text is not None and named.text.format is not None
+    assert named.text.format.name == "tool_calling_response"  # type: ignore[union-attr]
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="weather",
+            temperature=0,
+            tools=[R_WEATHER, R_CLOCK],  # type: ignore[list-item]
+            tool_choice={"type": "function", "name": "get_weather"},
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    required = client.responses.create(
+        model=MODEL,
+        input="what now",
+        temperature=0,
+        tools=[R_WEATHER, R_CLOCK],  # type: ignore[list-item]
+        tool_choice="required",
+    )
+    assert required.output and all(o.type == "function_call" for o in required.output)
+    for o in required.output:
+        jsonschema.validate(json.loads(o.arguments), PARAMS[o.name])  # type: ignore[union-attr]

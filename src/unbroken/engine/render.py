@@ -10,7 +10,7 @@ from typing import Any
 
 from unbroken.engine.core import Output
 from unbroken.engine.request import RequestState
-from unbroken.engine.structured import CallSpan, ToolMode, required_spans, tool_calls_of
+from unbroken.engine.structured import ToolMode, ToolStream, tool_calls_of
 from unbroken.engine.textmodel import VOCAB
 from unbroken.wire.openai import ChatRequest, CompletionRequest
 from unbroken.wire.sse import encode_json
@@ -216,60 +216,34 @@ class ChatFormat(Format):
         super().__init__(req, state, model, prompt_tokens)
         self.req = req
         self.lp: list[list[dict[str, Any]]] = [[] for _ in range(state.n)]
-        # A forced tool call: the text streamed so far per choice and what has been announced
-        # (vLLM's parser state), read by `_tool_delta`.
+        # A forced tool call, and per choice its parser state (`_tool_delta`).
         self.tools = tools
-        self.sent = [""] * state.n
-        self.spans: list[list[CallSpan] | None] = [None] * state.n
-        self.announced = [False] * state.n
+        self.streams: list[ToolStream | None] = [None] * state.n
 
     def _tool_delta(self, o: Output) -> dict[str, Any] | None:
-        """The delta of a forced tool call, as vLLM 0.32's parser streams it: a named call's
-        first delta carries id, type, name and the first arguments text, later ones the new
-        arguments text; "required" scans the JSON array of calls and streams each call once
-        its name is complete and its parameters began (later deltas carry `name: null`)."""
-        mode = self.tools
-        assert mode is not None
+        """The delta of a forced tool call (vLLM's DeltaToolCall dumps: id, type and name on
+        a call's first delta; later ones of "required" say `name: null`, a named call's leave
+        it out)."""
+        assert self.tools is not None
         i = o.seq.index
-        prev = self.sent[i]
-        cur = self.sent[i] = prev + o.text
-        if mode.name is not None:
-            if not o.text and not self.announced[i]:
-                return None
-            if self.announced[i]:
-                return {"tool_calls": [{"index": 0, "function": {"arguments": o.text}}]}
-            self.announced[i] = True
-            call = {
-                "id": tool_call_id(),
-                "type": "function",
-                "index": 0,
-                "function": {"name": mode.name, "arguments": o.text},
-            }
-            return {"tool_calls": [call]}
-        spans = self.spans[i]
-        if spans is None:
-            spans = self.spans[i] = required_spans("".join(o.seq.script or ()))
-        calls = []
-        n = len(cur)
-        for index, sp in enumerate(spans):
-            if not (sp.name_end <= n and sp.args_start < n):
-                break  # in order: nothing later is ready
-            end = min(sp.args_end, n)
-            if sp.name_end <= len(prev) and sp.args_start < len(prev):
-                new = cur[min(end, len(prev)) : end]
-                if new:
-                    calls.append({"index": index, "function": {"name": None, "arguments": new}})
-                continue
-            calls.append(
-                {
-                    "id": tool_call_id(),
-                    "type": "function",
-                    "index": index,
-                    "function": {"name": sp.name, "arguments": cur[sp.args_start : end]},
-                }
-            )
-        if calls:
-            self.announced[i] = True
+        ts = self.streams[i]
+        if ts is None:
+            ts = self.streams[i] = ToolStream(self.tools, o.seq.script)
+        calls: list[dict[str, Any]] = []
+        for index, name, args in ts.feed(o.text):
+            if name is not None:
+                calls.append(
+                    {
+                        "id": tool_call_id(),
+                        "type": "function",
+                        "index": index,
+                        "function": {"name": name, "arguments": args},
+                    }
+                )
+            elif self.tools.name is None:
+                calls.append({"index": index, "function": {"name": None, "arguments": args}})
+            else:
+                calls.append({"index": index, "function": {"arguments": args}})
         return {"tool_calls": calls} if calls else None
 
     def _logprobs(self, o: Output) -> dict[str, Any] | None:
@@ -310,7 +284,8 @@ class ChatFormat(Format):
             if d is None and finish is None and lp is None:
                 return b""  # vLLM: nothing to stream yet
             delta = d or {}
-            if finish == "stop" and self.tools.name is None and self.announced[o.seq.index]:
+            ts = self.streams[o.seq.index]
+            if finish == "stop" and self.tools.name is None and ts is not None and ts.announced:
                 finish = "tool_calls"  # vLLM: "required" calls end so; a named call "stop"
         else:
             delta = {"content": o.text} if o.text or finish is None else {}

@@ -24,8 +24,9 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from unbroken.engine import structured
 from unbroken.engine.core import Output
-from unbroken.engine.render import alternatives
+from unbroken.engine.render import alternatives, tool_call_id
 from unbroken.engine.request import RequestState
 from unbroken.wire.errors import ApiError
 from unbroken.wire.http import prepare_sse
@@ -200,17 +201,15 @@ def validate(req: ResponsesRequest, enable_store: bool) -> None:
             raise _bad("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
     if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         raise _bad(f"tool_choice: unknown value {choice!r}", "tool_choice")
-    if choice not in ("auto", "none") and tools:
-        raise _unsupported("forced tool calls are not supported by the simulator", "tool_choice")
     text = req.text or {}
     fmt = text.get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in _TEXT_FORMATS:
             raise _bad("text.format: type must be text, json_object or json_schema", "text")
-        if fmt["type"] != "text":
-            raise _unsupported(
-                "structured output (text.format) is not supported by the simulator", "text"
-            )
+        if fmt["type"] == "json_schema" and (
+            not isinstance(fmt.get("name"), str) or fmt.get("schema") is None
+        ):
+            raise _bad("text.format: a json_schema format needs a name and a schema", "text")
     if text.get("verbosity") not in (None, "low", "medium", "high"):
         raise _bad("text.verbosity must be low, medium or high", "text")
     r = req.reasoning or {}
@@ -229,6 +228,63 @@ def validate(req: ResponsesRequest, enable_store: bool) -> None:
         )
     if req.background and req.stream:
         raise _unsupported("background streaming is not supported by the simulator", "background")
+
+
+def constraint(
+    req: ResponsesRequest,
+) -> tuple[structured.Constraint | None, structured.ToolMode | None]:
+    """vLLM's: a forced tool call (required, or a named function) constrains the output to
+    the function's parameters (or the array of calls) as chat's does, replacing `text.format`
+    (`tool_calling_response`); otherwise text.format json_object / json_schema, or vLLM's
+    `structured_outputs` (not both)."""
+    fns = [
+        {"name": t.get("name"), "parameters": t.get("parameters")}
+        for t in req.tools or []
+        if t.get("type") == "function" and isinstance(t.get("name"), str)
+    ]
+    choice = req.tool_choice
+    mode: structured.ToolMode | None = None
+    schema: Any = None
+    if isinstance(choice, dict) and choice.get("type") == "custom" and req.tools:
+        raise _unsupported(
+            "forced custom tool calls are not supported by the simulator", "tool_choice"
+        )
+    if isinstance(choice, dict) and choice.get("type") == "function" and req.tools:
+        name = choice.get("name")
+        match = [f for f in fns if f["name"] == name]
+        if not match:
+            raise _bad(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+        schema = structured.params_schema(match[0])
+        mode = structured.ToolMode(name)
+    elif choice == "required" and fns:
+        schema = structured.required_schema(fns, req.parallel_tool_calls)
+        mode = structured.ToolMode(None)
+    if mode is not None:
+        c = structured.Constraint("json", structured.schema_value(schema))
+        c.check()
+        req.text = {
+            "format": {
+                "name": "tool_calling_response",
+                "schema": schema,
+                "type": "json_schema",
+                "description": None,
+                "strict": True,
+            },
+            "verbosity": None,
+        }
+        return c, mode
+    fmt = (req.text or {}).get("format")
+    so = getattr(req, "structured_outputs", None)
+    if fmt is not None and so is not None:
+        raise _bad("Cannot specify both structured_outputs and text.format", "structured_outputs")
+    if fmt is None or fmt.get("type") == "text":
+        return structured.completion_constraint({"structured_outputs": so}), None
+    if fmt["type"] == "json_object":
+        c = structured.Constraint("json_object")
+    else:
+        c = structured.Constraint("json", structured.schema_value(fmt["schema"]))
+    c.check()
+    return c, None
 
 
 # -- the conversation ------------------------------------------------------------------------
@@ -393,8 +449,14 @@ class ResponsesFormat:
         *,
         messages: list[Message],
         store: ResponsesAPI | None,
+        tools: structured.ToolMode | None = None,
     ) -> None:
         self.req, self.state, self.model = req, state, model
+        # A forced tool call: its output is function_call items (vLLM's parser reads the
+        # text), streamed with function_call_arguments events.
+        self.tools = tools
+        self.ts: structured.ToolStream | None = None
+        self.calls: list[dict[str, Any]] = []
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.messages, self.store = messages, store
         self.seq = 0
@@ -414,7 +476,17 @@ class ResponsesFormat:
         top_p = 1.0 if r.top_p is None or temperature < _EPS else float(r.top_p)
         text = None
         if r.text is not None:
-            text = {"format": r.text.get("format"), "verbosity": r.text.get("verbosity")}
+            fmt = r.text.get("format")
+            if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+                # openai's ResponseFormatTextJSONSchemaConfig as vLLM dumps it
+                fmt = {
+                    "name": fmt.get("name"),
+                    "schema": fmt.get("schema"),
+                    "type": "json_schema",
+                    "description": fmt.get("description"),
+                    "strict": fmt.get("strict"),
+                }
+            text = {"format": fmt, "verbosity": r.text.get("verbosity")}
         reasoning = None
         if r.reasoning is not None:
             reasoning = {
@@ -539,8 +611,85 @@ class ResponsesFormat:
             {"response": initial, "type": "response.in_progress"}
         )
 
+    def _call(
+        self, name: str, arguments: str, status: str, item_id: str, call_id: str
+    ) -> dict[str, Any]:
+        """A function_call item, vLLM's fields in its order."""
+        return {
+            "arguments": arguments,
+            "call_id": call_id,
+            "name": name,
+            "type": "function_call",
+            "id": item_id,
+            "async": None,
+            "caller": None,
+            "namespace": None,
+            "status": status,
+        }
+
+    def _tool_chunk(self, o: Output) -> bytes:
+        assert self.tools is not None
+        if self.ts is None:
+            self.ts = structured.ToolStream(self.tools, o.seq.script)
+        self.text.append(o.text)
+        parts = []
+        for index, name, args in self.ts.feed(o.text):
+            if name is not None:
+                call = {"name": name, "arguments": "", "id": f"fc_{random_id()}"}
+                call["call_id"] = tool_call_id()
+                self.calls.append(call)
+                item = self._call(name, "", "in_progress", call["id"], call["call_id"])
+                parts.append(
+                    self._event(
+                        {"item": item, "output_index": index, "type": "response.output_item.added"}
+                    )
+                )
+            call = self.calls[index]
+            if args:
+                call["arguments"] += args
+                parts.append(
+                    self._event(
+                        {
+                            "delta": args,
+                            "item_id": call["id"],
+                            "output_index": index,
+                            "type": "response.function_call_arguments.delta",
+                        }
+                    )
+                )
+        return b"".join(parts)
+
+    def _tool_close(self) -> list[bytes]:
+        parts = []
+        assert self.output is not None
+        for index, call in enumerate(self.calls):
+            parts.append(
+                self._event(
+                    {
+                        "arguments": call["arguments"],
+                        "item_id": call["id"],
+                        "output_index": index,
+                        "sequence_number": None,
+                        "type": "response.function_call_arguments.done",
+                        "name": call["name"],
+                    }
+                )
+            )
+            item = self._call(
+                call["name"], call["arguments"], "completed", call["id"], call["call_id"]
+            )
+            parts.append(
+                self._event(
+                    {"item": item, "output_index": index, "type": "response.output_item.done"}
+                )
+            )
+            self.output.append(item)
+        return parts
+
     def chunk(self, o: Output) -> bytes:
         self.cached = o.seq.cached_tokens
+        if self.tools is not None:
+            return self._tool_chunk(o)
         if not o.text:
             return b""  # vLLM: a delta without content opens nothing
         parts = []
@@ -603,7 +752,9 @@ class ResponsesFormat:
         """The closing events and response.completed (whatever the status, as vLLM)."""
         parts = []
         self.output = []
-        if self.open:
+        if self.tools is not None:
+            parts += self._tool_close()
+        elif self.open:
             part = self._part(final=True)
             text = part["text"]
             parts.append(
@@ -649,6 +800,15 @@ class ResponsesFormat:
     def full(self) -> dict[str, Any]:
         self.item_id = f"msg_{random_id()}"
         text = "".join(self.text)
+        if self.tools is not None:
+            calls = structured.tool_calls_of(text, self.tools) or []
+            output = [
+                self._call(name, args, "completed", f"fc_{random_id()}", tool_call_id())
+                for name, args in calls
+            ]
+            resp = self.response(self._status(), output, usage=True)
+            self._save(resp)
+            return resp
         part = {
             "annotations": [],
             "text": text,

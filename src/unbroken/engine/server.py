@@ -718,6 +718,7 @@ class Engine:
         adapter = self._resolve(req.model)
         self._check_seed(req)  # type: ignore[arg-type]
         responses_mod.validate(req, api.enabled)
+        constraint, tools = responses_mod.constraint(req)
         api.effective_store(req)
         try:
             prev = api.previous(req)
@@ -735,7 +736,7 @@ class Engine:
         )
         state = RequestState(req.request_id or f"resp_{responses_mod.random_id()}", 1)
         self._maybe_fail(state)
-        seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter)  # type: ignore[arg-type]
+        seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter, constraint)  # type: ignore[arg-type]
         self._submit(state, seqs)
         fmt = responses_mod.ResponsesFormat(
             req,
@@ -745,6 +746,7 @@ class Engine:
             max_tokens,
             messages=messages,
             store=api if req.store else None,
+            tools=tools,
         )
         if req.background:
 

@@ -27,6 +27,7 @@ from unbroken.wire.errors import ApiError
 __all__ = [
     "Constraint",
     "ToolMode",
+    "ToolStream",
     "chat_constraint",
     "completion_constraint",
     "pieces",
@@ -563,6 +564,16 @@ def _tool_function(t: Any) -> dict[str, Any]:
     return f
 
 
+def schema_value(schema: Any) -> Any:
+    """A schema as a request gives it (an object, or JSON text), checked as vLLM reads it."""
+    return _schema(schema)
+
+
+def params_schema(f: dict[str, Any]) -> Any:
+    """vLLM's _params_or_empty_object."""
+    return _params(f)
+
+
 def _params(f: dict[str, Any]) -> Any:
     """vLLM's _params_or_empty_object."""
     p = f.get("parameters")
@@ -734,6 +745,47 @@ def tool_calls_of(text: str, mode: ToolMode) -> list[tuple[str, str]] | None:
             return []
         out.append((c["name"], json.dumps(params, ensure_ascii=False)))
     return out
+
+
+class ToolStream:
+    """A forced tool call's text as vLLM 0.32's parser streams it, one choice: `feed` takes
+    the next text delta and returns the calls it advances, as (index, name, arguments delta),
+    `name` set on a call's first delta only. A named call starts with the first text and then
+    forwards every delta (an empty one too, as vLLM's last chunk carries); "required" scans the
+    array of calls and streams each once its name is complete and its parameters began."""
+
+    __slots__ = ("announced", "mode", "sent", "spans")
+
+    def __init__(self, mode: ToolMode, script: list[str] | None) -> None:
+        self.mode = mode
+        self.sent = ""
+        self.announced = False
+        self.spans = required_spans("".join(script or ())) if mode.name is None else []
+
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        prev, cur = self.sent, self.sent + text
+        self.sent = cur
+        if self.mode.name is not None:
+            if self.announced:
+                return [(0, None, text)]
+            if not text:
+                return []
+            self.announced = True
+            return [(0, self.mode.name, text)]
+        out: list[tuple[int, str | None, str]] = []
+        n, p = len(cur), len(prev)
+        for index, sp in enumerate(self.spans):
+            if not (sp.name_end <= n and sp.args_start < n):
+                break  # in order: nothing later is ready
+            end = min(sp.args_end, n)
+            if sp.name_end <= p and sp.args_start < p:
+                if new := cur[min(end, p) : end]:
+                    out.append((index, None, new))
+                continue
+            out.append((index, sp.name, cur[sp.args_start : end]))
+        if out:
+            self.announced = True
+        return out
 
 
 @dataclass(slots=True)
