@@ -81,6 +81,9 @@ class Rng:
 # -- JSON Schema ---------------------------------------------------------------------------------
 _TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 _MAX_DEPTH = 6  # beyond it, only what a schema requires (a recursive $ref must end)
+# Sizes a schema or regex may ask for beyond any context window: drawn up to this (the output
+# is cut by max_tokens long before).
+_MAX_SIZE = 1024
 _FORMATS: dict[str, str] = {
     "date": "2024-05-17",
     "date-time": "2024-05-17T09:30:00Z",
@@ -205,7 +208,7 @@ class SchemaGen:
             if name not in out:
                 out[name] = self.rng.words(1)
         extra = schema.get("additionalProperties", not props)
-        want = int(schema.get("minProperties", 0) or 0)
+        want = min(int(schema.get("minProperties", 0) or 0), _MAX_SIZE)
         if extra is not False and not props and depth < _MAX_DEPTH:
             want = max(want, self.rng.between(1, 3))
         cap = schema.get("maxProperties")
@@ -223,7 +226,7 @@ class SchemaGen:
     def _array(self, schema: dict[str, Any], depth: int) -> list[Any]:
         prefix = schema.get("prefixItems") or []
         items = schema.get("items", {} if not prefix else False)
-        lo = max(int(schema.get("minItems", 0) or 0), 0)
+        lo = min(max(int(schema.get("minItems", 0) or 0), 0), _MAX_SIZE)
         hi = schema.get("maxItems")
         if items is False:
             hi = len(prefix) if hi is None else min(hi, len(prefix))
@@ -242,7 +245,7 @@ class SchemaGen:
             return _FORMATS[fmt]
         if isinstance(schema.get("pattern"), str):
             return regex_value(schema["pattern"], self.rng, search=True)
-        lo = int(schema.get("minLength", 0) or 0)
+        lo = min(int(schema.get("minLength", 0) or 0), _MAX_SIZE * 8)
         hi = schema.get("maxLength")
         text = self.rng.words(self.rng.between(1, 3))
         while len(text) < lo:
@@ -383,6 +386,7 @@ class _RegexGen:
             return text
         if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, sre_c.POSSESSIVE_REPEAT):
             lo, hi, sub = av
+            lo = min(lo, _MAX_SIZE)
             hi = lo + 3 if hi is sre_c.MAXREPEAT else min(hi, lo + 3)
             return "".join(self.seq(sub) for _ in range(rng.between(lo, hi)))
         if op is sre_c.AT:
@@ -425,7 +429,16 @@ class Constraint:
     spec: Any = None  # the schema, pattern, choices or grammar
 
     def text(self, seed: bytes) -> str:
-        rng = Rng(seed)
+        try:
+            return self._text(Rng(seed))
+        except ApiError:
+            raise
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError, RecursionError) as e:
+            # A malformed schema (a property list that is not an object, a bound that is not
+            # a number ...): vLLM's grammar compiler refuses it.
+            raise bad(f"Failed to transform json schema into a grammar: {e}") from None
+
+    def _text(self, rng: Rng) -> str:
         if self.kind == "json":
             return json.dumps(SchemaGen(self.spec, rng).value(self.spec), ensure_ascii=False)
         if self.kind == "json_object":
