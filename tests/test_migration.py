@@ -177,7 +177,25 @@ def test_error_event_mid_stream_migrates(pair: tuple[Proc, Proc, Proc]) -> None:
     assert metric(g.url, "unbroken_gateway_streams_migrated_total", reason="error_event") == 1
 
 
-@pytest.mark.parametrize(("extra", "why"), [({"n": 2}, "n>1"), ({"logprobs": 1}, "logprobs")])
+_LONG_JSON = {  # a value of 100+ tokens: the stream is still going when its engine dies
+    "type": "json_schema",
+    "json_schema": {
+        "name": "words",
+        "schema": {"type": "array", "items": {"type": "string"}, "minItems": 100},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"n": 2}, "n>1"),
+        ({"logprobs": 1}, "logprobs"),
+        # vLLM honours response_format on completions too: a continuation would start a new
+        # value after the cut one.
+        ({"response_format": _LONG_JSON}, "structured_output"),
+    ],
+)
 def test_unmigratable_request_ends_with_explicit_error(
     pair: tuple[Proc, Proc, Proc], extra: dict[str, Any], why: str
 ) -> None:

@@ -108,10 +108,10 @@ def not_migratable(raw: dict[str, Any], chat: bool, *, tokens: bool = False) -> 
         # The engine holds text back while it could still be the start of a stop string, so
         # the tokens counted run ahead of the text sent: a continuation would skip text.
         return "stop"
+    rf = raw.get("response_format")  # vLLM honours it on completions too
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        return "structured_output"
     if chat:
-        rf = raw.get("response_format")
-        if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-            return "structured_output"
         if raw.get("tools") or raw.get("tool_choice") not in (None, "none", "auto"):
             return "tools"
         if raw.get("logprobs") or raw.get("top_logprobs"):
