@@ -103,3 +103,43 @@ def test_pid_label_is_opt_in() -> None:
     }
     calls = _calls(_scrape(reg), function="cudaLaunchKernel")
     assert {dict(k)["pid"]: v for k, v in calls.items()} == {"101": 100, "102": 50}
+
+
+def test_series_of_exited_processes_expire_after_a_grace() -> None:
+    """Per-process series (`--pid-label`, or pods replaced on Kubernetes) of an exited process
+    keep their last values for a grace, then go: cardinality stays bounded by the live
+    processes plus the recently exited. A label set with a live member keeps its retired
+    counts (the sum must not go backwards)."""
+    agent, tracer, reg = _agent(pid_label=True)
+    now = [1000.0]
+    coll = next(iter(reg._collector_to_names))  # the one registered _Collector
+    assert isinstance(coll, _Collector)
+    coll.cuda_sums.clock = lambda: now[0]
+    tracer.stats = {
+        (101, "cudaLaunchKernel"): _stats(100, 12),
+        (102, "cudaLaunchKernel"): _stats(50, 13),
+    }
+    _scrape(reg)
+    tracer.stats = {(101, "cudaLaunchKernel"): _stats(120, 12)}  # 102 exits
+    del agent.procs[102]
+    now[0] += 60
+    assert {dict(k)["pid"] for k in _calls(_scrape(reg))} == {"101", "102"}
+    now[0] += 301
+    pids = {dict(k)["pid"]: v for k, v in _calls(_scrape(reg)).items()}
+    assert pids == {"101": 120}, pids
+    assert coll.cuda_sums.retired == {}
+
+    # Without the pid label: 102's counts stay in primary-1's sum while 101 lives.
+    agent, tracer, reg = _agent(pid_label=False)
+    coll = next(iter(reg._collector_to_names))
+    coll.cuda_sums.clock = lambda: now[0]
+    tracer.stats = {
+        (101, "cudaLaunchKernel"): _stats(100, 12),
+        (102, "cudaLaunchKernel"): _stats(50, 13),
+    }
+    _scrape(reg)
+    tracer.stats = {(101, "cudaLaunchKernel"): _stats(120, 12)}
+    now[0] += 1000
+    _scrape(reg)
+    now[0] += 1000
+    assert list(_calls(_scrape(reg), endpoint="primary-1").values()) == [170.0]

@@ -16,6 +16,7 @@ from unbroken.agent.maps import MAX_SLOTS, CallHist, CallKey
 __all__ = ["CallStats", "CudaTracer", "LibraryProbes"]
 
 log = logging.getLogger("unbroken.agent")
+FINAL_KEEP = 4096  # forgotten (pid, function) readings kept for the next scrape, at most
 
 
 @dataclass
@@ -31,6 +32,8 @@ class LibraryProbes:
     attached: list[Probe] = field(default_factory=list)
     skipped: list[Probe] = field(default_factory=list)  # would be single-stepped
     error: str | None = None
+    links: list[libbpf.Link] = field(default_factory=list, repr=False)
+    key: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file
 
 
 class CudaTracer:
@@ -40,6 +43,7 @@ class CudaTracer:
         self.allow_slow = allow_slow
         self.libraries: dict[tuple[int, int], LibraryProbes] = {}
         self._calls = self.obj.map_fd("calls")
+        self._final: dict[tuple[int, str], CallStats] = {}
 
     def attach_library(self, path: str) -> LibraryProbes | None:
         """Attach to every traced function `path` exports (once per file: uprobes follow the
@@ -48,7 +52,7 @@ class CudaTracer:
         key = (st.st_dev, st.st_ino)
         if key in self.libraries:
             return None
-        rep = LibraryProbes(path)
+        rep = LibraryProbes(path, key=key)
         self.libraries[key] = rep
         try:
             found = function_offsets(Path(path), set(FUNCTIONS))
@@ -74,13 +78,14 @@ class CudaTracer:
                 # thread's calls all counted as nested in it from then on (an engine with no
                 # CUDA signal for its whole life, 1 run in ~20).
                 for ret in (True, False):
-                    self.obj.attach_uprobe(
+                    lk = self.obj.attach_uprobe(
                         "cuda_exit" if ret else "cuda_enter",
                         path,
                         probe.offset,
                         cookie=FN_ID[name],
                         retprobe=ret,
                     )
+                    rep.links.append(lk)
                 rep.attached.append(probe)
             except libbpf.BpfError as e:
                 rep.error = str(e)
@@ -88,20 +93,58 @@ class CudaTracer:
         log.info("%s: %d function(s) traced, %d skipped", path, len(rep.attached), len(rep.skipped))
         return rep
 
-    def read(self) -> dict[tuple[int, str], CallStats]:
-        out: dict[tuple[int, str], CallStats] = {}
+    def detach(self, keys: set[tuple[int, int]]) -> list[LibraryProbes]:
+        """Destroy the links of these library files (no live process maps them): a long-lived
+        agent must not hold the probes of every copy it ever saw, and each link costs about
+        0.1 s to tear down (a kernel grace period per uprobe) at exit."""
+        gone = []
+        for key in keys:
+            rep = self.libraries.pop(key, None)
+            if rep is None:
+                continue
+            for lk in rep.links:
+                lk.destroy()
+            ids = {id(lk) for lk in rep.links}
+            self.obj.links = [lk for lk in self.obj.links if id(lk) not in ids]
+            rep.links.clear()
+            gone.append(rep)
+            log.info("%s: no process maps it any more; probes detached", rep.path)
+        return gone
+
+    def _entries(self) -> list[tuple[CallKey, CallStats]]:
+        out = []
         for k, v in libbpf.items(self._calls, CallKey, CallHist):
             assert isinstance(v, CallHist)
+            out.append((k, CallStats(int(v.count), int(v.sum_ns), list(v.slots))))
+        return out
+
+    def read(self) -> dict[tuple[int, str], CallStats]:
+        """Per (pid, function); a process forgotten since the last read appears once more
+        with its final counts, so calls it made after the last scrape are not lost."""
+        out = dict(self._final)
+        self._final.clear()
+        for k, st in self._entries():
             if k.fn < len(FUNCTIONS):
-                out[(k.pid, FUNCTIONS[k.fn])] = CallStats(
-                    int(v.count), int(v.sum_ns), list(v.slots)
-                )
+                out[(k.pid, FUNCTIONS[k.fn])] = st
         return out
 
     def forget(self, pids: set[int]) -> None:
-        for k, _ in list(libbpf.items(self._calls, CallKey, CallHist)):
+        for k, st in self._entries():
             if k.pid in pids:
+                if k.fn < len(FUNCTIONS):
+                    self._final[(k.pid, FUNCTIONS[k.fn])] = st
                 libbpf.delete(self._calls, k)
+        while len(self._final) > FINAL_KEEP:
+            del self._final[next(iter(self._final))]
+
+    def prune(self) -> set[int]:
+        """Forget every exited process in the map, whether discovery knew it or not."""
+        dead = {
+            k.pid for k in libbpf.keys(self._calls, CallKey) if not os.path.exists(f"/proc/{k.pid}")
+        }
+        if dead:
+            self.forget(dead)
+        return dead
 
     def close(self) -> None:
         self.obj.close()

@@ -52,10 +52,11 @@ def cuda_libraries() -> dict[int, set[str]]:
 class ProcInfo:
     pid: int
     comm: str = ""
-    container: str = ""  # container id (short)
+    container: str = ""  # container name from the kubelet, else the container id (short)
     pod: str = ""
     namespace: str = ""
     endpoint: str = ""
+    cid: str = ""  # full container id from /proc/PID/cgroup ("" outside a container)
 
 
 def _container_id(pid: int) -> str:
@@ -71,7 +72,9 @@ class PodResolver:
     """Container id → (pod, namespace, container name) from the kubelet's pod list, when the
     agent runs on a Kubernetes node (KUBELET_URL, default https://$NODE_IP:10250, with the
     service account token). Off the cluster it resolves nothing. The pod list is fetched only
-    when a container it does not know appears, and at most every `min_interval` seconds."""
+    while a container it does not know is seen, and at most every `min_interval` seconds:
+    a container started before the kubelet listed it is resolved at a later fetch. `version`
+    changes whenever the mapping does, so callers can relabel what they cached."""
 
     def __init__(self, min_interval: float = 10.0) -> None:
         node = os.environ.get("NODE_IP") or os.environ.get("KUBERNETES_NODE_IP")
@@ -79,12 +82,17 @@ class PodResolver:
         self.cache: dict[str, tuple[str, str, str]] = {}
         self.min_interval = min_interval
         self._fetched = -math.inf
+        self.version = 0
 
     def wants(self, pids: Iterable[int]) -> bool:
         """Would a fetch now resolve a container of these processes that is not cached?"""
+        return self.wants_cids(_container_id(pid) for pid in pids)
+
+    def wants_cids(self, cids: Iterable[str]) -> bool:
+        """Would a fetch now (rate-limited) resolve one of these container ids?"""
         if not self.url or time.monotonic() - self._fetched < self.min_interval:
             return False
-        return any((cid := _container_id(pid)) and cid not in self.cache for pid in pids)
+        return any(cid and cid not in self.cache for cid in cids)
 
     def refresh(self) -> None:
         if not self.url:
@@ -103,16 +111,20 @@ class PodResolver:
         except (OSError, ValueError) as e:
             log.debug("kubelet pod list unavailable: %s", e)
             return
+        cache: dict[str, tuple[str, str, str]] = {}
         for item in pods.get("items", []):
             meta = item.get("metadata", {})
             for cs in item.get("status", {}).get("containerStatuses", []) or []:
                 cid = (cs.get("containerID") or "").split("://")[-1]
                 if cid:
-                    self.cache[cid] = (
+                    cache[cid] = (
                         meta.get("name", ""),
                         meta.get("namespace", ""),
                         cs.get("name", ""),
                     )
+        if cache != self.cache:  # replaced, not merged: deleted pods do not stay forever
+            self.cache = cache
+            self.version += 1
 
     def lookup(self, cid: str) -> tuple[str, str, str] | None:
         return self.cache.get(cid)
@@ -126,6 +138,7 @@ def process_info(pid: int, pods: PodResolver, endpoints: dict[int, str]) -> Proc
         pass
     cid = _container_id(pid)
     if cid:
+        info.cid = cid
         info.container = cid[:12]
         hit = pods.lookup(cid)
         if hit:

@@ -74,6 +74,8 @@ _sig(
     "bpf_program__attach_uprobe_opts", vp, vp, ci, cp, ctypes.c_size_t, ctypes.POINTER(_UprobeOpts)
 )
 _sig("bpf_link__destroy", ci, vp)
+_sig("bpf_program__fd", ci, vp)
+_sig("bpf_prog_test_run_opts", ci, ci, vp)
 _sig("bpf_map_get_next_key", ci, ci, vp, vp)
 _sig("bpf_map_lookup_elem", ci, ci, vp, vp)
 _sig("bpf_map_delete_elem", ci, ci, vp)
@@ -81,8 +83,29 @@ _sig("libbpf_major_version", cu32)
 _sig("libbpf_minor_version", cu32)
 
 
+class _TestRunOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("data_in", vp),
+        ("data_out", vp),
+        ("data_size_in", cu32),
+        ("data_size_out", cu32),
+        ("ctx_in", vp),
+        ("ctx_out", vp),
+        ("ctx_size_in", cu32),
+        ("ctx_size_out", cu32),
+        ("retval", cu32),
+        ("repeat", ci),
+        ("duration", cu32),
+        ("flags", cu32),
+        ("cpu", cu32),
+        ("batch_size", cu32),
+    ]
+
+
 class BpfError(OSError):
     def __init__(self, what: str, err: int) -> None:
+        self.what = what
         detail = "; ".join(_lines[-5:])
         super().__init__(err, f"{what}: {os.strerror(err)}" + (f" ({detail})" if detail else ""))
 
@@ -167,6 +190,15 @@ class Object:
         self.links.append(lk)
         return lk
 
+    def run(self, prog: str) -> int:
+        """Run a program once now (BPF_PROG_TEST_RUN; a `raw_tp` program with no context):
+        how the agent runs in-kernel work at scrape time. Returns the program's retval."""
+        opts = _TestRunOpts(sz=ctypes.sizeof(_TestRunOpts))
+        rc = _lib.bpf_prog_test_run_opts(_lib.bpf_program__fd(self._prog(prog)), ctypes.byref(opts))
+        if rc != 0:
+            raise BpfError(f"run {prog}", _errno(rc))
+        return int(opts.retval)
+
     def map_fd(self, name: str) -> int:
         m = _lib.bpf_object__find_map_by_name(self._ptr, name.encode())
         if not m:
@@ -197,5 +229,17 @@ def items(
         prev = ctypes.byref(key)
 
 
-def delete(fd: int, key: ctypes.Structure | ctypes.c_uint32) -> None:
+def delete(fd: int, key: ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint64) -> None:
     _lib.bpf_map_delete_elem(fd, ctypes.byref(key))
+
+
+def keys(fd: int, key_t: type[T]) -> list[T]:
+    """Every key of a hash map (no values: cheaper when only pruning)."""
+    out: list[T] = []
+    nxt = key_t()
+    prev: object = None
+    while _lib.bpf_map_get_next_key(fd, prev, ctypes.byref(nxt)) == 0:
+        k = key_t.from_buffer_copy(nxt)
+        out.append(k)
+        prev = ctypes.byref(k)
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["MAX_SLOTS", "CallHist", "CallKey", "SockState", "StartVal", "TcpStats"]
+__all__ = ["MAX_SLOTS", "CallHist", "CallKey", "SockState", "StartVal", "TcpClock", "TcpStats"]
 
 MAX_SLOTS = 40
 u32, u64 = ctypes.c_uint32, ctypes.c_uint64
@@ -23,15 +23,24 @@ class CallHist(ctypes.Structure):
 
 
 class SockState(ctypes.Structure):
-    _fields_ = [("last_ts", u64), ("pid", u32), ("above", u32)]
+    _fields_ = [
+        ("pid", u32),
+        ("permille", u32),
+        ("base_rwnd", u32),
+        ("base_sndbuf", u32),
+        ("rwnd", u32),
+        ("sndbuf", u32),
+    ]
 
 
 class TcpStats(ctypes.Structure):
     _fields_ = [
         ("sends", u64),
-        ("above_ns", u64),
-        ("last_permille", u64),
+        ("closed_rwnd", u64),
+        ("closed_sndbuf", u64),
         ("peak_permille", u64),
-        ("last_ts", u64),
-        ("above_sends", u64),
     ]
+
+
+class TcpClock(ctypes.Structure):
+    _fields_ = [("hz", u64), ("jiffies", u64), ("ktime_ns", u64)]

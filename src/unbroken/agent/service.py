@@ -4,11 +4,12 @@ exporter, and a clean exit that leaves no BPF program or link behind."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,15 @@ log = logging.getLogger("unbroken.agent")
 # instead of 40. Faster calls land in the first bucket, slower ones only in +Inf.
 FIRST_BOUND_LOG2, LAST_BOUND_LOG2 = 10, 32
 BUCKETS = [2**k / 1e9 for k in range(FIRST_BOUND_LOG2, LAST_BOUND_LOG2 + 1)]
+# A process discovery does not know gets TCP series once it was held back this long (or its
+# send buffer reached --threshold): any process on the node sends, few matter.
+PRESSED_S = 1.0
+# How long the counters of a label set whose processes all exited are still exported (their
+# last values): long enough for Prometheus to scrape the final increase, then dropped.
+RETIRED_GRACE_S = 300.0
+# A library file no process maps keeps its probes this long (a restarting engine maps it
+# again), then they are destroyed.
+UNMAPPED_GRACE_S = 30.0
 
 
 @dataclass
@@ -62,6 +72,8 @@ class Agent:
     libraries: list[LibraryProbes] = field(default_factory=list)
     pods: PodResolver = field(default_factory=PodResolver)
     endpoints: dict[int, str] = field(default_factory=dict)
+    _pods_version: int = 0
+    _unmapped_since: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def start(self) -> None:
         if self.cfg.ebpf:
@@ -77,6 +89,13 @@ class Agent:
             except (BuildError, libbpf.BpfError, PermissionError, OSError) as e:
                 self.close()
                 self.ebpf_error = str(e)
+                if isinstance(e, libbpf.BpfError) and e.errno == errno.EPERM:
+                    # libbpf's own text blames RLIMIT_MEMLOCK, which does not matter on
+                    # kernels with memcg accounting: say what is missing.
+                    self.ebpf_error = (
+                        f"bpf() refused (EPERM) at {e.what}: needs CAP_BPF and CAP_PERFMON "
+                        "(CAP_SYS_ADMIN for uprobes)"
+                    )
         else:
             self.ebpf_error = "eBPF disabled (--no-ebpf)"
         if self.tcp is None:
@@ -103,6 +122,7 @@ class Agent:
                         continue
                     if rep is not None:
                         self.libraries.append(rep)
+            await loop.run_in_executor(None, self._detach_unmapped, libs)
         names = await supervisor_endpoints()
         if names is not None and names != self.endpoints:
             # Once per change: without these names the controller gets no CUDA signal for
@@ -114,21 +134,56 @@ class Agent:
             self.endpoints = names
         self.cuda_pids = set(libs)
         wanted = self.cuda_pids | set(self.endpoints)
-        if self.pods.wants(wanted - set(self.procs)):
+        # New processes, and known ones (CUDA, endpoints, TCP-only ones the exporter labelled)
+        # whose container the kubelet did not list yet: a container that started before the
+        # kubelet reported it gets its pod at a later (rate-limited) fetch.
+        cids = [p.cid for p in self.procs.values() if p.cid and not p.pod]
+        if self.pods.wants(wanted - set(self.procs)) or self.pods.wants_cids(cids):
             await loop.run_in_executor(None, self.pods.refresh)
+        if self.pods.version != self._pods_version:  # relabel every cached process
+            self._pods_version = self.pods.version
+            for pid in list(self.procs):
+                self.procs[pid] = process_info(pid, self.pods, self.endpoints)
         for pid in wanted:
             if pid not in self.procs or self.procs[pid].endpoint != self.endpoints.get(pid, ""):
                 self.procs[pid] = process_info(pid, self.pods, self.endpoints)
         gone = {pid for pid in self.procs if not os.path.exists(f"/proc/{pid}")}
         for pid in gone:
             self.procs.pop(pid, None)
-        if gone:
-            if self.cuda is not None:
-                self.cuda.forget(gone)
-            if self.tcp is not None:
-                self.tcp.forget(gone)
+        # Every exited process in the maps, not only those discovery knew: the maps are
+        # bounded (a full one refuses new processes) and a dead pid's gauges must end.
+        if self.cuda is not None:
+            self.cuda.prune()
+        if self.tcp is not None:
+            self.tcp.prune()
         if isinstance(self.tcp, SockDiagSampler):
             await loop.run_in_executor(None, self.tcp.sample)
+
+    def _detach_unmapped(self, libs: dict[int, set[str]]) -> None:
+        """Detach from library files no live process has mapped for UNMAPPED_GRACE_S (an
+        engine restarting maps the same file again at once: keep its probes meanwhile)."""
+        if self.cuda is None:
+            return
+        mapped = set()
+        for paths in libs.values():
+            for path in paths:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                mapped.add((st.st_dev, st.st_ino))
+        now = time.monotonic()
+        for key in list(self._unmapped_since):
+            if key in mapped or key not in self.cuda.libraries:
+                del self._unmapped_since[key]
+        for key in set(self.cuda.libraries) - mapped:
+            self._unmapped_since.setdefault(key, now)
+        due = {k for k, t in self._unmapped_since.items() if now - t >= UNMAPPED_GRACE_S}
+        if due:
+            gone = {id(r) for r in self.cuda.detach(due)}
+            self.libraries = [r for r in self.libraries if id(r) not in gone]
+            for key in due:
+                self._unmapped_since.pop(key, None)
 
     def info(self, pid: int) -> ProcInfo:
         p = self.procs.get(pid)
@@ -164,19 +219,32 @@ Labels = tuple[str, ...]
 class _Monotonic:
     """Adds per-process counter vectors into series without a pid label. A process that
     exits (or is relabelled) leaves its last counts behind, so every summed counter only
-    grows: a vanishing process must not look like a counter reset to Prometheus."""
+    grows: a vanishing process must not look like a counter reset to Prometheus. A label set
+    with no live member is dropped `grace` seconds after its last member left, so series of
+    dead processes (`--pid-label`) and replaced pods do not accumulate forever."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, grace: float = RETIRED_GRACE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.grace = grace
+        self.clock = clock
         self.last: dict[Hashable, tuple[Labels, list[float]]] = {}
         self.retired: dict[Labels, list[float]] = {}
+        self.retired_at: dict[Labels, float] = {}
 
     def update(
         self, current: dict[Hashable, tuple[Labels, list[float]]]
     ) -> dict[Labels, list[float]]:
+        now = self.clock()
         for key, (labels, vec) in self.last.items():
-            now = current.get(key)
-            if now is None or now[0] != labels:
+            cur = current.get(key)
+            if cur is None or cur[0] != labels:
                 self.retired[labels] = _add(self.retired.get(labels), vec)
+                self.retired_at[labels] = now
+        live = {labels for labels, _ in current.values()}
+        for labels in [lv for lv in self.retired if lv not in live]:
+            if now - self.retired_at[labels] > self.grace:
+                del self.retired[labels], self.retired_at[labels]
         self.last = current
         out = {labels: list(vec) for labels, vec in self.retired.items()}
         for labels, vec in current.values():
@@ -247,43 +315,44 @@ class _Collector(Collector):
             tl = [*who, "source"]
             fill = GaugeMetricFamily(
                 "unbroken_socket_send_buffer_fill_ratio",
-                "Latest sk_wmem_queued / sk_sndbuf of the process's TCP sends (0..1).",
+                "sk_wmem_queued / sk_sndbuf now, max over the process's open TCP sockets "
+                "(0..1; clamped: the queue may overshoot the buffer by one packet).",
                 labels=tl,
             )
             peak = GaugeMetricFamily(
                 "unbroken_socket_send_buffer_fill_ratio_peak",
-                "Peak fill ratio since the agent started.",
+                "Highest fill ratio seen since the agent started (0..1).",
                 labels=tl,
             )
             bp = CounterMetricFamily(
                 "unbroken_socket_backpressure_seconds",
-                f"Socket-seconds at or above {a.cfg.threshold:.0%} full.",
+                "Socket-seconds the kernel held the process's sends back: limited by the "
+                "peer's receive window (peer not reading) or by a full send buffer "
+                "(tcp_info's tcpi_rwnd_limited + tcpi_sndbuf_limited).",
                 labels=tl,
             )
             rw = CounterMetricFamily(
                 "unbroken_socket_rwnd_limited_seconds",
-                "Time limited by the peer's receive window (tcpi_rwnd_limited; sock_diag only).",
+                "Socket-seconds limited by the peer's receive window (tcpi_rwnd_limited): "
+                "the part of the backpressure seconds due to a peer that does not read.",
                 labels=tl,
             )
             gauges: dict[Labels, tuple[float, float]] = {}
             counters: dict[Hashable, tuple[Labels, list[float]]] = {}
-            has_rwnd: set[Labels] = set()
             for pid, t in a.tcp.read().items():
-                if pid not in a.procs and t.peak_ratio < a.cfg.threshold:
+                pressed = t.peak_ratio >= a.cfg.threshold or t.backpressure_s >= PRESSED_S
+                if pid not in a.procs and not pressed:
                     continue  # unknown and never pressed: keep cardinality low
                 lv = (*self._who(pid), src)
                 f0, p0 = gauges.get(lv, (0.0, 0.0))
                 gauges[lv] = (max(f0, t.fill_ratio), max(p0, t.peak_ratio))
                 counters[pid] = (lv, [t.backpressure_s, t.rwnd_limited_s or 0.0])
-                if t.rwnd_limited_s is not None:
-                    has_rwnd.add(lv)
             for lv, (bp_s, rw_s) in sorted(self.tcp_sums.update(counters).items()):
                 if lv in gauges:
                     fill.add_metric(list(lv), gauges[lv][0])
                     peak.add_metric(list(lv), gauges[lv][1])
                 bp.add_metric(list(lv), bp_s)
-                if lv in has_rwnd or src == "sock_diag":
-                    rw.add_metric(list(lv), rw_s)
+                rw.add_metric(list(lv), rw_s)
             yield from (fill, peak, bp, rw)
         up = GaugeMetricFamily("unbroken_agent_ebpf", "1 when the eBPF tracers are loaded.")
         up.add_metric([], 1 if a.cuda is not None else 0)

@@ -8,7 +8,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from unbroken.agent.service import Agent, AgentConfig
+from unbroken.agent.service import PRESSED_S, Agent, AgentConfig
 
 __all__ = ["run_once"]
 
@@ -79,11 +79,11 @@ async def _once(cfg: AgentConfig, seconds: float, console: Console) -> int:
         tcp = {
             p: v
             for p, v in (agent.tcp.read() if agent.tcp else {}).items()
-            if p in agent.procs or v.peak_ratio >= cfg.threshold
+            if p in agent.procs or v.peak_ratio >= cfg.threshold or v.backpressure_s >= PRESSED_S
         }
         if tcp:
             t = Table(title=f"TCP send buffers ({agent.tcp.source if agent.tcp else ''})")
-            for col in ("pid", "process", "fill now", "peak", f"time ≥ {cfg.threshold:.0%}"):
+            for col in ("pid", "process", "fill now", "peak", "held back"):
                 t.add_column(col)
             for pid, v in sorted(tcp.items()):
                 info = agent.info(pid)

@@ -734,6 +734,10 @@ def agent_objects(o: RenderOptions) -> list[Obj]:
                     # uprobes through /proc/PID/root, and maps sockets to processes through
                     # /proc/PID/fd: none of that is visible from the pod's own PID namespace.
                     "hostPID": True,
+                    # Exit is the kernel tearing down each uprobe link (~0.1 s each): the
+                    # agent holds only libraries in use (~24 links per engine image, ~3 s);
+                    # 30 s covers ~10 distinct copies in use at once (docs/agent.md).
+                    "terminationGracePeriodSeconds": 30,
                     "enableServiceLinks": False,
                     "nodeSelector": {"nvidia.com/gpu.present": "true"},
                     "tolerations": [
