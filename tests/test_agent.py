@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -612,12 +613,31 @@ def test_injected_slow_cuda_shows_for_the_engine_endpoint(
         u.stop()
 
 
-def test_pod_labels_from_the_kubelet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kubelet is a boundary we cannot reach here: a local HTTP server stands in for its
-    /pods endpoint. The container id comes from a real process's real cgroup file."""
+def _fake_kubelet(pods: dict[str, Any]) -> tuple[Any, str]:
+    """A local HTTP server standing in for the kubelet's /pods (a boundary we cannot reach
+    here), answering `pods` as it is at each request: the server (to shut down) and its URL."""
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
+    class Kubelet(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(pods).encode()
+            self.send_response(200 if self.path == "/pods" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Kubelet)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_pod_labels_from_the_kubelet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet is a boundary we cannot reach here: a local HTTP server stands in for its
+    /pods endpoint. The container id comes from a real process's real cgroup file."""
     from unbroken.agent.discovery import PodResolver, process_info
 
     cid = "ab" * 32
@@ -634,20 +654,8 @@ def test_pod_labels_from_the_kubelet(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ]
     }
 
-    class Kubelet(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps(pods).encode()
-            self.send_response(200 if self.path == "/pods" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = HTTPServer(("127.0.0.1", 0), Kubelet)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    monkeypatch.setenv("KUBELET_URL", f"http://127.0.0.1:{srv.server_address[1]}")
+    srv, url = _fake_kubelet(pods)
+    monkeypatch.setenv("KUBELET_URL", url)
     # A process in a cgroup whose path carries the container id, as under containerd.
     cg = Path("/sys/fs/cgroup/pids") / f"cri-containerd-{cid}.scope"
     if not (Path("/sys/fs/cgroup/pids") / "cgroup.procs").exists():
@@ -734,28 +742,13 @@ def test_pods_resolved_for_late_listed_and_tcp_only_containers(tmp_path: Path) -
     started first): labelled with its pod at a later discovery once the kubelet lists it.
     The kubelet is a boundary we cannot reach here: a local HTTP server stands in for its
     /pods endpoint; the process, its cgroup and its socket are real."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
     cid = "cd" * 32
     pods: dict = {"items": []}
-
-    class Kubelet(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps(pods).encode()
-            self.send_response(200 if self.path == "/pods" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
 
     root = Path("/sys/fs/cgroup/pids")
     if not (root / "cgroup.procs").exists():
         pytest.skip("no cgroup v1 pids hierarchy to place a process in")
-    srv = HTTPServer(("127.0.0.1", 0), Kubelet)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, kubelet = _fake_kubelet(pods)
     cg = root / f"cri-containerd-{cid}.scope"
     cg.mkdir(exist_ok=True)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -771,7 +764,7 @@ def test_pods_resolved_for_late_listed_and_tcp_only_containers(tmp_path: Path) -
     )
     conn, _ = listener.accept()  # never read: the process is held back, so it is exported
     old = os.environ.get("KUBELET_URL")
-    os.environ["KUBELET_URL"] = f"http://127.0.0.1:{srv.server_address[1]}"
+    os.environ["KUBELET_URL"] = kubelet
     try:
         a = Agent(AgentConfig(ebpf=False))
         a.pods.min_interval = 0.2
