@@ -163,10 +163,12 @@ def test_stored_responses_follow_their_replica(two: tuple[Proc, Proc, Proc]) -> 
     cancel = _post(g, f"/v1/responses/{rid}/cancel", {})
     assert cancel.status_code == 400  # found (a finished response cannot be cancelled)
     missing = httpx.get(
-        g.url + "/v1/responses/resp_nope", headers={"Authorization": f"Bearer {FREE}"}
+        g.url + "/v1/responses/resp_nope",
+        headers={"Authorization": f"Bearer {FREE}", "X-Request-ID": "mine-1"},
     )
     assert missing.status_code == 404
     assert missing.json()["error"]["message"] == "Response with id 'resp_nope' not found."
+    assert missing.headers["x-request-id"] == "mine-1"  # echoed on every answer
 
 
 def test_responses_usage_counts_against_token_limits(two: tuple[Proc, Proc, Proc]) -> None:
@@ -180,6 +182,8 @@ def test_responses_usage_counts_against_token_limits(two: tuple[Proc, Proc, Proc
             g, "/v1/responses", {"model": "resp-model", "input": "x", "stream": i % 2 == 1}, KEY
         )
         codes.append(r.status_code)
+        if r.status_code == 200 and i % 2 == 1:  # a stream, buffered by no proxy in between
+            assert r.headers["x-accel-buffering"] == "no"
         if r.status_code == 200:
             r.read()
     assert codes == [200, 200, 200, 200, 200, 429], codes
@@ -210,6 +214,14 @@ def test_ping_and_auth_before_routing(two: tuple[Proc, Proc, Proc]) -> None:
     _, _, g = two
     assert httpx.get(g.url + "/ping").status_code == 200
     assert httpx.post(g.url + "/ping").status_code == 200
+    # Every answer echoes the request's id, these routes' too.
+    for method, path in (("GET", "/ping"), ("GET", "/v1/models"), ("GET", "/nowhere")):
+        r = httpx.request(
+            method,
+            g.url + path,
+            headers={"Authorization": f"Bearer {FREE}", "X-Request-ID": "mine-2"},
+        )
+        assert r.headers["x-request-id"] == "mine-2", (path, r.headers)
     bad = {"Authorization": "Bearer wrong"}
     for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/completions")):
         r = httpx.request(method, g.url + path, headers=bad)

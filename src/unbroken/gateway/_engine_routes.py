@@ -20,9 +20,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from unbroken.gateway._headers import request_id
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._upstream import UPSTREAM_ERRORS
 from unbroken.wire.errors import ApiError
+from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.openai import usage_of
 from unbroken.wire.sse import SSEDecoder
 
@@ -148,7 +150,7 @@ class EngineRoutes:
             self.tenancy.resolve(request)
         assert self.session is not None
         rid = request.match_info["response_id"]
-        base = {"X-Request-ID": request.headers.get("X-Request-ID") or f"gw-{id(request):x}"}
+        base = {"X-Request-ID": request_id(request)}
         base.update(
             (k, v) for k, v in request.headers.items() if k.lower() in ("accept", "content-type")
         )
@@ -164,9 +166,12 @@ class EngineRoutes:
                     timeout=_CALL_TIMEOUT,
                 ) as up:
                     if up.content_type == "text/event-stream" and up.status == 200:
-                        return await _relay(request, up)
+                        return await _relay(request, up, self.headers.response(base, ep))
                     answer = web.Response(
-                        status=up.status, body=await up.read(), content_type=up.content_type
+                        status=up.status,
+                        body=await up.read(),
+                        content_type=up.content_type,
+                        headers=self.headers.response(base, ep),
                     )
             except UPSTREAM_ERRORS as e:
                 log.info("%s %s on %s: %s", request.method, request.path, ep.name, e)
@@ -268,10 +273,16 @@ class EngineRoutes:
             ).response()
 
 
-async def _relay(request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
+async def _relay(
+    request: web.Request, up: aiohttp.ClientResponse, headers: dict[str, str]
+) -> web.StreamResponse:
     """A stored background response streamed again (`GET ...?stream=true`), byte for byte."""
     resp = web.StreamResponse(
-        headers={"Content-Type": up.headers.get("Content-Type", "text/event-stream")}
+        headers={
+            **SSE_HEADERS,
+            "Content-Type": up.headers.get("Content-Type", SSE_HEADERS["Content-Type"]),
+            **headers,
+        }
     )
     await resp.prepare(request)
     async for chunk in up.content.iter_any():

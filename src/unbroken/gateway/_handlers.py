@@ -378,6 +378,7 @@ class Handlers(EngineRoutes):
             headers={
                 "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # as the engine and the completions' streams
                 **self.headers.response(headers, ep),
             }
         )

@@ -23,6 +23,7 @@ from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
 from unbroken.gateway._admission import Admission
 from unbroken.gateway._engine_routes import LORA_ROUTES, RESPONSE_ROUTES
+from unbroken.gateway._headers import request_id
 from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._prober import Prober
@@ -266,7 +267,7 @@ class Gateway:
                 self.metrics.count_unknown_routes(self._auth_unrouted),
             ],
         )
-        app.on_response_prepare.append(self._close_when_draining)
+        app.on_response_prepare.append(self._on_prepare)
         Cors(self.cfg.cors_allowed_origins).install(app)
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
@@ -445,7 +446,11 @@ class Gateway:
             server.pre_shutdown()  # idle connections close now, busy ones after their request
         return ended
 
-    async def _close_when_draining(self, request: web.Request, resp: web.StreamResponse) -> None:
+    async def _on_prepare(self, request: web.Request, resp: web.StreamResponse) -> None:
+        # Every answer echoes the request's id (docs/gateway.md), the routes that do not set
+        # it themselves (/v1/models, /ping, adapters, 404s) included.
+        if "X-Request-ID" not in resp.headers:
+            resp.headers["X-Request-ID"] = request_id(request)
         if self.draining:
             resp.force_close()
             resp.headers["Connection"] = "close"
