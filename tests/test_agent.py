@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -304,14 +304,21 @@ def test_slow_reader_is_detected_healthy_is_not(agent: Agent) -> None:
     assert ok not in stats or stats[ok].backpressure_s < 0.1
 
 
-def test_sock_diag_fallback_sees_the_same() -> None:
-    sampler = SockDiagSampler(0.8)
+def _every(period: float, fn: Callable[[], object]) -> Callable[[], None]:
+    """A tick that calls `fn` at most once per `period` (a sampler driven by a busy loop)."""
     last = [0.0]
 
     def tick() -> None:
-        if time.monotonic() - last[0] >= 0.1:
+        if time.monotonic() - last[0] >= period:
             last[0] = time.monotonic()
-            sampler.sample()
+            fn()
+
+    return tick
+
+
+def test_sock_diag_fallback_sees_the_same() -> None:
+    sampler = SockDiagSampler(0.8)
+    tick = _every(0.1, sampler.sample)
 
     slow, ok = _tcp_scenario(tick)
     stats = sampler.read()
@@ -384,12 +391,7 @@ def test_a_client_that_stops_reading_is_backpressure_with_autotuned_buffers(
 
 def test_sock_diag_fallback_measures_the_same_backpressure() -> None:
     sampler = SockDiagSampler(0.8)
-    last = [0.0]
-
-    def tick() -> None:
-        if time.monotonic() - last[0] >= 0.1:
-            last[0] = time.monotonic()
-            sampler.sample()
+    tick = _every(0.1, sampler.sample)
 
     def read() -> dict:
         sampler.sample()
