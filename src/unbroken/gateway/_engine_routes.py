@@ -24,7 +24,6 @@ from unbroken.gateway._headers import request_id
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._upstream import UPSTREAM_ERRORS
 from unbroken.wire.errors import ApiError
-from unbroken.wire.http import SSE_HEADERS
 from unbroken.wire.openai import usage_of
 from unbroken.wire.sse import SSEDecoder
 
@@ -72,12 +71,8 @@ class ResponseHomes:
             self._homes.move_to_end(response_id)
         return name
 
-    def note_body(self, data: bytes | None, ep: Endpoint) -> None:
-        """A whole Responses answer: note its id."""
-        try:
-            obj = orjson.loads(data or b"")
-        except orjson.JSONDecodeError:
-            return
+    def note_answer(self, obj: object, ep: Endpoint) -> None:
+        """A whole Responses answer (parsed): note its id."""
         rid = obj.get("id") if isinstance(obj, dict) else None
         if isinstance(rid, str):
             self.note(rid, ep)
@@ -131,6 +126,9 @@ class EngineRoutes:
     tenancy: Tenancy
     homes: ResponseHomes
     read_models: Callable[[], Awaitable[None]] | None
+    # The pass-through relay (`Handlers._pass_stream`): a stored background response
+    # streamed again is relayed as any pass-through stream.
+    _pass_stream: Callable[..., Awaitable[web.StreamResponse]]
 
     def _holders(self, home: str | None) -> list[Endpoint]:
         """The endpoints that may hold a stored response, its home first: ready or draining
@@ -166,7 +164,7 @@ class EngineRoutes:
                     timeout=_CALL_TIMEOUT,
                 ) as up:
                     if up.content_type == "text/event-stream" and up.status == 200:
-                        return await _relay(request, up, self.headers.response(base, ep))
+                        return await self._pass_stream(request, up, ep, base)
                     answer = web.Response(
                         status=up.status,
                         body=await up.read(),
@@ -271,21 +269,3 @@ class EngineRoutes:
             return ApiError(
                 502, f"{ep.name}: {type(e).__name__}: {e}", code="upstream_unavailable"
             ).response()
-
-
-async def _relay(
-    request: web.Request, up: aiohttp.ClientResponse, headers: dict[str, str]
-) -> web.StreamResponse:
-    """A stored background response streamed again (`GET ...?stream=true`), byte for byte."""
-    resp = web.StreamResponse(
-        headers={
-            **SSE_HEADERS,
-            "Content-Type": up.headers.get("Content-Type", SSE_HEADERS["Content-Type"]),
-            **headers,
-        }
-    )
-    await resp.prepare(request)
-    async for chunk in up.content.iter_any():
-        await resp.write(chunk)
-    await resp.write_eof()
-    return resp

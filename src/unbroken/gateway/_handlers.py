@@ -278,9 +278,11 @@ class Handlers(EngineRoutes):
         notes = request.path == "/v1/responses"
         tried: list[Endpoint] = []
         deadline = t0 + self.cfg.request_timeout_s
-        attempts = max(self.cfg.max_attempts, len(self.pool.endpoints)) if hunt else None
+        attempts = self.cfg.max_attempts
+        if hunt:
+            attempts = max(attempts, len(self.pool.endpoints))
         not_here: web.Response | None = None
-        for attempt in range(attempts or self.cfg.max_attempts):
+        for attempt in range(attempts):
             if attempt and not self.pool.could_serve(model, priority, tried):
                 break
             exclude = tried
@@ -322,7 +324,7 @@ class Handlers(EngineRoutes):
                         content_type=up.content_type,
                         headers=self.headers.response(headers, ep),
                     )
-                    if attempt + 1 == self.cfg.max_attempts:
+                    if attempt + 1 == attempts:
                         return last, ep.pool
                     continue
                 if up.status < 400:
@@ -336,10 +338,12 @@ class Handlers(EngineRoutes):
                         headers=self.headers.response(headers, ep),
                     )
                     continue
-                if lease is not None and up.status == 200 and not sse:
-                    self.tenancy.charge_body(lease, data)
-                if notes and up.status == 200 and not sse:
-                    self.homes.note_body(data, ep)
+                if up.status == 200 and not sse and (lease is not None or notes):
+                    obj = _json(data)  # parsed once for both
+                    if lease is not None:
+                        self.tenancy.charge_answer(lease, obj)
+                    if notes:
+                        self.homes.note_answer(obj, ep)
                 if not sse or up.status != 200:
                     return web.Response(
                         status=up.status,
@@ -524,6 +528,14 @@ class Handlers(EngineRoutes):
             block_chars=self.cfg.prefix_block_chars,
             session=request.headers.get(self.cfg.session_header) or None,
         )
+
+
+def _json(data: bytes | None) -> object:
+    """A JSON answer, None where it is not JSON."""
+    try:
+        return orjson.loads(data or b"")
+    except orjson.JSONDecodeError:
+        return None
 
 
 async def _read(up: aiohttp.ClientResponse) -> bytes:

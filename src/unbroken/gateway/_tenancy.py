@@ -129,6 +129,10 @@ class Tenancy:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             return
+        self.charge_answer(lease, obj)
+
+    def charge_answer(self, lease: Lease, obj: object) -> None:
+        """`charge_body` of an answer already parsed."""
         u = usage_of(obj)
         if u is not None:
             self.charge(lease, *u)
