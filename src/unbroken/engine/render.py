@@ -13,7 +13,7 @@ from unbroken.engine.request import RequestState
 from unbroken.engine.structured import ToolMode, ToolStream, tool_calls_of
 from unbroken.engine.textmodel import VOCAB
 from unbroken.wire.openai import ChatRequest, CompletionRequest
-from unbroken.wire.sse import encode_json
+from unbroken.wire.sse import encode_data, encode_json
 
 __all__ = ["ChatFormat", "CompletionFormat", "Format", "alternatives", "prompt_pieces"]
 
@@ -96,6 +96,23 @@ class Format:
         if not self.usage_on:
             return None
         return encode_json(self._envelope([], usage=True))
+
+    # What `Engine._stream` asks of a stream's format beside its chunks.
+    direct = True  # chunks may be written from the core's callback (`RequestState.direct`)
+
+    def end(self) -> bytes:
+        """After the last chunk: the usage chunk if asked for, then `[DONE]`."""
+        return (self.usage_chunk() or b"") + encode_data(b"[DONE]")
+
+    def fault(self) -> bytes:
+        """An injected failure mid-stream: an error event, then `[DONE]`."""
+        err = {
+            "message": "injected failure mid-stream",
+            "type": "internal_server_error",
+            "param": None,
+            "code": 500,
+        }
+        return encode_json({"error": err}) + encode_data(b"[DONE]")
 
 
 class CompletionFormat(Format):

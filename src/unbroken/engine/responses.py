@@ -29,7 +29,6 @@ from unbroken.engine.core import Output
 from unbroken.engine.render import alternatives, tool_call_id
 from unbroken.engine.request import RequestState
 from unbroken.wire.errors import ApiError
-from unbroken.wire.http import prepare_sse
 
 __all__ = [
     "STORE_ENV",
@@ -39,7 +38,6 @@ __all__ = [
     "conversation",
     "output_limit",
     "random_id",
-    "stream",
 ]
 
 log = logging.getLogger("unbroken.engine")
@@ -748,6 +746,24 @@ class ResponsesFormat:
         )
         return b"".join(parts)
 
+    # What `Engine._stream` asks of a stream's format beside its chunks: vLLM's Responses
+    # stream has no `[DONE]`, and its events are numbered as they are sent, so none is
+    # written from the core's callback.
+    direct = False
+
+    def end(self) -> bytes:
+        return self.usage_chunk()
+
+    def fault(self) -> bytes:
+        return self._event(
+            {
+                "type": "error",
+                "code": "injected_fault",
+                "message": "injected failure mid-stream",
+                "param": None,
+            }
+        )
+
     def usage_chunk(self) -> bytes:
         """The closing events and response.completed (whatever the status, as vLLM)."""
         parts = []
@@ -821,44 +837,6 @@ class ResponsesFormat:
         )
         self._save(resp)
         return resp
-
-
-async def stream(
-    request: web.Request, state: RequestState, fmt: ResponsesFormat
-) -> web.StreamResponse:
-    """The SSE stream of one response. Engine._stream ends every stream with `data: [DONE]`,
-    which vLLM's Responses stream never sends, hence this loop (it also leaves out _stream's
-    direct writes from the core's callback: a plain loop through the request's task)."""
-    resp = await prepare_sse(request)
-    try:
-        await resp.write(fmt.head())
-        sent = 0
-        async for batch in state.batches():
-            parts = []
-            for o in batch:
-                parts.append(fmt.chunk(o))
-                sent += o.tokens
-            if state.fail_after is not None and sent >= state.fail_after:
-                parts.append(
-                    fmt._event(
-                        {
-                            "type": "error",
-                            "code": "injected_fault",
-                            "message": "injected failure mid-stream",
-                            "param": None,
-                        }
-                    )
-                )
-                await resp.write(b"".join(parts))
-                return resp
-            data = b"".join(parts)
-            if data:
-                await resp.write(data)
-        await resp.write(fmt.usage_chunk())
-        await resp.write_eof()
-    except ConnectionResetError:
-        log.debug("client went away: %s", state.request_id)
-    return resp
 
 
 # -- the store ---------------------------------------------------------------------------------

@@ -59,9 +59,8 @@ from unbroken.wire.openai import (
     parse_request,
     validation_message,
 )
-from unbroken.wire.sse import encode_data, encode_json
 
-_Format = CompletionFormat | ChatFormat
+_Format = CompletionFormat | ChatFormat | responses_mod.ResponsesFormat
 
 __all__ = ["Engine", "EngineConfig", "run_engine"]
 
@@ -752,15 +751,15 @@ class Engine:
 
             async def run() -> None:
                 try:
-                    await self._collect(state, fmt)  # type: ignore[arg-type]
+                    await self._collect(state, fmt)
                 finally:
                     self._release(state)
 
             return api.start_background(fmt, run())
         try:
             if req.stream:
-                return await responses_mod.stream(request, state, fmt)
-            return await self._collect(state, fmt)  # type: ignore[arg-type]
+                return await self._stream(request, state, fmt)
+            return await self._collect(state, fmt)
         finally:
             self._release(state)
 
@@ -776,6 +775,7 @@ class Engine:
             if resp.headers.get("Transfer-Encoding") == "chunked"
             and not resp.compression
             and state.fail_after is None
+            and fmt.direct
             else None
         )
         state.render = fmt.chunk
@@ -791,25 +791,12 @@ class Engine:
                     parts.append(fmt.chunk(o))
                     sent += o.tokens
                 if state.fail_after is not None and sent >= state.fail_after:
-                    parts.append(
-                        encode_json(
-                            {
-                                "error": {
-                                    "message": "injected failure mid-stream",
-                                    "type": "internal_server_error",
-                                    "param": None,
-                                    "code": 500,
-                                }
-                            }
-                        )
-                    )
-                    parts.append(encode_data(b"[DONE]"))
+                    parts.append(fmt.fault())
                     await resp.write(b"".join(parts))
                     return resp
                 await resp.write(b"".join(p for p in parts if p))
                 state.direct = direct
-            tail = fmt.usage_chunk()
-            await resp.write((tail or b"") + encode_data(b"[DONE]"))
+            await resp.write(fmt.end())
             await resp.write_eof()
         except ConnectionResetError:
             log.debug("client went away: %s", state.request_id)
