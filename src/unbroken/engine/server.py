@@ -653,12 +653,7 @@ class Engine:
             prompts,
             sum(t for _, t in contexts),  # once per prompt, whatever n (vLLM 0.32)
         )
-        try:
-            if req.stream:
-                return await self._stream(request, state, fmt)
-            return await self._collect(state, fmt)
-        finally:
-            self._release(state)
+        return await self._answer(request, state, fmt, req.stream)
 
     def _prompts(self, prompt: Any) -> list[str]:
         if isinstance(prompt, str):
@@ -698,12 +693,7 @@ class Engine:
         fmt = ChatFormat(
             req, state, self.cfg.model_name if adapter is None else adapter.name, ptoks, tools
         )
-        try:
-            if req.stream:
-                return await self._stream(request, state, fmt)
-            return await self._collect(state, fmt)
-        finally:
-            self._release(state)
+        return await self._answer(request, state, fmt, req.stream)
 
     # -- /v1/responses (vLLM's Responses API, responses.py) ----------------------------------
     @functools.cached_property
@@ -756,14 +746,20 @@ class Engine:
                     self._release(state)
 
             return api.start_background(fmt, run())
+        return await self._answer(request, state, fmt, req.stream)
+
+    # -- responses --------------------------------------------------------------------------
+    async def _answer(
+        self, request: web.Request, state: RequestState, fmt: _Format, stream: bool | None
+    ) -> web.StreamResponse:
+        """The request's answer, streamed or whole; its slots released either way."""
         try:
-            if req.stream:
+            if stream:
                 return await self._stream(request, state, fmt)
             return await self._collect(state, fmt)
         finally:
             self._release(state)
 
-    # -- responses --------------------------------------------------------------------------
     async def _stream(
         self, request: web.Request, state: RequestState, fmt: _Format
     ) -> web.StreamResponse:
