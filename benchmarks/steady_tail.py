@@ -1,0 +1,327 @@
+"""The demo's steady window alone, standard deployment against unbroken, alternated.
+
+`unbroken demo` takes ~3 minutes and its steady p99.9 TTFT (issue 23: <= 1.1x the standard
+deployment's) is the 2nd-3rd slowest of ~1,300 first tokens, so one run says little. This
+runs only that window: the demo's spec, engines, 200 users and priority mix, a ramp, then
+`--steady` seconds measured, for each target in turn, `--rounds` times, alternating the order
+(~50 s a target). Per target: TTFT p50 / p99 / p99.9 over the window (and per engine class,
+from the simulator's X-Unbroken-Profile), its ratio to the standard deployment of the same
+round, and the CPU each role used in the window (cores): the load generator (this process),
+gateway or round-robin proxy, engines, controller, agent.
+
+Variants of unbroken (`--variant NAME:key=value,...`, spec paths under the pipeline spec,
+e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`, `w1:gateway.workers=1`) run as
+extra targets in each round. `--burn FRACTION` runs a busy loop using that share of a core
+beside the standard deployment, as a second standard target ("standard+burn"): whether a
+gateway's CPU alone makes the round-robin's tail what unbroken's is.
+
+    .venv/bin/python benchmarks/steady_tail.py --rounds 3
+    .venv/bin/python benchmarks/steady_tail.py --rounds 2 --burn 0.35 \
+        --variant noctl:controller.enabled=false
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import secrets
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from unbroken.bench.baseline import StandardDeployment
+from unbroken.bench.demo import PRIORITIES, _spec
+from unbroken.bench.load import LoadConfig, LoadRun
+from unbroken.bench.passes import StandardTarget, UnbrokenTarget
+from unbroken.bench.priority import measuring_priority
+from unbroken.bench.stats import percentile
+from unbroken.config.spec import PipelineSpec
+from unbroken.pipeline.supervisor import Supervisor
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    name: str
+    kind: str  # "standard" or "unbroken"
+    sets: dict[str, str] = field(default_factory=dict)
+    burn: float = 0.0
+
+
+@dataclass
+class Result:
+    target: str
+    round: int
+    ttfts: list[float]
+    by_profile: dict[str, list[float]]
+    cpu: dict[str, float]  # cores per role over the window
+    failed: int
+
+
+def _role(pid: int) -> str | None:
+    """What a descendant is, by its command: `python -m unbroken SUBCOMMAND ...`, the
+    simulator's `-m unbroken.engine`, the round-robin Service's `-m unbroken.bench.rrproxy`."""
+    try:
+        argv = [
+            a.decode(errors="replace")
+            for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        ]
+    except OSError:
+        return None
+    roles = {
+        "engine": "engines",
+        "unbroken.engine": "engines",
+        "gateway": "gateway",
+        "unbroken.bench.rrproxy": "gateway",
+        "unbroken.gateway._worker": "gateway",
+        "controller": "controller",
+        "agent": "agent",
+    }
+    for a in argv[1:4]:
+        if a in roles:
+            return roles[a]
+    return "other"
+
+
+def _children_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (utime + stime) of every descendant of this process, with its role."""
+    me = os.getpid()
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+                parent[int(d)] = int(f[1])
+    out: dict[int, tuple[str, float]] = {}
+    for pid in parent:
+        p, seen = pid, 0
+        while p in parent and p != me and seen < 64:
+            p, seen = parent[p], seen + 1
+        if p != me or pid == me:
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            role = _role(pid)
+            if role is not None:
+                out[pid] = (role, (int(f[11]) + int(f[12])) / CLK)
+    return out
+
+
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _cpu_delta(
+    a: dict[int, tuple[str, float]], b: dict[int, tuple[str, float]], seconds: float
+) -> dict[str, float]:
+    roles: dict[str, float] = {}
+    for pid, (role, cpu) in b.items():
+        roles[role] = roles.get(role, 0.0) + cpu - a.get(pid, (role, 0.0))[1]
+    return {k: round(v / seconds, 3) for k, v in sorted(roles.items())}
+
+
+def _burner(fraction: float, stop: Any) -> None:
+    """A busy loop using `fraction` of a core in 10 ms periods."""
+    busy = 0.01 * fraction
+    while not stop.is_set():
+        t = time.perf_counter()
+        while time.perf_counter() - t < busy:
+            pass
+        time.sleep(max(0.0, 0.01 - busy))
+
+
+def _apply(spec: PipelineSpec, sets: dict[str, str]) -> PipelineSpec:
+    data = spec.model_dump()
+    for path, raw in sets.items():
+        node = data
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            with contextlib.suppress(ValueError):
+                value = float(raw) if "." in raw else int(raw)
+        node[last] = value
+    return PipelineSpec.model_validate(data)
+
+
+def _state(root: Path, name: str) -> tuple[Path, str, Path]:
+    state = root / name
+    state.mkdir(parents=True)
+    token = secrets.token_urlsafe(16)
+    token_file = state / "admin-token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    return state, token, token_file
+
+
+async def _one(
+    t: Target, rnd: int, root: Path, args: argparse.Namespace, console: Console
+) -> Result:
+    state, token, token_file = _state(root, f"{t.name}-{rnd}")
+    spec = _apply(_spec(args.weights_size), t.sets)
+    target: Any
+    if t.kind == "standard":
+        dep = StandardDeployment(spec, state=state, token=token, token_file=token_file)
+        target = StandardTarget(dep)
+    else:
+        target = UnbrokenTarget(Supervisor(spec, state=state, token=token, token_file=token_file))
+    cfg = LoadConfig(
+        url=target.url,
+        users=args.users,
+        spawn_rate=max(10.0, args.users / 5),
+        duration=3600,
+        priorities=PRIORITIES,
+    )
+    stop_burn = multiprocessing.Event()
+    burner: multiprocessing.Process | None = None
+    await target.start(console)
+    try:
+        if t.burn > 0:
+            burner = multiprocessing.Process(target=_burner, args=(t.burn, stop_burn), daemon=True)
+            burner.start()
+        load = LoadRun(cfg)
+        with measuring_priority(True):
+            runner = asyncio.create_task(load.run())
+            await asyncio.sleep(args.users / cfg.spawn_rate + args.ramp)
+            t0, c0, s0 = load.now(), _children_cpu(), _self_cpu()
+            await asyncio.sleep(args.steady)
+            t1, c1, s1 = load.now(), _children_cpu(), _self_cpu()
+            load.stop()
+            await runner
+    finally:
+        stop_burn.set()
+        if burner is not None:
+            burner.join(timeout=2)
+        await target.stop()
+    window = [r for r in load.records if t0 <= r.start < t1]
+    cpu = _cpu_delta(c0, c1, t1 - t0)
+    cpu["loadgen"] = round((s1 - s0) / (t1 - t0), 3)
+    # The engine's own X-Unbroken-Profile through the L4 proxy; the gateway's endpoint name
+    # (POOL-N) and the pool's precision through unbroken.
+    precision = {p.name: p.precision for p in spec.pools}
+    by: dict[str, list[float]] = {}
+    for r in window:
+        if r.ttft is not None:
+            prof = r.profile or precision.get((r.endpoint or "").rsplit("-", 1)[0], "?")
+            by.setdefault(prof, []).append(r.ttft)
+    return Result(
+        target=t.name,
+        round=rnd,
+        ttfts=[r.ttft for r in window if r.ttft is not None],
+        by_profile=by,
+        cpu=cpu,
+        failed=sum(1 for r in window if r.outcome not in ("ok", "pending")),
+    )
+
+
+def _ms(xs: list[float], q: float) -> float:
+    v = percentile(xs, q)
+    return float("nan") if v is None else v * 1e3
+
+
+def _table(results: list[Result]) -> str:
+    std = {r.round: r for r in results if r.target == "standard"}
+    head = (
+        "| round | target | first tokens | TTFT p50 | p99 | p99.9 | p99.9 vs standard | "
+        "fp16 p99 | fp8 p99 | CPU cores: loadgen / gateway / engines / controller / agent | "
+        "failed |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in results:
+        base = std.get(r.round)
+        ratio = (
+            f"{_ms(r.ttfts, 99.9) / _ms(base.ttfts, 99.9):.2f}x"
+            if base is not None and base.ttfts
+            else "-"
+        )
+        cpu = " / ".join(
+            f"{r.cpu.get(k, 0.0):.2f}"
+            for k in ("loadgen", "gateway", "engines", "controller", "agent")
+        )
+        lines.append(
+            f"| {r.round} | {r.target} | {len(r.ttfts)} | {_ms(r.ttfts, 50):.1f} | "
+            f"{_ms(r.ttfts, 99):.1f} | {_ms(r.ttfts, 99.9):.1f} | {ratio} | "
+            f"{_ms(r.by_profile.get('fp16', []), 99):.1f} | "
+            f"{_ms(r.by_profile.get('fp8', []), 99):.1f} | {cpu} | {r.failed} |"
+        )
+    names = list(dict.fromkeys(r.target for r in results))
+    summary = [
+        "",
+        "| target | median p99.9 ms | median p99.9 vs standard | median p99 ms |",
+        "|---|---|---|---|",
+    ]
+    for n in names:
+        rs = [r for r in results if r.target == n]
+        ratios = [
+            _ms(r.ttfts, 99.9) / _ms(std[r.round].ttfts, 99.9)
+            for r in rs
+            if r.round in std and std[r.round].ttfts
+        ]
+        summary.append(
+            f"| {n} | {statistics.median(_ms(r.ttfts, 99.9) for r in rs):.1f} | "
+            f"{statistics.median(ratios):.2f}x | "
+            f"{statistics.median(_ms(r.ttfts, 99) for r in rs):.1f} |"
+        )
+    return "\n".join(lines + summary)
+
+
+def _targets(args: argparse.Namespace) -> list[Target]:
+    ts = [Target("standard", "standard"), Target("unbroken", "unbroken")]
+    if args.burn > 0:
+        ts.append(Target(f"standard+burn{args.burn:g}", "standard", burn=args.burn))
+    for v in args.variant:
+        name, _, sets = v.partition(":")
+        kv = dict(s.split("=", 1) for s in sets.split(",") if s)
+        ts.append(Target(name, "unbroken", sets=kv))
+    return ts
+
+
+async def _main(args: argparse.Namespace) -> None:
+    console = Console()
+    targets = _targets(args)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="steady-tail-") as tmp:
+        for rnd in range(1, args.rounds + 1):
+            order = targets if rnd % 2 else list(reversed(targets))
+            for t in order:
+                console.print(f"round {rnd}: {t.name}")
+                res = await _one(t, rnd, Path(tmp), args, console)
+                console.print(
+                    f"  p50 {_ms(res.ttfts, 50):.1f}  p99 {_ms(res.ttfts, 99):.1f}  "
+                    f"p99.9 {_ms(res.ttfts, 99.9):.1f} ms over {len(res.ttfts)}; cpu {res.cpu}"
+                )
+                results.append(res)
+    results.sort(key=lambda r: (r.round, [t.name for t in targets].index(r.target)))
+    print(_table(results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--users", type=int, default=200)
+    p.add_argument("--steady", type=float, default=25.0, help="seconds measured")
+    p.add_argument("--ramp", type=float, default=3.0, help="seconds after the last user starts")
+    p.add_argument("--weights-size", default="1GiB")
+    p.add_argument("--burn", type=float, default=0.0, help="also: standard + a busy loop")
+    p.add_argument("--variant", action="append", default=[], help="NAME:key=value,...")
+    args = p.parse_args()
+    import uvloop
+
+    uvloop.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()
