@@ -15,6 +15,7 @@ not import it (manifests.build() imports this one).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -34,6 +35,8 @@ __all__ = [
     "drain_deadline",
     "horizontal_pod_autoscaler",
     "scaled_object",
+    "spill_chain",
+    "wanted_query",
 ]
 
 Obj = dict[str, Any]
@@ -75,6 +78,39 @@ def demand_query(namespace: str, pool: str) -> str:
     /metrics already sums its workers). `namespace` is the label the Prometheus Operator's
     PodMonitor adds, so that two pipelines with the same pool names do not add up."""
     return f'sum({DEMAND_METRIC}{{namespace="{namespace}",pool="{pool}"}})'
+
+
+def spill_chain(spec: PipelineSpec, pool: PoolSpec) -> list[PoolSpec]:
+    """The autoscaled pools whose overflow reaches `pool`, first to last, then `pool`: as the
+    local autoscaler chains them (controller/scaling.py), each pool spills into the next
+    pool of the same model in spec order, where both are autoscaled."""
+    pools = list(spec.pools)
+    chain = [pool]
+    while True:
+        i = next(k for k, p in enumerate(pools) if p.name == chain[0].name)
+        model = chain[0].model_of(spec)
+        prev = next((p for p in reversed(pools[:i]) if p.model_of(spec) == model), None)
+        if prev is None or prev.autoscale is None or chain[0].autoscale is None:
+            return chain
+        chain.insert(0, prev)
+
+
+def wanted_query(namespace: str, spec: PipelineSpec, pool: PoolSpec) -> str:
+    """PromQL of the demand the pool is sized for: its own, plus what the pools before it
+    in its spill chain cannot hold at their `max` (demand above max x target, never below
+    0). Without it a same-model fallback at `min: 0` would never wake on a cluster: while
+    it has no replica, the gateway counts the requests queued for its model toward the
+    first pool of their route, the full primary (gateway/_admission.py, `_wants`), and
+    the fallback's own demand stays 0 (the local autoscaler spills the same way,
+    controller/autoscale.py)."""
+    chain = spill_chain(spec, pool)
+    q = demand_query(namespace, chain[0].name)
+    for prev, nxt in itertools.pairwise(chain):
+        a = prev.autoscale
+        assert a is not None
+        room = a.max * prev.scaling.target
+        q = f"{demand_query(namespace, nxt.name)} + clamp_min({q} - {room:g}, 0)"
+    return q
 
 
 def _seconds(x: float, lo: int, hi: int) -> int:
@@ -174,7 +210,7 @@ def scaled_object(
                     "metricType": "AverageValue",
                     "metadata": {
                         "serverAddress": prometheus_url,
-                        "query": demand_query(namespace, pool.name),
+                        "query": wanted_query(namespace, spec, pool),
                         "threshold": _target(s),
                         # Active (0 -> 1) as soon as one request waits for the pool.
                         "activationThreshold": "0",
