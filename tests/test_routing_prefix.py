@@ -381,3 +381,30 @@ def test_the_index_counts_its_own_estimate_of_hits_and_exports_it() -> None:
     text = generate_latest(GatewayMetrics(pool, Admission(pool, queue_timeout=1)).registry).decode()
     assert f"unbroken_gateway_prefix_hit_blocks_total {float(first)}" in text
     assert f"unbroken_gateway_prefix_lookup_blocks_total {float(first + second + third)}" in text
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        [f"127.0.0.1:{p}" for p in (18101, 18102, 18103)],
+        [f"10.0.0.{i}:8000" for i in range(1, 5)],
+        [f"10.244.{i}.{j}:8000" for i, j in ((1, 7), (1, 9), (2, 3), (2, 4), (3, 11))],
+        [f"primary-{i}" for i in range(8)],
+    ],
+)
+def test_rendezvous_homes_are_even(names: list[str]) -> None:
+    """Each replica is home to its share of sessions and of new prefixes' first blocks
+    (same-length names made CRC-only weights give one replica half of the keys)."""
+    eps = [_ep(n) for n in names]
+    n = 12_000
+    for keys in (
+        [f"user-{i}".encode() for i in range(n)],
+        [i.to_bytes(4, "little") for i in random.Random(3).sample(range(2**32), n)],
+    ):
+        counts = {e.name: 0 for e in eps}
+        for k in keys:
+            h = home(k, eps)
+            assert h is not None
+            counts[h.name] += 1
+        share = n / len(eps)
+        assert all(abs(c - share) < 0.1 * share for c in counts.values()), counts

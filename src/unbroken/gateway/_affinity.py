@@ -61,12 +61,29 @@ class AffinitySettings:
     balance_rel: float = 0.25
 
 
+_M64 = (1 << 64) - 1
+
+
+def _weight(k: int, name: str) -> int:
+    """Rendezvous weight of a key (its CRC-32) on an endpoint: splitmix64's finalizer over
+    both CRCs. Rendezvous hashing needs weights independent across endpoints; a CRC alone
+    is affine over GF(2), so crc32(name, crc32(key)) of same-length names (pod IPs, ports)
+    differed by a constant XOR per endpoint and the argmax read a few bits: with three
+    replicas one was home to half of all keys (0.50 / 0.25 / 0.25; a helper's review)."""
+    x = (k << 32) | zlib.crc32(name.encode())
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 def home(key: bytes, candidates: Sequence[Endpoint]) -> Endpoint | None:
-    """The rendezvous (highest random weight) choice of `key` among `candidates`."""
+    """The rendezvous (highest random weight) choice of `key` among `candidates`: the same
+    in every worker and gateway replica, and removing a candidate moves only its keys."""
     best: Endpoint | None = None
     best_w = -1
+    k = zlib.crc32(key)
     for e in candidates:
-        w = zlib.crc32(e.name.encode(), zlib.crc32(key))
+        w = _weight(k, e.name)
         if w > best_w:
             best, best_w = e, w
     return best
