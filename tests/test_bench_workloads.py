@@ -260,3 +260,33 @@ def test_bench_cli_workloads(sim: Proc, tmp_path: Path) -> None:
     assert bench("--workload", "sharegpt").returncode == 2
     assert bench("--workload", "shared-prefix", "--num-turns", "3").returncode == 2
     assert bench("--workload", "multi-turn", "--num-turns", "0").returncode == 2
+
+
+def test_bench_cli_stops_at_duration_and_refuses_nonsense(sim: Proc, tmp_path: Path) -> None:
+    """--duration holds while users are still being started (50 users at 10 a second took
+    5 s to start, every one sending), and numbers out of range are refused (exit 2)."""
+
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "unbroken", "bench", "--url", sim.url, "--out"]
+        argv += [str(tmp_path), "--max-tokens", "4", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    r = bench("--users", "50", "--spawn-rate", "10", "--duration", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert records and max(x["start"] for x in records) < 1.2
+    assert len({x["user"] for x in records}) <= 15  # ~10 users started, not 50
+    for bad, said in (
+        (("--users", "0"), "--users"),
+        (("--duration", "0"), "--duration"),
+        (("--duration", "-3"), "--duration"),
+        (("--chat-fraction", "2"), "--chat-fraction"),
+        (("--slow-fraction", "-0.1"), "--slow-fraction"),
+        (("--priority-mix", "foo=1"), "unknown priority 'foo'"),
+        (("--priority-mix", "standard=0"), "add up to 0"),
+        (("--spawn-rate", "-1"), "--spawn-rate"),
+    ):
+        r = bench(*bad)
+        assert r.returncode == 2 and said in r.stderr, (bad, r.stderr)
+    r = bench("--users", "1", "--duration", "0.5", "--model", "no-such-model")
+    assert r.returncode == 1 and "--model no-such-model is not served there" in r.stderr, r.stderr

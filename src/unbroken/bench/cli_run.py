@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
+
+from unbroken.config._base import Priority
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
     from unbroken.bench.workloads import WorkloadSpec
 
 __all__ = ["BenchOptionError", "BenchOptions", "run"]
+
+PRIORITIES: tuple[str, ...] = get_args(Priority)
 
 
 class BenchOptionError(Exception):
@@ -108,7 +112,29 @@ def _priority_mix(text: str) -> dict[str, float]:
             mix[k.strip()] = float(v)
         except ValueError:
             raise BenchOptionError(f"--priority-mix: bad entry {part!r}") from None
+        if k.strip() not in PRIORITIES:
+            raise BenchOptionError(
+                f"--priority-mix: unknown priority {k.strip()!r} (one of {', '.join(PRIORITIES)})"
+            )
+        if not mix[k.strip()] >= 0:
+            raise BenchOptionError(f"--priority-mix: {part!r}: a share is a number >= 0")
+    if not sum(mix.values()) > 0:
+        raise BenchOptionError("--priority-mix: the shares add up to 0")
     return mix
+
+
+def _check_numbers(o: BenchOptions) -> None:
+    """Ranges the load generator would otherwise take silently (0 users ran nothing and
+    failed; --duration 0 or less still sent a spawn interval's worth of requests)."""
+    if o.users < 1:
+        raise BenchOptionError("--users must be at least 1")
+    if not o.duration > 0:
+        raise BenchOptionError("--duration must be more than 0 seconds")
+    if not o.spawn_rate >= 0:
+        raise BenchOptionError("--spawn-rate must be >= 0 (0 starts every user at once)")
+    for name, v in (("--chat-fraction", o.chat_fraction), ("--slow-fraction", o.slow_fraction)):
+        if not 0 <= v <= 1:
+            raise BenchOptionError(f"{name} must be between 0 and 1, got {v:g}")
 
 
 def _target(o: BenchOptions) -> tuple[str, PipelineControl | None, Sampler | None]:
@@ -144,6 +170,7 @@ def run(o: BenchOptions, console: Console) -> int:
 
     if o.scenario not in ("steady", "rollout", "chaos"):
         raise BenchOptionError("--scenario must be steady, rollout or chaos")
+    _check_numbers(o)
     spec = _workload(o)
     for u in o.engine_metrics or ():
         if not u.startswith(("http://", "https://")):

@@ -30,6 +30,7 @@ its texts are verified the same way, against the messages actually sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import time
@@ -186,11 +187,16 @@ class LoadRun:
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=10)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
             await self._decide_verify(session)
-            tasks = await self._start_users(session)
+            # The deadline runs while users are still being started: with a low spawn rate
+            # or a short run, starting them all would outlast --duration.
+            deadline = asyncio.get_running_loop().call_later(
+                max(0.0, cfg.duration - self.now()), self._stop.set
+            )
             try:
-                await asyncio.wait_for(self._stop.wait(), max(0.0, cfg.duration - self.now()))
-            except TimeoutError:
-                pass
+                tasks = await self._start_users(session)
+                await self._stop.wait()
+            finally:
+                deadline.cancel()
             self._stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         return self.records
@@ -360,9 +366,11 @@ class LoadRun:
                 rec.endpoint = r.headers.get("X-Unbroken-Endpoint")
                 rec.profile = r.headers.get("X-Unbroken-Profile")
                 if r.status != 200:
-                    await r.read()
                     rec.outcome = "rejected" if r.status in (429, 503) else "error"
                     rec.detail = f"HTTP {r.status}"
+                    with contextlib.suppress(ValueError, KeyError, AttributeError, TypeError):
+                        err = orjson.loads(await r.read())["error"]
+                        rec.detail += f": {err.get('code') or ''} {err.get('message')}"[:200]
                     try:
                         retry_after = float(r.headers.get("Retry-After", ""))
                     except ValueError:

@@ -224,10 +224,17 @@ async def run_bench(
         spans = [Span("steady", *before), Span(scenario, *scenario_window)]
     failures = verdict(records, max_error_rate)
     if "HTTP 404" in error_counts(records):
-        failures.append(
-            f"404 from {base_url(cfg.url)}/v1/(chat/)completions: is --url the server's root "
-            "or its /v1 base URL?"
-        )
+        said = " ".join(r.detail or "" for r in records if (r.detail or "").startswith("HTTP 404"))
+        if "model" in said.lower():  # the server answered: it does not serve --model
+            failures.append(
+                f"404 from {base_url(cfg.url)}: --model {cfg.model} is not served there "
+                "(GET /v1/models lists what is)"
+            )
+        else:
+            failures.append(
+                f"404 from {base_url(cfg.url)}/v1/(chat/)completions: is --url the server's "
+                "root or its /v1 base URL?"
+            )
     md = markdown_table(windows, records)
     extra = {"target": base_url(cfg.url), "scenario": scenario}
     extra["verification"] = load.verify_note  # what "corrupted" was checked against, or why not

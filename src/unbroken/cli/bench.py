@@ -20,7 +20,9 @@ def bench(
     ] = None,
     scenario: Annotated[str, typer.Option(help="steady, rollout or chaos.")] = "steady",
     users: Annotated[int, typer.Option(help="Concurrent streaming users.")] = 50,
-    spawn_rate: Annotated[float, typer.Option(help="Users started per second.")] = 10.0,
+    spawn_rate: Annotated[
+        float, typer.Option(help="Users started per second (0: all at once).")
+    ] = 10.0,
     duration: Annotated[float, typer.Option(help="Seconds of load.")] = 60.0,
     at: Annotated[float, typer.Option(help="When the scenario acts (s).")] = 20.0,
     pool: Annotated[str, typer.Option(help="Pool the scenario acts on.")] = "primary",
