@@ -411,3 +411,58 @@ def test_max_num_batched_tokens_is_vllms_flag_and_chunks_the_prefill(tmp_path: P
         assert httpx.get(p.url + "/admin/state", headers=auth).json()["steps"] - before == 4
     finally:
         p.stop()
+
+
+def test_cache_salt_keeps_prompts_apart_and_is_checked_as_vllm(tmp_path: Path) -> None:
+    """vLLM keys a salted prompt's first block by its `cache_salt`: the same prompt under
+    another salt (or none) shares nothing; the same salt shares as usual. A salt that is not
+    a non-empty string of at most 128 characters without '@', '/', '\\' or NUL is a 400."""
+    p = engine(tmp_path)
+
+    def post(salt: object = None, **more: object) -> httpx.Response:
+        body: dict[str, object] = {"model": MODEL, "prompt": _words(200), "max_tokens": 2}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return httpx.post(p.url + "/v1/completions", json={**body, **more}, timeout=30)
+
+    try:
+        hits = lambda: metric(p.url, "vllm:prefix_cache_hits_total")  # noqa: E731
+        assert post("a").status_code == 200 and hits() == 0
+        assert post("b").status_code == 200 and hits() == 0  # another salt
+        assert post().status_code == 200 and hits() == 0  # no salt
+        assert post("a").status_code == 200 and hits() == 192  # its own salt: 12 blocks
+        for bad in ("", "x" * 129, "a/b", "a@b", "a\\b", 7):
+            r = post(bad)
+            assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"], bad
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(p.url + "/v1/chat/completions", json={**chat, "cache_salt": ""})
+        assert r.status_code == 400
+        r = httpx.post(
+            p.url + "/v1/responses", json={"model": MODEL, "input": "hi", "cache_salt": 1}
+        )
+        assert r.status_code == 400
+    finally:
+        p.stop()
+
+
+def test_text_parts_are_joined_with_a_newline_as_vllm(tmp_path: Path) -> None:
+    """vLLM's chat utils join a message's text parts with "\\n": the parts ["a", "b"] are
+    the prompt "a\\nb", the same answer byte for byte."""
+    p = engine(tmp_path)
+    try:
+
+        def chat(content: object) -> str:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+            r = httpx.post(p.url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["message"]["content"])
+
+        parts = [{"type": "text", "text": "north wind"}, {"type": "text", "text": "blows"}]
+        assert chat(parts) == chat("north wind\nblows") != chat("north windblows")
+    finally:
+        p.stop()

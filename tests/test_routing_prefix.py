@@ -103,7 +103,11 @@ def test_chat_prompt_text_keeps_message_prefixes_as_text_prefixes() -> None:
     parts = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     ]
-    assert prompt_text({"messages": parts}, True) == "user\nab\x1e"
+    # vLLM joins a message's text parts with a newline: the same prompt as the joined string
+    assert prompt_text({"messages": parts}, True) == "user\na\nb\x1e"
+    assert prompt_text({"messages": parts}, True) == prompt_text(
+        {"messages": [{"role": "user", "content": "a\nb"}]}, True
+    )
     assert prompt_text({"prompt": ["first", "second"]}, False) == "first"
     assert prompt_text({"prompt": [1, 2, 3]}, False) == "1 2 3"
 
@@ -408,3 +412,21 @@ def test_rendezvous_homes_are_even(names: list[str]) -> None:
             counts[h.name] += 1
         share = n / len(eps)
         assert all(abs(c - share) < 0.1 * share for c in counts.values()), counts
+
+
+def test_a_cache_salt_is_a_prefix_of_its_own() -> None:
+    """vLLM never serves a salted prompt from another salt's (or no salt's) blocks: the
+    gateway's block names must not credit an endpoint with them either."""
+    text = " ".join(VOCAB[i % len(VOCAB)] for i in range(300))
+
+    def names(**more: str) -> list[int]:
+        h = hint_of({"prompt": text, **more}, False, "m", block_chars=64, session=None)
+        return [h.blocks[i] for i in range(len(h.blocks))]
+
+    plain, a, b = names(), names(cache_salt="a"), names(cache_salt="b")
+    assert len(plain) == len(a) > 10
+    assert not set(plain) & set(a) and not set(a) & set(b)
+    assert names(cache_salt="a") == a
+    idx = PrefixIndex()
+    idx.record("e1", plain)
+    assert idx.cached("e1", plain) == len(plain) and idx.cached("e1", a) == 0

@@ -16,13 +16,21 @@ import hashlib
 from collections import OrderedDict
 from typing import Protocol
 
-__all__ = ["Block", "CacheUser", "KVCache", "root_hash"]
+__all__ = ["Block", "CacheUser", "KVCache", "root_hash", "salted_root"]
 
 
 def root_hash(model: str) -> int:
     """The parent of a prompt's first block: the served model's name, so different models (or
     LoRA adapters served under their own names) never share blocks. Stable across processes."""
     return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
+
+
+def salted_root(root: int, salt: str) -> int:
+    """The parent of a salted prompt's first block: vLLM adds a request's `cache_salt` to its
+    first block's extra keys (v1/core/kv_cache_utils.py), so prompts under different salts
+    (or none) never share a block, and every block after the first inherits it by chain."""
+    h = hashlib.blake2b(salt.encode(), digest_size=8, key=root.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little")
 
 
 class Block:

@@ -22,13 +22,14 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from unbroken.engine import structured
 from unbroken.engine.core import Output
 from unbroken.engine.render import alternatives, tool_call_id
 from unbroken.engine.request import RequestState
 from unbroken.wire.errors import ApiError
+from unbroken.wire.openai import check_cache_salt
 
 __all__ = [
     "STORE_ENV",
@@ -102,6 +103,14 @@ class ResponsesRequest(BaseModel):
     prompt: dict[str, Any] | None = None
     # vLLM's extra: the response's id (default resp_ and 16 hex digits).
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: str | None = None  # vLLM's: salts the prefix cache (check_cache_salt)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_cache_salt(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_cache_salt(data.get("cache_salt"))
+        return data
 
     # -- what Engine._seqs and _salt read of a request --------------------------------------
     @property
@@ -329,7 +338,7 @@ def _item_message(item: Any, i: int, prev: Message | None) -> Message | None:
                 assistant["content"] = text
                 return None
             return {"role": "assistant", "content": text}
-        return {"role": role, "content": "".join(texts)}  # as chat joins its text parts
+        return {"role": role, "content": "\n".join(texts)}  # as chat joins its text parts
     if kind in ("function_call", "custom_tool_call"):
         if assistant is not None:
             return None  # vLLM adds the call to the assistant message before it

@@ -30,7 +30,7 @@ from unbroken.engine import responses as responses_mod
 from unbroken.engine import structured
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
-from unbroken.engine.kvcache import root_hash
+from unbroken.engine.kvcache import root_hash, salted_root
 from unbroken.engine.lora import LoadedAdapter, LoRAModule, LoRARegistry, runtime_lora_updating
 from unbroken.engine.metrics import EngineMetrics, FinishedSeq, cache_config_info
 from unbroken.engine.profiles import EngineProfile
@@ -566,6 +566,8 @@ class Engine:
         # An adapter's blocks never serve the base or another adapter (vLLM's block hashes
         # carry the LoRA id).
         root = root_hash(adapter.name) if adapter is not None else 0
+        if salt := getattr(req, "cache_salt", None):
+            root = salted_root(root or root_hash(self.cfg.model_name), salt)
         for p, (ctx, ptoks) in enumerate(contexts):
             ids = token_ids(ctx) if caching else []
             for j in range(req.n):

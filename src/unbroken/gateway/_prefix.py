@@ -167,8 +167,12 @@ def prompt_text(raw: dict[str, Any], chat: bool) -> str:
         if not isinstance(m, dict):
             continue
         content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+        if isinstance(content, list):  # text parts joined as vLLM's chat utils join them
+            content = "\n".join(
+                str(c.get("text", ""))
+                for c in content
+                if isinstance(c, dict) and c.get("type") == "text"
+            )
         parts.append(f"{m.get('role', '')}\n{content or ''}\x1e")
     return "".join(parts)
 
@@ -181,9 +185,14 @@ def hint_of(
     block_chars: int,
     session: str | None,
 ) -> RouteHint:
-    """Block names of `raw`'s prompt (the model's name is the root: models never share)."""
+    """Block names of `raw`'s prompt (the model's name is the root: models never share;
+    a `cache_salt` is folded into it, as vLLM keys a salted prompt's first block by it)."""
     data = prompt_text(raw, chat).encode()
-    blocks = BlockNames(data, zlib.crc32(model.encode()), block_chars)
+    root = zlib.crc32(model.encode())
+    salt = raw.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        root = zlib.crc32(b"\x00cache_salt\x00" + salt.encode("utf-8", "surrogateescape"), root)
+    blocks = BlockNames(data, root, block_chars)
     if session is None:
         user = raw.get("user")
         session = user if isinstance(user, str) and user else None

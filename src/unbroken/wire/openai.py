@@ -25,6 +25,7 @@ __all__ = [
     "CompletionRequest",
     "GatewayView",
     "StreamOptions",
+    "check_cache_salt",
     "gateway_view",
     "parse_request",
     "usage_of",
@@ -64,6 +65,14 @@ class _Sampling(_Model):
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: salts the prefix cache (check_cache_salt)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_cache_salt(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_cache_salt(data.get("cache_salt"))
+        return data
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +90,24 @@ class _Sampling(_Model):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+
+CACHE_SALT_MAX = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: object) -> None:
+    """vLLM 0.32's validate_cache_salt (entrypoints/generate/base/protocol.py), its words:
+    a request's `cache_salt` keeps its prompt's KV blocks apart from every other salt's."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(salt) > CACHE_SALT_MAX or any(c in CACHE_SALT_FORBIDDEN for c in salt):
+        raise ValueError(
+            "Parameter 'cache_salt' must be at most 128 characters and must "
+            "not contain '@', '/', '\\\\', or NUL."
+        )
 
 
 TokenId = Annotated[int, Field(ge=0)]  # vLLM's: a negative id is a 400
@@ -117,7 +144,8 @@ class ChatMessage(_Model):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        # vLLM's chat utils join a message's text parts with a newline
+        return "\n".join(p.text or "" for p in self.content if p.type == "text")
 
 
 class ChatRequest(_Sampling):
