@@ -81,6 +81,9 @@ def test_models_listing_and_unknown_model(up: Up) -> None:
     assert {"base-a", "alpha-latest", "sql", "poet", "base-b"} <= set(listed)
     for adapter in ("sql", "poet"):
         assert getattr(listed[adapter], "parent", None) == "base-a"
+    # data[0] is the first pool's model, whichever replica passed its health check first
+    ids = [m.id for m in c.models.list().data]
+    assert ids[:2] == ["base-a", "alpha-latest"] and ids.index("base-b") < ids.index("sql")
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="base-c", prompt="x", max_tokens=2)
     assert e.value.status_code == 404

@@ -127,7 +127,13 @@ class Handlers(EngineRoutes):
         assert self.session is not None
         if self.tenancy.tenants is not None:
             self.tenancy.resolve(request)
-        eps = [e for e in self.pool.endpoints.values() if e.state == State.READY and e.healthy]
+        # In the spec's pool order, then by name: data[0] is the first pool's model in every
+        # answer, not whichever replica passed its health check first.
+        rank = {p: i for i, p in enumerate([*self.pool.pool_models, *self.pool.pool_order])}
+        eps = sorted(
+            (e for e in self.pool.endpoints.values() if e.state == State.READY and e.healthy),
+            key=lambda e: (rank.get(e.pool, len(rank)), e.name),
+        )
         lists = await asyncio.gather(*(self._models_of(e) for e in eps))
         merged: dict[str, dict[str, Any]] = {}
         for data in lists:
@@ -150,8 +156,8 @@ class Handlers(EngineRoutes):
                 503, "no endpoint is ready yet", code="no_endpoint", headers={"Retry-After": "1"}
             )
         # vLLM lists its served model names first, then its adapters (`parent`: the base), and
-        # scripts take data[0] as the model: the engines' own order (first seen, endpoints in
-        # the pool's order), bases before adapters; names no engine listed just now after.
+        # scripts take data[0] as the model: the engines' own order (endpoints in the spec's
+        # pool order), bases before adapters; names no engine listed just now after.
         data = sorted(merged.values(), key=lambda m: m.get("parent") is not None)
         return web.Response(
             body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
