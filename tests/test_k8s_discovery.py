@@ -459,7 +459,7 @@ def test_rendered_pod_commands_run(tmp_path: Path, api: ApiServer) -> None:
 
     c = pod["containers"][0]
     e = Proc([*cli, *local(c["args"])], port, tmp_path / "engine.log").start()
-    settings = yaml.safe_load(config["data"]["gateway.yaml"])
+    settings = yaml.safe_load(config["stringData"]["gateway.yaml"])  # a Secret
     settings |= {"host": "127.0.0.1", "port": gw_port, "admin_host": "127.0.0.1"}
     settings["admin_port"] = admin_port
     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(settings))

@@ -44,9 +44,40 @@ def test_unbroken_up_renders_them() -> None:
 
 def test_kubernetes_renders_them(tmp_path: Path) -> None:
     objs = render(parse_spec(SPEC), RenderOptions(namespace="t"))
-    cm = next(
-        o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("config")
+    cfg = next(
+        o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith("config")
     )
-    text = cm["data"]["gateway.yaml"]
+    text = cfg["stringData"]["gateway.yaml"]
     assert "sk-acme" not in text  # only the digest
     _check(GatewaySettings.model_validate(yaml.safe_load(text)))
+
+
+def test_kubernetes_keeps_the_gateway_secrets_in_a_secret(tmp_path: Path) -> None:
+    """`priority_keys` (raw API keys) and a `redis_url` with a password are in no ConfigMap
+    and in no pod spec: the gateway's one settings file is mounted from a Secret, and the
+    gateway's own loader reads them from the written file."""
+    from unbroken.gateway.config import prepare
+    from unbroken.k8s import write
+
+    data = {
+        **SPEC,
+        "rate_limit": {"store": "redis", "redis_url": "redis://:hunter2@r:6379/0"},
+        "gateway": {"priority_keys": {"sk-raw-secret-key": "critical"}},
+    }
+    objs = render(parse_spec(data), RenderOptions(namespace="t"))
+    for o in objs:
+        text = yaml.safe_dump(o)
+        if o["kind"] != "Secret":
+            assert "sk-raw-secret-key" not in text and "hunter2" not in text, o["kind"]
+    gw = next(
+        o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("gateway")
+    )
+    vols = {v["name"]: v for v in gw["spec"]["template"]["spec"]["volumes"]}
+    assert vols["config"] == {"name": "config", "secret": {"secretName": "unbroken-gateway-config"}}
+    paths = write(objs, tmp_path / "out")
+    (path,) = [p for p in paths if p.name.endswith("-secret-unbroken-gateway-config.yaml")]
+    mounted = tmp_path / "gateway.yaml"  # what the Secret volume shows the gateway
+    mounted.write_text(yaml.safe_load(path.read_text())["stringData"]["gateway.yaml"])
+    cfg = prepare([], mounted, {}).cfg
+    assert cfg.priority_keys == {"sk-raw-secret-key": "critical"}
+    assert cfg.rate_limit.redis_url == "redis://:hunter2@r:6379/0"

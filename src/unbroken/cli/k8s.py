@@ -32,11 +32,20 @@ def ready(
 @render_app.command("k8s")
 def render_k8s(
     spec: Annotated[Path | None, typer.Argument(help="Pipeline spec (YAML) [the default].")] = None,
-    out: Annotated[Path, typer.Option(help="Directory for the manifests.")] = Path("k8s-out"),
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Directory for the manifests; an earlier render's files there are replaced "
+            "(its admin token kept), a directory holding other files is refused."
+        ),
+    ] = Path("k8s-out"),
     namespace: Annotated[str, typer.Option(help="Namespace of the pipeline.")] = "unbroken",
     image: Annotated[str | None, typer.Option(help="The unbroken image.")] = None,
     agent_image: Annotated[str | None, typer.Option(help="The agent's image.")] = None,
-    vllm_image: Annotated[str | None, typer.Option(help="The vLLM image.")] = None,
+    vllm_image: Annotated[
+        str | None,
+        typer.Option(help="The vLLM image, vLLM 0.32.0 or later [vllm/vllm-openai:v0.32.0]."),
+    ] = None,
     engine: Annotated[
         str, typer.Option(help="vllm (GPU nodes) or simulator (no GPUs: kind, k3s).")
     ] = "vllm",
@@ -55,13 +64,28 @@ def render_k8s(
             "[http://prometheus-operated.monitoring.svc:9090]."
         ),
     ] = None,
+    monitor_label: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="KEY=VALUE on the PodMonitors and the PrometheusRule, for a Prometheus that "
+            "selects them by label (kube-prometheus-stack: release=NAME). Repeat for more."
+        ),
+    ] = None,
 ) -> None:
     """Write Kubernetes manifests for a pipeline spec (one YAML file per object)."""
     from dataclasses import replace
 
     from unbroken.config.spec import SpecError, load_spec
-    from unbroken.k8s import PolicyError, RenderOptions, render, write
+    from unbroken.k8s import PolicyError, RenderOptions, previous_token, render, write
 
+    if str(out) == "-":
+        fail("--out -: the render writes a directory (one file per object), not stdout")
+    labels = []
+    for item in monitor_label or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            fail(f"--monitor-label {item!r}: expected KEY=VALUE")
+        labels.append((key, value))
     try:
         pipeline = load_spec(spec)
     except SpecError as e:
@@ -72,6 +96,7 @@ def render_k8s(
         gateway_replicas=gateway_replicas,
         agent_old_kernel=agent_old_kernel,
         autoscaler=autoscaler,
+        monitor_labels=tuple(labels),
     )
     images = {
         "image": image,
@@ -80,6 +105,8 @@ def render_k8s(
         "prometheus_url": prometheus_url,
     }
     opts = replace(opts, **{k: v for k, v in images.items() if v})
+    # The token of an earlier render into `out`: re-rendering changes nothing it need not.
+    opts = replace(opts, admin_token=previous_token(out, opts.prefix) if out.is_dir() else None)
     try:
         paths = write(render(pipeline, opts), out)
     except (PolicyError, ValueError) as e:

@@ -3,6 +3,6 @@ they must keep (policy), the engine pods' readiness and preStop hooks, and Endpo
 discovery for the gateway. `discovery` is the only module that imports lightkube."""
 
 from unbroken.k8s.manifests import RenderOptions, grace_period
-from unbroken.k8s.render import PolicyError, render, write
+from unbroken.k8s.render import PolicyError, previous_token, render, write
 
-__all__ = ["PolicyError", "RenderOptions", "grace_period", "render", "write"]
+__all__ = ["PolicyError", "RenderOptions", "grace_period", "previous_token", "render", "write"]

@@ -56,16 +56,19 @@ def _request(
         return e.code, e.read()
 
 
-def ready(url: str, *, budget_ms: float, model: str | None = None) -> tuple[bool, str]:
+def ready(
+    url: str, *, budget_ms: float, model: str | None = None, api_key: str | None = None
+) -> tuple[bool, str]:
     """Stage 1: `/health` answers 200. Stage 2: a one-token greedy completion succeeds within
-    `budget_ms` (a cold engine, still compiling or paging weights in, misses it)."""
+    `budget_ms` (a cold engine, still compiling or paging weights in, misses it). `api_key`:
+    the engine's own (vLLM's --api-key guards /v1, not /health)."""
     url = url.rstrip("/")
     try:
         status, _ = _request(url + "/health", timeout=2.0)
         if status != 200:
             return False, f"stage 1: /health answered {status}"
         if model is None:
-            status, body = _request(url + "/v1/models", timeout=5.0)
+            status, body = _request(url + "/v1/models", token=api_key, timeout=5.0)
             if status != 200:
                 return False, f"stage 2: /v1/models answered {status}"
             models = sorted(m["id"] for m in json.loads(body).get("data", []))
@@ -77,6 +80,7 @@ def ready(url: str, *, budget_ms: float, model: str | None = None) -> tuple[bool
             url + "/v1/completions",
             method="POST",
             body={"model": model, "prompt": "warm up", "max_tokens": 1, "temperature": 0},
+            token=api_key,
             timeout=budget_ms / 1e3,
         )
         took = (time.monotonic() - t0) * 1e3
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--url", default="http://127.0.0.1:8000")
     r.add_argument("--budget-ms", type=float, default=5000.0)
     r.add_argument("--model", default=None)
+    r.add_argument("--api-key-env", default=None, help="variable holding the engine's API key")
     d = sub.add_parser("drain", help="drain this pod's endpoint on every gateway, then wait")
     d.add_argument("name", nargs="?", default=None, help="endpoint name [POD_NAME.POD_NAMESPACE]")
     d.add_argument("--admin", required=True, help="gateway admin host:port or URL")
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("directory", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "ready":
-        ok, why = ready(args.url, budget_ms=args.budget_ms, model=args.model)
+        key = os.environ.get(args.api_key_env) if args.api_key_env else None
+        ok, why = ready(args.url, budget_ms=args.budget_ms, model=args.model, api_key=key)
         print(why, file=sys.stderr)
         return 0 if ok else 1
     if args.cmd == "install":

@@ -7,10 +7,14 @@ gateway's drain deadline, the gateway's per-engine caps follow the pool caps.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import re
 import secrets
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
@@ -29,6 +33,7 @@ __all__ = [
     "AGENT_CAPABILITIES",
     "GRACE_MARGIN_S",
     "HOOK_MARGIN_S",
+    "MIN_VLLM",
     "RenderOptions",
     "build",
     "grace_period",
@@ -66,6 +71,14 @@ MODELS_DIR = "/models"
 # The PodMonitors' scrape interval; KEDA polls the demand signal no faster (it would read the
 # same sample again).
 SCRAPE_S = 5
+# The oldest vLLM whose `serve` takes every flag the engines get (`--shutdown-timeout` is
+# the newest of them; 0.11.0 exits 2 on it).
+MIN_VLLM = "0.32.0"
+# DNS-1123 label: namespaces; Service names are DNS-1035 labels (a letter first).
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_MAX = 63
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,7 @@ class RenderOptions:
     namespace: str = "unbroken"
     image: str = "ghcr.io/unbroken-dev/unbroken:0.1.0"
     agent_image: str = "ghcr.io/unbroken-dev/unbroken-agent:0.1.0"
-    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    vllm_image: str = f"vllm/vllm-openai:v{MIN_VLLM}"
     engine: str = "vllm"  # or "simulator": the same objects without GPUs (kind, k3s, CI)
     gateway_replicas: int = 2
     gpu_resource: str = "nvidia.com/gpu"
@@ -89,6 +102,9 @@ class RenderOptions:
     # Where KEDA's Prometheus trigger reads the demand signal: the Prometheus Operator's
     # `prometheus-operated` Service in the namespace Prometheus runs in.
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    # Extra labels on the PodMonitors and the PrometheusRule, for a Prometheus that selects
+    # them by label (kube-prometheus-stack: `release: <its release name>`).
+    monitor_labels: tuple[tuple[str, str], ...] = ()
 
     @property
     def agent_ns(self) -> str:
@@ -160,17 +176,53 @@ def _admin_host(o: RenderOptions) -> str:
     return f"{o.prefix}-gateway-admin.{o.namespace}.svc:{ADMIN_PORT}"
 
 
+def _checksum(*parts: str) -> str:
+    """A pod template annotation over what the pods read from ConfigMaps and Secrets at start
+    (env, mounted files): `kubectl apply` of a changed value changes the template, so the
+    Deployment rolls its pods, which would otherwise keep the old value."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _secret_env(name: str, secret: str, key: str) -> Obj:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def upstream_key_var(pool: str) -> str:
+    """The gateway's variable carrying a pool's upstream API key (`upstream_key_env`), as
+    `unbroken up` names it."""
+    return "UNBROKEN_POOL_KEY_" + pool.upper().replace("-", "_")
+
+
+def pool_secret_name(o: RenderOptions, pool: PoolSpec) -> str:
+    return f"{o.prefix}-{pool.name}-engine"
+
+
 # -- engines ---------------------------------------------------------------------------------
-def _lora_module(
-    spec: PipelineSpec, pool: PoolSpec, name: str, path: str | None, base: str | None
-) -> str:
+def _lora_module(spec: PipelineSpec, pool: PoolSpec, i: int) -> str:
     """One `--lora-modules` entry. `name=path` as vLLM's CLI takes it (no path: the name is
-    the path, which vLLM resolves as a Hugging Face repository id); with a `base` other
-    than the pool's model, vLLM's JSON form, whose `base_model_name` /v1/models shows."""
-    path = path or name
-    if base is None or base == pool.model_of(spec):
-        return f"{name}={path}"
-    return json.dumps({"name": name, "path": path, "base_model_name": base})
+    the path, which vLLM resolves as a Hugging Face repository id); vLLM's JSON form, whose
+    `base_model_name` /v1/models shows, for a `base` other than the pool's model and for a
+    name or path with `=` or `,` (vLLM reads `name=path` only without a `,`, split at the
+    first `=`)."""
+    a = pool.adapters[i]
+    path = a.path or a.name
+    served = [pool.model_of(spec), *pool.aliases]
+    if a.base is not None and a.base not in served:
+        raise ValueError(
+            f"pools.{pool.name}.adapters[{i}].base: {a.base!r} is not a name the pool serves "
+            f"({', '.join(served)})"
+        )
+    plain = not any(c in a.name + path for c in "=,")
+    if plain and (a.base is None or a.base == pool.model_of(spec)):
+        return f"{a.name}={path}"
+    entry = {"name": a.name, "path": path}
+    if a.base is not None and a.base != pool.model_of(spec):
+        entry["base_model_name"] = a.base
+    return json.dumps(entry)
 
 
 def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
@@ -182,27 +234,116 @@ def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
         # 1 would make requests of different adapters wait for each other); --max-lora-rank
         # stays at vLLM's default (16).
         args += ["--enable-lora", "--max-loras", str(len(pool.adapters)), "--lora-modules"]
-        args += [_lora_module(spec, pool, a.name, a.path, a.base) for a in pool.adapters]
+        args += [_lora_module(spec, pool, i) for i in range(len(pool.adapters))]
     return args
 
 
-def _engine_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
-    """vLLM's own flags from the pool; the pool's simulator overrides map onto the vLLM flags
-    of the same name where vLLM has one."""
+def _flag_groups(tokens: list[str]) -> list[tuple[str, list[str]]]:
+    """`--flag value...` groups of a command line (`--flag=value` split, `_` as `-`, as vLLM's
+    parser reads them)."""
+    groups: list[tuple[str, list[str]]] = []
+    for t in tokens:
+        if t.startswith("-") and not re.fullmatch(r"-[0-9.]+(e-?[0-9]+)?", t):
+            flag, eq, value = t.partition("=")
+            flag = flag.replace("_", "-") if flag.startswith("--") else flag
+            groups.append((flag, [value] if eq else []))
+        else:
+            groups[-1][1].append(t)
+    return groups
+
+
+# Flags the render sets from other spec fields: a pool's command may carry them only with the
+# render's own values (`--served-model-name {model}`), else the field named is the place.
+RENDERED_FLAGS = {
+    "--served-model-name": "model and aliases",
+    "--enable-lora": "adapters",
+    "--max-loras": "adapters",
+    "--lora-modules": "adapters",
+    "--quantization": "precision",
+    "--max-num-seqs": "engine.overrides.max_num_seqs",
+    "--max-model-len": "engine.overrides.max_model_len",
+    "--shutdown-timeout": "engine.shutdown_timeout_s",
+    "--api-key": "api_key or api_key_env",
+}
+# The pod's own: every address, ENGINE_PORT (the Service, the probes and the hooks use it).
+POD_FLAGS = ("--host", "--port")
+# Their product is the GPUs one engine pod needs.
+GPU_FLAGS = (
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+)
+
+
+def _command(spec: PipelineSpec, pool: PoolSpec) -> tuple[str, list[tuple[str, list[str]]]]:
+    """A `kind: command` pool's `vllm serve MODEL [FLAG...]`: its model and its flags, with
+    `{port}`, `{host}` and `{model}` substituted as `unbroken up` does. Anything else cannot
+    run in the vLLM image the way the render runs it, so it is refused."""
+    field = f"pools.{pool.name}.engine.command"
+    cmd = pool.engine.command or []
+    subst = {"port": str(ENGINE_PORT), "host": "0.0.0.0", "model": pool.model_of(spec)}
+    try:
+        argv = [part.format(**subst) for part in cmd]
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"{field}: cannot substitute {e} (only {{port}}, {{host}}, {{model}})"
+        ) from None
+    if len(argv) < 3 or argv[0].rsplit("/", 1)[-1] != "vllm" or argv[1] != "serve":
+        raise ValueError(
+            f"{field}: only `vllm serve MODEL [FLAG...]` renders for Kubernetes (the engine "
+            f"container runs the vLLM image's `vllm`), not {' '.join(cmd[:3])!r}"
+        )
+    if argv[2].startswith("-") or (len(argv) > 3 and not argv[3].startswith("-")):
+        raise ValueError(f"{field}: give one model first: `vllm serve MODEL [FLAG...]`")
+    return argv[2], _flag_groups(argv[3:])
+
+
+def _own_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
+    """The flags the render sets from the pool's fields (besides the model, host and port)."""
     e = pool.engine
-    model = str(pool.weights) if pool.weights else pool.model_of(spec)
-    args = ["serve", model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
-    args += _model_args(spec, pool)
+    args = _model_args(spec, pool)
     if pool.precision == "fp8":
         args += ["--quantization", "fp8"]
-    if e.overrides.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(e.overrides.max_num_seqs)]
-    else:
-        args += ["--max-num-seqs", "256"]
+    args += ["--max-num-seqs", str(e.overrides.max_num_seqs or 256)]
     if e.overrides.max_model_len is not None:
         args += ["--max-model-len", str(e.overrides.max_model_len)]
     args += ["--shutdown-timeout", str(math.ceil(e.shutdown_timeout_s))]
     return args
+
+
+def _engine_args(spec: PipelineSpec, pool: PoolSpec, gpus: int) -> tuple[list[str], int]:
+    """vLLM's own flags from the pool, and the GPUs one engine needs. The pool's simulator
+    overrides map onto the vLLM flags of the same name; a `kind: command` pool adds its own
+    flags, its parallel sizes setting the GPU count."""
+    model = str(pool.weights) if pool.weights else pool.model_of(spec)
+    own = _own_args(spec, pool)
+    extra: list[str] = []
+    if pool.engine.kind == "command":
+        model, groups = _command(spec, pool)
+        mine = dict(_flag_groups(own))
+        sizes = []
+        for flag, values in groups:
+            if flag in POD_FLAGS:
+                continue
+            if flag in RENDERED_FLAGS:
+                if mine.get(flag) != values:
+                    raise ValueError(
+                        f"pools.{pool.name}.engine.command: {flag} {' '.join(values)} differs "
+                        f"from what the render sets from the pool's {RENDERED_FLAGS[flag]} "
+                        f"({' '.join(mine.get(flag, ['(none)']))}): set it there"
+                    )
+                continue
+            if flag in GPU_FLAGS:
+                if len(values) != 1 or not values[0].isdigit():
+                    raise ValueError(f"pools.{pool.name}.engine.command: {flag} needs a number")
+                sizes.append(int(values[0]))
+            extra += [flag, *values]
+        if sizes:
+            gpus = math.prod(sizes)
+    return ["serve", model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT), *own, *extra], gpus
 
 
 def _simulator_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
@@ -227,6 +368,48 @@ def _simulator_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
     ]
 
 
+# Variables the render itself sets in the engine container.
+ENGINE_ENV = ("POD_NAME", "POD_NAMESPACE", "UNBROKEN_ADMIN_TOKEN", "HF_HOME", "VLLM_API_KEY")
+ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+def _weights_path(model: str) -> str:
+    """Where vLLM reads a model from: a path as given, a Hugging Face id from its folder in
+    the hub cache under HF_HOME (`models--ORG--NAME`)."""
+    if model.startswith("/"):
+        return model
+    return f"{MODELS_DIR}/hf/hub/models--{model.replace('/', '--')}"
+
+
+def pool_key(pool: PoolSpec) -> str | None:
+    """The engines' API key: `api_key`, or the variable `api_key_env` names, read where the
+    render runs (as `unbroken up` reads it where it runs); it goes into a Secret."""
+    if pool.api_key:
+        return pool.api_key
+    if pool.api_key_env:
+        key = os.environ.get(pool.api_key_env)
+        if not key:
+            raise ValueError(
+                f"pools.{pool.name}.api_key_env: {pool.api_key_env} is not set where the render "
+                "runs (its value goes into the pool's Secret)"
+            )
+        return key
+    return None
+
+
+def pool_secret_data(pool: PoolSpec) -> dict[str, str]:
+    """The pool's Secret: its API key (`api-key`) and its `engine.env` (`env.NAME`), which may
+    hold tokens (HF_TOKEN): never in the Deployment itself."""
+    data = {f"env.{k}": v for k, v in pool.engine.env.items()}
+    for name in pool.engine.env:
+        if name in ENGINE_ENV or not ENV_NAME.match(name):
+            why = "set by the render" if name in ENGINE_ENV else "not a valid variable name"
+            raise ValueError(f"pools.{pool.name}.engine.env.{name}: {why}")
+    if (key := pool_key(pool)) is not None:
+        data["api-key"] = key
+    return data
+
+
 def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list[Obj]:
     name = f"{o.prefix}-{pool.name}"
     sim = o.engine == "simulator"
@@ -235,19 +418,28 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
     grace = grace_period(drain_s, pool.engine.shutdown_timeout_s)
     hook = ["python3", f"{HOOKS_DIR}/hooks.py"]
     pool_labels = {"unbroken.dev/pool": pool.name}
+    # The init container only reads ahead what the engine will read: a shortfall in
+    # residency (a cache smaller than the weights) must not keep the engine from starting,
+    # hence `--target 0` and a failed read only logged.
+    best_effort = "|| echo 'pre-warm incomplete: the engine reads the rest itself'"
     if sim:
         weights = f"{MODELS_DIR}/{pool.name}"
         prewarm = (
-            f"[ -d {weights} ] || unbroken weights make {weights} --size {pool.weights_size}; "
-            f"exec unbroken prewarm {weights}"
+            f"[ -d {weights} ] || unbroken weights make {weights} --size {pool.weights_size} "
+            f"|| exit 1; unbroken prewarm --target 0 {weights} {best_effort}"
         )
+        gpus = 0
     else:
-        # First start on an empty cache: vLLM downloads the weights, nothing to pre-warm yet.
+        args, gpus = _engine_args(spec, pool, o.gpus_per_engine)
+        # This pool's own files only (the cache is shared by every pool): its weights
+        # directory, else its model's folder in the Hugging Face cache (HF_HOME below). On a
+        # first start the folder is not there yet and vLLM downloads the weights.
+        path = shlex.quote(_weights_path(args[1]))
         prewarm = (
-            f"if find {MODELS_DIR} -name '*.safetensors' -print -quit | grep -q .; "
-            f"then exec unbroken prewarm {MODELS_DIR}; "
-            "else echo 'no weights in the cache yet: vLLM downloads them'; fi"
+            f"if [ -e {path} ]; then unbroken prewarm --target 0 {path} {best_effort}; "
+            f"else echo 'no weights at '{path}' yet: vLLM downloads them'; fi"
         )
+    memory = "1Gi" if sim else "64Gi"  # the engine container's limit
     init_sc = {**_restricted(), "runAsNonRoot": True, "runAsUser": 10001}
     init = [
         {
@@ -266,9 +458,13 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
             "image": o.image,
             "command": ["sh", "-c", prewarm],
             "volumeMounts": [{"name": "model-cache", "mountPath": MODELS_DIR}],
-            # Page-cache pages are charged to the pod that reads them first; the limit only
-            # bounds the reader's own buffers, the cache itself is reclaimable.
-            "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+            # Page-cache pages count against the cgroup's memory limit: under a 2Gi limit
+            # only the last 2 GiB read stayed resident. The engine's own limit keeps what it
+            # would keep (the request, what the scheduler counts, stays small).
+            "resources": {
+                "requests": {"cpu": "1", "memory": "512Mi"},
+                "limits": {"memory": "2Gi" if sim else memory},
+            },
             "securityContext": init_sc,
         },
     ]
@@ -276,17 +472,20 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
     # The pool's own model: /v1/models also lists aliases and adapters, and the warm-up is
     # for the base model.
     ready_cmd += ["--budget-ms", str(o.ready_budget_ms), "--model", pool.model_of(spec)]
+    secret = pool_secret_data(pool)
+    env = [*_env_pod(), _env_token(o), {"name": "HF_HOME", "value": f"{MODELS_DIR}/hf"}]
+    env += [_secret_env(k[4:], pool_secret_name(o, pool), k) for k in secret if k != "api-key"]
+    if "api-key" in secret:
+        # vLLM's --api-key without the key on its command line (`ps`, the pod spec).
+        env.append(_secret_env("VLLM_API_KEY", pool_secret_name(o, pool), "api-key"))
+        ready_cmd += ["--api-key-env", "VLLM_API_KEY"]
     drain_cmd = [*hook, "drain", "--admin", _admin_host(o), "--every-address"]
     drain_cmd += ["--deadline", f"{drain_s:g}", "--timeout", f"{drain_s + HOOK_MARGIN_S:g}"]
     container: Obj = {
         "name": "engine",
         "image": o.image if sim else o.vllm_image,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": [
-            *_env_pod(),
-            _env_token(o),
-            {"name": "HF_HOME", "value": f"{MODELS_DIR}/hf"},
-        ],
+        "env": env,
         "volumeMounts": [
             {"name": "hooks", "mountPath": HOOKS_DIR, "readOnly": True},
             {"name": "model-cache", "mountPath": MODELS_DIR},
@@ -316,11 +515,10 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
         container["securityContext"] = {**_restricted(), "runAsNonRoot": True, "runAsUser": 10001}
     else:
         container["command"] = ["vllm"]
-        container["args"] = _engine_args(spec, pool)
-        gpus = str(o.gpus_per_engine)
+        container["args"] = args
         container["resources"] = {
-            "requests": {"cpu": "4", "memory": "32Gi", o.gpu_resource: gpus},
-            "limits": {"memory": "64Gi", o.gpu_resource: gpus},
+            "requests": {"cpu": "4", "memory": "32Gi", o.gpu_resource: str(gpus)},
+            "limits": {"memory": memory, o.gpu_resource: str(gpus)},
         }
     volumes: list[Obj] = [
         {"name": "hooks", "emptyDir": {"sizeLimit": "16Mi"}},
@@ -373,7 +571,13 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "template": {
-                "metadata": {"labels": {**_meta(o, name, "engine", **pool_labels)["labels"]}},
+                "metadata": {
+                    "labels": {**_meta(o, name, "engine", **pool_labels)["labels"]},
+                    # The token its preStop drains with, its key and env.
+                    "annotations": {
+                        "checksum/config": _checksum(o.admin_token or "", json.dumps(secret))
+                    },
+                },
                 "spec": pod_spec,
             },
         },
@@ -388,6 +592,18 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
         },
     }
     objs = [deployment, service]
+    if secret:
+        meta = _meta(o, pool_secret_name(o, pool), "engine", **pool_labels)
+        objs.insert(
+            0,
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": meta,
+                "type": "Opaque",
+                "stringData": secret,
+            },
+        )
     if pool.autoscale is not None:
         a = pool.autoscale
         notes = deployment["metadata"]["annotations"]
@@ -443,6 +659,14 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     settings |= {"admin_host": "0.0.0.0", "admin_port": ADMIN_PORT}
     # X-Unbroken-Endpoint names internal pods: a debugging aid locally, a leak on a cluster.
     settings |= {"endpoint_header": False}
+    # Each pool's engine API key, from the pool's Secret into a variable the gateway reads
+    # (`upstream_key_env`), never into its settings.
+    keyed = [p for p in spec.pools if pool_key(p) is not None]
+    keys = [pool_key(p) or "" for p in keyed]
+    keys_env = [
+        _secret_env(upstream_key_var(p.name), pool_secret_name(o, p), "api-key") for p in keyed
+    ]
+    settings["upstream_key_env"] |= {p.name: upstream_key_var(p.name) for p in keyed}
     args = ["gateway", "--config", "/etc/unbroken/gateway.yaml"]
     for pool in spec.pools:
         args += ["--k8s-service", f"{pool.name}={o.namespace}/{o.prefix}-{pool.name}:http"]
@@ -468,19 +692,24 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
         ],
     }
     binding = _binding(o, name, "gateway", "Role")
+    # A Secret, not a ConfigMap: the settings may hold secrets (`priority_keys` are raw API
+    # keys, `rate_limit.redis_url` may carry a password), and the gateway reads one file.
+    gateway_yaml = yaml.safe_dump(settings, sort_keys=True)
     config = {
         "apiVersion": "v1",
-        "kind": "ConfigMap",
+        "kind": "Secret",
         "metadata": _meta(o, f"{name}-config", "gateway"),
-        "data": {"gateway.yaml": yaml.safe_dump(settings, sort_keys=True)},
+        "type": "Opaque",
+        "stringData": {"gateway.yaml": gateway_yaml},
     }
     token = {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(o, f"{o.prefix}-admin-token", "gateway"),
         "type": "Opaque",
-        "stringData": {"token": o.admin_token or secrets.token_urlsafe(32)},
+        "stringData": {"token": o.admin_token or ""},
     }
+    checksum = _checksum(gateway_yaml, o.admin_token or "", *keys)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -493,7 +722,10 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "template": {
-                "metadata": {"labels": _meta(o, name, "gateway")["labels"]},
+                "metadata": {
+                    "labels": _meta(o, name, "gateway")["labels"],
+                    "annotations": {"checksum/config": checksum},
+                },
                 "spec": {
                     "serviceAccountName": name,
                     # The preStop sleep counts against it, then the drain, then margin.
@@ -514,7 +746,7 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                             "image": o.image,
                             "command": ["unbroken"],
                             "args": args,
-                            "env": [*_env_pod(), _env_token(o)],
+                            "env": [*_env_pod(), _env_token(o), *keys_env],
                             "ports": [
                                 {"name": "http", "containerPort": GATEWAY_PORT},
                                 {"name": "admin", "containerPort": ADMIN_PORT},
@@ -537,7 +769,7 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                         }
                     ],
                     "volumes": [
-                        {"name": "config", "configMap": {"name": f"{name}-config"}},
+                        {"name": "config", "secret": {"secretName": f"{name}-config"}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                     ],
                 },
@@ -629,33 +861,35 @@ def _binding(o: RenderOptions, name: str, component: str, kind: str) -> Obj:
 # -- controller ------------------------------------------------------------------------------
 def controller_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     name = f"{o.prefix}-controller"
-    engines = [f"{o.prefix}-{p.name}" for p in spec.pools]
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(o, name, "controller")}
+    # All it asks the API for is EndpointSlices (k8s.discovery): the gateway's here, the
+    # agent's in the agent's namespace. No pods, no Deployments, no writes.
+    slices = {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(o, name, "controller"),
-        "rules": [
-            {
-                "apiGroups": ["discovery.k8s.io"],
-                "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"],
-            },
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            # Only the engine Deployments it converts between fp16 and fp8, and nothing else:
-            # no create, no delete, no other Deployment.
-            {
-                "apiGroups": ["apps"],
-                "resources": ["deployments"],
-                "resourceNames": engines,
-                "verbs": ["get", "patch"],
-            },
-        ],
+        "rules": [slices],
+    }
+    agent_meta = {**_meta(o, name, "controller"), "namespace": o.agent_ns}
+    agent_role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": agent_meta,
+        "rules": [slices],
+    }
+    agent_binding = {
+        **_binding(o, name, "controller", "Role"),
+        "metadata": agent_meta,
     }
     # Every gateway replica and every node's agent, from their Services' EndpointSlices (the
-    # Role above allows exactly that): each gateway replica keeps its own caps and routes.
+    # Roles above allow exactly that): each gateway replica keeps its own caps and routes.
     args = ["controller", "--gateway-service", f"{o.namespace}/{o.prefix}-gateway-admin:admin"]
-    args += ["--agent-service", f"{o.namespace}/{o.prefix}-agent:metrics"]
+    args += ["--agent-service", f"{o.agent_ns}/{o.prefix}-agent:metrics"]
     args += ["--listen", f"0.0.0.0:{CONTROLLER_PORT}"]
     for p in spec.pools:
         args += ["--degraded-pool" if p.precision == "fp8" else "--full-pool", p.name]
@@ -670,7 +904,10 @@ def controller_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
             "selector": {"matchLabels": sel},
             "strategy": {"type": "Recreate"},
             "template": {
-                "metadata": {"labels": _meta(o, name, "controller")["labels"]},
+                "metadata": {
+                    "labels": _meta(o, name, "controller")["labels"],
+                    "annotations": {"checksum/config": _checksum(o.admin_token or "")},
+                },
                 "spec": {
                     "serviceAccountName": name,
                     "enableServiceLinks": False,
@@ -700,7 +937,8 @@ def controller_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
             },
         },
     }
-    return [sa, role, _binding(o, name, "controller", "Role"), deployment]
+    binding = _binding(o, name, "controller", "Role")
+    return [sa, role, binding, agent_role, agent_binding, deployment]
 
 
 # -- agent -----------------------------------------------------------------------------------
@@ -806,30 +1044,40 @@ def agent_objects(o: RenderOptions) -> list[Obj]:
 
 # -- monitoring ------------------------------------------------------------------------------
 def monitoring_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
-    def pod_monitor(name: str, component: str, port: str) -> Obj:
+    def meta(name: str, component: str) -> Obj:
+        m = _meta(o, name, component)
+        m["labels"] |= dict(o.monitor_labels)
+        return m
+
+    def pod_monitor(name: str, component: str, port: str, honor: bool) -> Obj:
+        endpoint: Obj = {"port": port, "path": "/metrics", "interval": f"{SCRAPE_S}s"}
+        if honor:
+            # Their series carry `endpoint` (and the agent's `pod`, `namespace`,
+            # `container`: the engine's) themselves; without this the operator's target
+            # labels of those names win and theirs become `exported_*`, which the rules and
+            # the dashboard do not read.
+            endpoint["honorLabels"] = True
         return {
             "apiVersion": "monitoring.coreos.com/v1",
             "kind": "PodMonitor",
-            "metadata": _meta(o, f"{o.prefix}-{name}", component),
+            "metadata": meta(f"{o.prefix}-{name}", component),
             "spec": {
                 "selector": {"matchLabels": _selector(o, component)},
                 # The agent's histograms are cumulative in-kernel; the controller reads them
                 # every 250 ms itself. 5 s here is for dashboards.
-                "podMetricsEndpoints": [
-                    {"port": port, "path": "/metrics", "interval": f"{SCRAPE_S}s"}
-                ],
+                "podMetricsEndpoints": [endpoint],
             },
         }
 
     return [
-        pod_monitor("gateway", "gateway", "http"),
-        pod_monitor("engines", "engine", "http"),
-        pod_monitor("agent", "agent", "metrics"),
-        pod_monitor("controller", "controller", "http"),
+        pod_monitor("gateway", "gateway", "http", honor=True),
+        pod_monitor("engines", "engine", "http", honor=False),
+        pod_monitor("agent", "agent", "metrics", honor=True),
+        pod_monitor("controller", "controller", "http", honor=True),
         {
             "apiVersion": "monitoring.coreos.com/v1",
             "kind": "PrometheusRule",
-            "metadata": _meta(o, o.prefix, "monitoring"),
+            "metadata": meta(o.prefix, "monitoring"),
             "spec": prometheus_rule(spec.gateway.drain_deadline_s),
         },
         {
@@ -865,12 +1113,40 @@ def namespaces(o: RenderOptions) -> list[Obj]:
     return [ns(o.namespace, "baseline"), ns(o.agent_ns, "privileged")]
 
 
+def check_names(spec: PipelineSpec, o: RenderOptions) -> None:
+    """Names the API server would refuse, refused here with the value and its limit: the
+    namespaces are DNS-1123 labels, Services (`PREFIX-POOL`, `PREFIX-gateway-admin`) DNS-1035
+    labels, each at most 63 characters."""
+    if not DNS1123_LABEL.match(o.namespace) or len(o.agent_ns) > LABEL_MAX:
+        raise ValueError(
+            f"namespace {o.namespace!r}: lowercase letters, digits and '-' (a DNS-1123 label), "
+            f"at most {LABEL_MAX - len('-agent')} characters (the agent's namespace "
+            f"{o.agent_ns!r} adds '-agent' within the limit of {LABEL_MAX})"
+        )
+    if not DNS1035_LABEL.match(o.prefix) or len(f"{o.prefix}-gateway-admin") > LABEL_MAX:
+        raise ValueError(f"prefix {o.prefix!r}: a DNS-1035 label (a letter first), short")
+    for p in spec.pools:
+        svc = f"{o.prefix}-{p.name}"
+        if len(svc) > LABEL_MAX:
+            raise ValueError(
+                f"pools.{p.name}: the pool's Service name {svc!r} has {len(svc)} characters, "
+                f"over the {LABEL_MAX} of a DNS-1035 label: at most "
+                f"{LABEL_MAX - len(o.prefix) - 1} characters for a pool name"
+            )
+    for key, value in o.monitor_labels:
+        if not LABEL_VALUE.match(value) or len(value) > LABEL_MAX or not key:
+            raise ValueError(f"monitor label {key}={value}: not a valid label")
+
+
 def build(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     """Every object of the pipeline, namespace first."""
     if o.engine not in ("vllm", "simulator"):
         raise ValueError(f"engine must be vllm or simulator, not {o.engine!r}")
     if o.gateway_replicas < 2:
         raise ValueError("the gateway needs 2 or more replicas (its PodDisruptionBudget keeps 1)")
+    check_names(spec, o)
+    if not o.admin_token:  # one token for every object that carries it
+        o = replace(o, admin_token=secrets.token_urlsafe(32))
     hpa = any(autoscaled(p, o.autoscaler) for p in spec.pools) and o.autoscaler == "hpa"
     objs = namespaces(o)
     if o.engine == "vllm":

@@ -1,7 +1,11 @@
 """`unbroken render k8s`: write a pipeline's objects as plain YAML, one file per object,
 numbered so that `kubectl apply -f DIR` creates namespaces first. Objects of custom kinds go
 to their own directories, to apply once their CRDs exist: the Prometheus Operator's to
-`DIR/monitoring/`, KEDA's ScaledObjects to `DIR/keda/`."""
+`DIR/monitoring/`, KEDA's ScaledObjects to `DIR/keda/`.
+
+Rendering again into the same directory replaces the previous render's files (a stale one
+would be applied again by `kubectl apply -f DIR`) and keeps its admin token; a directory
+holding anything else is refused, never emptied."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from unbroken.config.spec import PipelineSpec
 from unbroken.k8s.manifests import RenderOptions, build
 from unbroken.k8s.policy import check
 
-__all__ = ["PolicyError", "render", "write"]
+__all__ = ["PolicyError", "previous_token", "render", "write"]
 
 # Custom kinds by API group, and the directory each goes to.
 CRD_DIRS = {"monitoring.coreos.com/": "monitoring", "keda.sh/": "keda"}
@@ -37,14 +41,75 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.-]+", "-", text.lower())
 
 
+def _file_name(i: int, o: dict[str, Any]) -> str:
+    return f"{i:02d}-{_slug(o['kind'])}-{_slug(o['metadata']['name'])}.yaml"
+
+
+def _rendered(path: Path) -> dict[str, Any] | None:
+    """The object in `path` if the file is one a render writes (a plain file named
+    `NN-KIND-NAME.yaml` after the one object it holds), else None."""
+    m = re.fullmatch(r"(\d{2,})-[a-z0-9.-]+\.yaml", path.name)
+    if m is None or path.is_symlink() or not path.is_file():
+        return None
+    try:
+        o = yaml.safe_load(path.read_text())
+        ok = path.name == _file_name(int(m[1]), o)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, KeyError):
+        return None
+    return o if ok else None
+
+
+def previous_files(out: Path) -> list[Path]:
+    """The files an earlier render left in `out`. ValueError if `out` holds anything else:
+    the render replaces its own files only, so a directory of other files is refused."""
+    if not out.exists():
+        return []
+    if not out.is_dir() or out.is_symlink():
+        raise ValueError(f"--out {out}: not a directory")
+    own, other = [], []
+    for entry in sorted(out.iterdir()):
+        if entry.name in CRD_DIRS.values() and entry.is_dir() and not entry.is_symlink():
+            for f in sorted(entry.iterdir()):
+                (own if _rendered(f) is not None else other).append(f)
+        else:
+            (own if _rendered(entry) is not None else other).append(entry)
+    if other:
+        shown = ", ".join(str(f) for f in other[:3]) + (", ..." if len(other) > 3 else "")
+        raise ValueError(
+            f"--out {out} holds files a render did not write ({shown}): the render replaces "
+            "only its own files there; give a new or empty directory"
+        )
+    return own
+
+
+def previous_token(out: Path, prefix: str = "unbroken") -> str | None:
+    """The admin token of an earlier render into `out`, to render the same one again: a new
+    token per render would change the Secret (and roll every pod) on each apply."""
+    for path in sorted(out.glob(f"*-secret-{_slug(prefix)}-admin-token.yaml")):
+        o = _rendered(path)
+        if o is not None and o["kind"] == "Secret":
+            token = (o.get("stringData") or {}).get("token")
+            if isinstance(token, str) and token:
+                return token
+    return None
+
+
 def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
+    """One file per object; an earlier render's files in `out` are removed first."""
+    if str(out) == "-":
+        raise ValueError("--out -: the render writes a directory (one file per object)")
+    for path in previous_files(out):
+        path.unlink()
+    for d in CRD_DIRS.values():
+        if (out / d).is_dir() and not any((out / d).iterdir()):
+            (out / d).rmdir()
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, o in enumerate(objs):
         dirs = [d for g, d in CRD_DIRS.items() if o["apiVersion"].startswith(g)]
         sub = out / dirs[0] if dirs else out
         sub.mkdir(exist_ok=True)
-        path = sub / f"{i:02d}-{_slug(o['kind'])}-{_slug(o['metadata']['name'])}.yaml"
+        path = sub / _file_name(i, o)
         path.write_text(yaml.safe_dump(o, sort_keys=False, width=100))
         paths.append(path)
     return paths
