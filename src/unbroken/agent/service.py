@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,7 @@ from unbroken.agent.discovery import (
     supervisor_endpoints,
 )
 from unbroken.agent.tcp import SockDiagSampler, TcpTracer
+from unbroken.wire.exposition import render_text
 from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["Agent", "AgentConfig", "run_agent"]
@@ -368,9 +369,7 @@ def build_app(agent: Agent) -> web.Application:
     register_standard_metrics(reg, "agent")
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(reg), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return web.Response(body=render_text(reg), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response(

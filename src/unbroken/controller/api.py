@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from unbroken.controller.config import ControllerConfig
+from unbroken.wire.exposition import render_text
 
 if TYPE_CHECKING:
     from unbroken.controller.service import Controller
@@ -33,7 +34,7 @@ def build_app(c: Controller) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
-            body=generate_latest(c.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=render_text(c.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def health(request: web.Request) -> web.Response:

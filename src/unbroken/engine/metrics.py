@@ -11,8 +11,9 @@ import time
 from collections import OrderedDict
 
 import prometheus_client.metrics as prom_metrics
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from unbroken.wire.exposition import render_text
 from unbroken.wire.metrics import register_standard_metrics
 
 __all__ = ["EngineMetrics", "FinishedSeq", "LoraInfo", "cache_config_info"]
@@ -522,7 +523,7 @@ class EngineMetrics:
         was = prom_metrics._use_created
         prom_metrics._use_created = CREATED
         try:
-            return generate_latest(reg.restricted_registry(names) if names else reg)
+            return render_text(reg.restricted_registry(names) if names else reg)
         finally:
             prom_metrics._use_created = was
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -43,6 +43,7 @@ from unbroken.gateway._prefix_table import PrefixTable
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import MAX_WORKERS, SharedCounters
 from unbroken.gateway._tenant_table import TenantTable
+from unbroken.wire.exposition import render_text
 
 __all__ = ["Worker", "WorkerGauge", "WorkerProcesses"]
 
@@ -297,7 +298,7 @@ class WorkerProcesses(Gateway):
             if w.last_metrics:  # "" once it exited: its counters are in the retired ones
                 texts.append(w.last_metrics)
         self.metrics.late_workers.set(late)
-        own = generate_latest(self.metrics.registry).decode()
+        own = render_text(self.metrics.registry).decode()
         return merge_expositions(own, texts, self._retired_metrics)
 
     async def _answer_models(self, w: Worker, k: int) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
@@ -31,6 +31,7 @@ from unbroken.gateway._proxy import PASSTHROUGH_ROUTES, Proxy
 from unbroken.gateway._ratelimit import Limiter, TenantTable
 from unbroken.gateway._routing import make_policy
 from unbroken.gateway._tenants import Tenants
+from unbroken.wire.exposition import render_text
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
     Cors,
@@ -326,7 +327,7 @@ class Gateway:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=generate_latest(self.metrics.registry),
+            body=render_text(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
 

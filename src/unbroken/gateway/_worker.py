@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._balance import BalancedSite
@@ -59,6 +59,7 @@ from unbroken.gateway._ratelimit import TenantTable
 from unbroken.gateway._server import Gateway
 from unbroken.gateway._shared import SharedCounters, SharedSlot
 from unbroken.wire.errors import ApiError
+from unbroken.wire.exposition import render_text
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import ServerLimits, client_session, start_site
 
@@ -188,9 +189,7 @@ class WorkerGateway(Gateway):
 
     def send_metrics(self, k: int) -> None:
         """This worker's exposition to the main process, which merges every worker's."""
-        self.send(
-            MetricsMsg(t="metrics", id=k, text=generate_latest(self.metrics.registry).decode())
-        )
+        self.send(MetricsMsg(t="metrics", id=k, text=render_text(self.metrics.registry).decode()))
 
     async def start_worker(self, listen: socket.socket) -> None:
         cfg = self.cfg
