@@ -110,8 +110,9 @@ def test_cap_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
     runs more than 3, yet reaches 3, and every worker served."""
     g = gateway(tmp_path, eng.url, args=("--workers", "3", "--cap", "8", *SPREAD))
     try:
-        ws = workers_of(g)
-        assert ws["serving"] == 3 and len(ws["pids"]) == 3
+        # /health answers once one worker serves; the others may still be starting.
+        ws = wait_for(lambda: (w := workers_of(g))["serving"] == 3 and w, timeout=30)
+        assert len(ws["pids"]) == 3 and ws["starting"] == 0
         r = admin(g, "PATCH", f"/admin/endpoints/127.0.0.1:{eng.port}", {"cap_override": 3})
         assert r.status_code == 200 and r.json()["cap"] == 3
         # No wait: the admin API answers once every worker serves with the new cap.

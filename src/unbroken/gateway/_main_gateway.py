@@ -81,6 +81,7 @@ class MainGateway(WorkerProcesses):
         self.workers: list[Worker] = []
         self.generation = 0
         self.replaced = 0
+        self._quick_deaths = 0
         self.reloads = 0
         self.reload_error: str | None = None
         self.stopping = False
@@ -205,9 +206,15 @@ class MainGateway(WorkerProcesses):
     def process_status(self) -> dict[str, Any]:
         return {
             "workers": {
-                "serving": sum(not w.draining for w in self.workers),
+                # Serving: said it serves, and not draining; starting: not yet (at start, a
+                # reload's new workers, a replacement). `pids`: both.
+                "serving": sum(w.serving for w in self.workers),
+                "starting": sum(not w.draining and not w.up.is_set() for w in self.workers),
                 "draining": sum(w.draining for w in self.workers),
                 "pids": [w.proc.pid for w in self.workers if not w.draining],
+                "starting_pids": [
+                    w.proc.pid for w in self.workers if not w.draining and not w.up.is_set()
+                ],
                 "draining_pids": [w.proc.pid for w in self.workers if w.draining],
                 "main_pid": os.getpid(),
                 "generation": self.generation,
@@ -227,8 +234,14 @@ class MainGateway(WorkerProcesses):
         self._reloading = asyncio.create_task(self._reload(reload_cfg))
 
     async def _reload(self, reload_cfg: Callable[[], GatewaySettings] | None) -> None:
-        old = [w for w in self.workers if not w.draining]
+        """A new generation of workers on the settings read now; the old ones drain once
+        all of them serve. Nothing of the new settings is applied before that (but the new
+        tenants' slots, which the new workers need): a reload that fails leaves the gateway
+        exactly as it was, and the next one starts afresh."""
         gen = self.generation + 1
+        prev = self.cfg
+        cfg = prev
+        slots = dict(self.tenant_slots)
         if reload_cfg is not None:
             try:
                 new = reload_cfg()
@@ -237,44 +250,62 @@ class MainGateway(WorkerProcesses):
                 self.reload_error = f"cannot read the settings: {e}"
                 return
             fixed = ("host", "port", "admin_host", "admin_port")
-            if any(getattr(new, k) != getattr(self.cfg, k) for k in fixed):
+            if any(getattr(new, k) != getattr(prev, k) for k in fixed):
                 log.warning("reload: listen addresses cannot change without a restart; kept")
-            prev = self.cfg
-            self.cfg = new.model_copy(update={k: getattr(self.cfg, k) for k in fixed})
-            if self.tenant_table is not None:
-                try:
-                    self._assign_tenant_slots(self.cfg, self.tenant_table)
-                except RuntimeError as e:
-                    log.error("reload: %s; nothing changed", e)
-                    self.reload_error = str(e)
-                    self.cfg = prev
-                    return
-            self.pool.default_cap = self.cfg.default_cap
-            if self.cfg.routes != prev.routes:
-                # Only when the file's routes changed: an unrelated reload keeps what an
-                # operator set through the admin API since.
-                self.set_routes({k: list(v) for k, v in self.cfg.routes.items()})
-        log.info("reload: starting %d new worker(s), generation %d", self.n_workers, gen)
+            cfg = new.model_copy(update={k: getattr(prev, k) for k in fixed})
+        settings = self.tmp / f"settings-{gen}.json"
         new_ws: list[Worker] = []
+
+        def undo() -> None:
+            for w in new_ws:
+                w.draining = True  # not replaced when it exits
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+            self.tenant_slots.clear()
+            self.tenant_slots.update(slots)
+            with contextlib.suppress(OSError):
+                settings.unlink()
+
+        if self.tenant_table is not None:
+            try:
+                self._assign_tenant_slots(cfg, self.tenant_table)
+            except RuntimeError as e:
+                log.error("reload failed (%s); nothing changed", e)
+                self.reload_error = str(e)
+                undo()
+                return
         try:
+            # Written afresh: a failed reload's file (same generation) must not stand.
+            settings.write_text(cfg.model_dump_json())
+            log.info("reload: starting %d new worker(s), generation %d", self.n_workers, gen)
             for _ in range(self.n_workers):
                 new_ws.append(await self.spawn(gen))
             await self._wait_up(new_ws)
-        except (OSError, RuntimeError) as e:
+            for w in new_ws:
+                if w.proc.returncode is not None:
+                    raise RuntimeError(f"worker pid {w.proc.pid} exited ({w.proc.returncode})")
+        except Exception as e:
             log.error("reload failed (%s): the old workers keep serving", e)
             self.reload_error = f"new workers did not start: {e}"
-            for w in new_ws:
-                w.draining = True
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.kill()
+            undo()
             return
+        # The new generation serves: its settings are the gateway's from now on.
+        self.cfg = cfg
+        self.pool.default_cap = cfg.default_cap
+        if cfg.routes != prev.routes:
+            # Only when the file's routes changed: an unrelated reload keeps what an
+            # operator set through the admin API since.
+            self.set_routes({k: list(v) for k, v in cfg.routes.items()})
         self.generation = gen
         self.reloads += 1
         self.reload_error = None
-        targets = [w.handover for w in new_ws] if self.cfg.handover_on_reload else []
+        self._changed()
+        # Every older worker, including one that replaced a dead one during the reload.
+        old = [w for w in self.workers if not w.draining and w.generation < gen]
+        targets = [w.handover for w in new_ws] if cfg.handover_on_reload else []
         for i, w in enumerate(old):
             w.draining = True
-            msg = DrainMsg(t="drain", timeout=self.cfg.request_timeout_s, why="reload")
+            msg = DrainMsg(t="drain", timeout=cfg.request_timeout_s, why="reload")
             if targets:  # each old worker starts on another new one
                 k = i % len(targets)
                 msg["handover"] = targets[k:] + targets[:k]

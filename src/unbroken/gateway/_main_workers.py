@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,12 @@ __all__ = ["Worker", "WorkerGauge", "WorkerProcesses"]
 log = logging.getLogger("unbroken.gateway.main")
 
 START_TIMEOUT_S = 30.0  # a new worker must serve within this, or the reload is abandoned
+# A worker that dies within QUICK_DEATH_S of its start most likely cannot start (broken
+# settings or code): the second such death in a row is a crash loop, and each replacement
+# after it waits twice as long as the one before (BACKOFF_FIRST_S, up to BACKOFF_MAX_S).
+QUICK_DEATH_S = 10.0
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
 METRICS_WAIT_S = 2.0  # a /metrics scrape waits this long for the workers' expositions
 
 
@@ -61,6 +68,7 @@ class Worker:
     writer: asyncio.StreamWriter
     handover: str = ""  # its handover socket (streams of old workers come in there)
     up: asyncio.Event = field(default_factory=asyncio.Event)
+    started: float = field(default_factory=time.monotonic)
     draining: bool = False
     acked: int = -1  # the last state message it applied
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -69,6 +77,11 @@ class Worker:
     last_metrics: str = ""
     late: bool = False
     reading: asyncio.Task[None] | None = None  # its control socket's reader
+
+    @property
+    def serving(self) -> bool:
+        """Said it serves (`up`), and not told to drain."""
+        return self.up.is_set() and not self.draining
 
     def send(self, msg: ToWorker) -> None:
         if not self.writer.is_closing():
@@ -99,7 +112,9 @@ class WorkerGauge(Collector):
         )
         main = self.main
         ws = main.workers if main is not None else []
-        g.add_metric(["serving"], sum(not w.draining for w in ws) if main is not None else 1)
+        serving = sum(w.serving for w in ws) if main is not None else 1
+        g.add_metric(["serving"], serving)
+        g.add_metric(["starting"], sum(not w.draining and not w.up.is_set() for w in ws))
         g.add_metric(["draining"], sum(w.draining for w in ws))
         r = CounterMetricFamily(
             "unbroken_gateway_worker_restarts",
@@ -128,6 +143,7 @@ class WorkerProcesses(Gateway):
     replaced: int  # workers that died and were replaced
     reloads: int
     stopping: bool
+    _quick_deaths: int  # workers dead within QUICK_DEATH_S of their start, in a row
     _free_rows: list[int]
     _ids: Iterator[int]
     _asked: dict[int, tuple[asyncio.Future[str], int]]  # /metrics asks, by id: (answer, row)
@@ -234,15 +250,75 @@ class WorkerProcesses(Gateway):
         if w.draining or self.stopping:
             log.info("worker pid %d exited (%s) after draining", w.proc.pid, code)
             return
-        log.error("worker pid %d died (exit %s): replacing it", w.proc.pid, code)
-        self.replaced += 1
-        while not self.stopping:
+        if w.generation != self.generation:
+            # A reload's new worker, dead before the reload took over: the reload sees it
+            # (`_wait_up`) and is abandoned; replacing it would start its settings again.
+            log.error(
+                "worker pid %d of generation %d (a reload's) died (exit %s) before the reload "
+                "took over; not replaced",
+                w.proc.pid,
+                w.generation,
+                code,
+            )
+            return
+        await self._replace(w, code)
+
+    async def _replace(self, w: Worker, code: int) -> None:
+        """A new worker for one that died. Deaths within QUICK_DEATH_S of the start, in a
+        row, are a crash loop: replaced after a growing back-off, logged once per episode."""
+        lived = time.monotonic() - w.started
+        self._quick_deaths = self._quick_deaths + 1 if lived < QUICK_DEATH_S else 0
+        n = self._quick_deaths
+        delay = 0.0 if n <= 1 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (n - 2))
+        if n <= 1:
+            log.error("worker pid %d died (exit %s): replacing it", w.proc.pid, code)
+        elif n == 2:
+            log.error(
+                "worker pid %d died (exit %s) %.1f s after its start, as the one before it: "
+                "the workers are crash-looping; each replacement waits longer (up to %.0f s); "
+                "not logged again until a worker has served %.0f s",
+                w.proc.pid,
+                code,
+                lived,
+                BACKOFF_MAX_S,
+                QUICK_DEATH_S,
+            )
+        else:
+            log.debug(
+                "worker pid %d died (exit %s): replacing it in %.1f s", w.proc.pid, code, delay
+            )
+        if delay:
+            await asyncio.sleep(delay)
+        while not self.stopping and w.generation == self.generation:
             try:
-                await self.spawn(w.generation)
-                return
+                new = await self.spawn(w.generation)
             except (OSError, RuntimeError) as e:
                 log.error("cannot start a worker: %s; retrying", e)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(max(1.0, delay))
+                continue
+            self.replaced += 1
+            if n:
+                new.run(self._settled(new))
+            return
+
+    async def _settled(self, w: Worker) -> None:
+        """A crash loop ends when a replacement has served QUICK_DEATH_S."""
+        up = asyncio.ensure_future(w.up.wait())
+        ended = asyncio.ensure_future(w.proc.wait())
+        await asyncio.wait([up, ended], return_when=asyncio.FIRST_COMPLETED)
+        up.cancel()
+        ended.cancel()
+        if not w.up.is_set():
+            return  # it died first: its death counts
+        await asyncio.sleep(QUICK_DEATH_S)
+        if w.proc.returncode is None and self._quick_deaths:
+            looping, self._quick_deaths = self._quick_deaths >= 2, 0
+            if looping:
+                log.info(
+                    "worker pid %d has served %.0f s: workers start again",
+                    w.proc.pid,
+                    QUICK_DEATH_S,
+                )
 
     async def start_workers(self) -> None:
         ws = [await self.spawn(self.generation) for _ in range(self.n_workers)]
