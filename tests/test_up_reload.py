@@ -158,9 +158,9 @@ def test_reload_applies_the_edited_spec_live(tmp_path: Path) -> None:
 
 
 def test_reload_with_a_broken_spec_changes_nothing(tmp_path: Path) -> None:
-    """A spec that no longer parses or validates, or that routes to a pool the pipeline
-    does not run: `unbroken reload` says why and exits 1; gateway.json, the workers and the
-    stream running meanwhile are untouched."""
+    """A spec that no longer parses or validates (a `redis_url` redis-py refuses included),
+    or that routes to a pool the pipeline does not run: `unbroken reload` says why and exits
+    1; gateway.json, the workers and the stream running meanwhile are untouched."""
     up, spec = start(tmp_path)
     try:
         cfg = (up.state / "gateway.json").read_bytes()
@@ -176,6 +176,13 @@ def test_reload_with_a_broken_spec_changes_nothing(tmp_path: Path) -> None:
                     .replace("[spare]", "[extra]")
                     .replace("controller:", "  - name: extra\ncontroller:"),
                     "does not run: extra",
+                ),
+                # redis-py would refuse it in every new worker: refused when read (it used
+                # to pass, and leave the gateway replacing its dying workers for ever).
+                (
+                    spec.read_text()
+                    + 'rate_limit: {store: redis, redis_url: "http://127.0.0.1:26379/0"}\n',
+                    "rate_limit.redis_url: must start with redis://",
                 ),
             ]
             for text, expect in cases:

@@ -154,7 +154,7 @@ class GatewaySettings(_Spec):
 
     @model_validator(mode="after")
     def _tenants(self) -> GatewaySettings:
-        if self.tenants:
+        if self.tenants is not None:
             check_tenants(self.tenants)
         return self
 
@@ -427,16 +427,9 @@ class PipelineSpec(_Spec):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"pool names must be unique: {', '.join(sorted(dup))}")
-        if self.tenants:
+        if self.tenants is not None:
             check_tenants(self.tenants)
-        # A name (model, alias or adapter) means one model: two pools may both serve it
-        # (primary and fallback of the same model) only as the same kind of name.
-        base: dict[str, str] = {}
-        for p in self.pools:
-            for a in p.adapters:
-                b = a.base or p.model_of(self)
-                if base.setdefault(a.name, b) != b:
-                    raise ValueError(f"adapter {a.name} is given two base models")
+        self._check_served_names()
         for field_name in ("full_pools", "degraded_pools"):
             unknown = [p for p in getattr(self.controller, field_name) if p not in names]
             if unknown:
@@ -450,6 +443,44 @@ class PipelineSpec(_Spec):
                     f"gateway.routes.{prio} names unknown pool(s): {', '.join(unknown)}"
                 )
         return self
+
+    def _check_served_names(self) -> None:
+        """A name (model, alias or adapter) means one model: two pools may both serve it
+        (primary and fallback of the same model, e.g. fp16 and fp8 tiers, adapters
+        included) only as the same kind of name, since vLLM keeps base names (the model
+        and its aliases: --served-model-name) apart from LoRA names, and the gateway routes
+        by the name alone. So each name maps to one (kind, base model, adapter path) across
+        the pools; a conflict is an error naming the later field (models are taken first,
+        then aliases, then adapters). An adapter's `base` is a base name of its own pool."""
+        seen: dict[str, tuple[tuple[str, str, str | None], str]] = {}  # name -> meaning, what
+
+        def take(name: str, meaning: tuple[str, str, str | None], what: str, where: str) -> None:
+            had, other = seen.setdefault(name, (meaning, what))
+            if had == meaning:
+                return
+            if had[0] == meaning[0] == "adapter" and had[1] == meaning[1]:
+                other += f" with another path ({had[2]}, here {meaning[2]})"
+            raise ValueError(f"{where}: also {other}; a served name must mean one model")
+
+        models = [(i, p, p.model_of(self)) for i, p in enumerate(self.pools)]
+        for i, p, m in models:
+            where = f"pools.{i}.model" if p.model else "model"
+            take(m, ("base", m, None), f"the model of pool {p.name}", where)
+        for i, p, m in models:
+            for j, alias in enumerate(p.aliases):
+                what = f"an alias of pool {p.name} (model {m})"
+                take(alias, ("base", m, None), what, f"pools.{i}.aliases.{j}")
+        for i, p, m in models:
+            bases = [m, *p.aliases]
+            for a in p.adapters:
+                where = f"pools.{i}.adapters.{a.name}"
+                if a.base is not None and a.base not in bases:
+                    raise ValueError(
+                        f"{where}.base: {a.base} is not a model pool {p.name} serves (its "
+                        f"model or an alias: {', '.join(bases)})"
+                    )
+                what = f"an adapter of pool {p.name} (base {m})"
+                take(a.name, ("adapter", m, a.path or a.name), what, where)  # no path: the name
 
 
 def default_spec() -> PipelineSpec:
@@ -470,7 +501,8 @@ def _format(e: ValidationError) -> str:
     lines = []
     for err in e.errors(include_url=False):
         loc = ".".join(str(p) for p in err["loc"])
-        lines.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(lines)
 
 

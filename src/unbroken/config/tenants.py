@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import hashlib
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from unbroken.config._base import Priority, _Spec
 
-__all__ = ["RateLimitSettings", "TenantLimits", "TenantSpec", "key_digest"]
+__all__ = ["RateLimitSettings", "TenantLimits", "TenantSpec", "check_tenants", "key_digest"]
+
+ANONYMOUS = "anonymous"  # takes the requests whose key matches no tenant (gateway/_tenants.py)
+# The metrics' tenant of requests that have none (no tenants configured, or refused with 401;
+# gateway/_tenants.py NONE): a tenant of that name would be counted with them.
+RESERVED = "none"
+REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url takes
 
 TenantName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
@@ -67,6 +74,24 @@ class RateLimitSettings(_Spec):
     redis_url: str | None = None
     redis_timeout_s: Annotated[float, Field(gt=0, le=5)] = 0.05
 
+    @field_validator("redis_url")
+    @classmethod
+    def _scheme(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+        if scheme not in REDIS_SCHEMES:
+            # Only the scheme is echoed: the rest may hold a password.
+            raise ValueError(
+                "must start with redis://, rediss:// or unix:// (as redis-py takes it), "
+                + (
+                    f"not {scheme}://"
+                    if scheme and len(scheme) <= 16
+                    else "e.g. redis://HOST:6379/0"
+                )
+            )
+        return url
+
     @model_validator(mode="after")
     def _url(self) -> RateLimitSettings:
         if self.store == "redis" and not self.redis_url:
@@ -75,15 +100,39 @@ class RateLimitSettings(_Spec):
 
 
 def check_tenants(tenants: list[TenantSpec]) -> None:
-    """Names unique, and no key shared by two tenants (which would make a key's tenant
-    depend on spec order)."""
-    names = [t.name for t in tenants]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"tenant names must be unique: {', '.join(dup)}")
+    """A list that enables authentication (not empty), names unique and not reserved, each
+    tenant reachable (a key, or the `anonymous` tenant), no key shared by two tenants (which
+    would make a key's tenant depend on spec order). Errors name the field
+    (`tenants.1.api_keys.0: ...`)."""
+    if not tenants:
+        raise ValueError(
+            "tenants: an empty list would turn API keys off (every request accepted, as "
+            "without tenants); remove `tenants:` to run without tenants, or list at least one "
+            f"(a tenant named {ANONYMOUS} takes the requests whose key matches none)"
+        )
+    first: dict[str, int] = {}
     owner: dict[str, str] = {}
-    for t in tenants:
-        for k in t.api_keys:
-            if k in owner and owner[k] != t.name:
-                raise ValueError(f"tenants {owner[k]} and {t.name} share an API key")
-            owner[k] = t.name
+    for i, t in enumerate(tenants):
+        if t.name == RESERVED:
+            raise ValueError(
+                f"tenants.{i}.name: {RESERVED} is reserved (the metrics' tenant of requests "
+                "that have none: refused with 401, or served without tenants)"
+            )
+        if t.name in first:
+            raise ValueError(
+                f"tenants.{i}.name: {t.name} is also the name of tenants.{first[t.name]}; "
+                "tenant names must be unique"
+            )
+        first[t.name] = i
+        if not t.api_keys and t.name != ANONYMOUS:
+            raise ValueError(
+                f"tenants.{i}.api_keys: tenant {t.name} has no API key, so no request could "
+                f"ever be its (only the tenant named {ANONYMOUS} needs none: it takes the "
+                "requests whose key matches no tenant)"
+            )
+        for j, k in enumerate(t.api_keys):
+            if owner.setdefault(k, t.name) != t.name:
+                raise ValueError(
+                    f"tenants.{i}.api_keys.{j}: also a key of tenant {owner[k]}; a key names "
+                    "one tenant"
+                )
