@@ -278,8 +278,8 @@ def test_reload_applies_changed_tenants_and_limits(tmp_path: Path) -> None:
         )
         r = reload(up)
         assert r.returncode == 0, r.stderr
-        assert "no change" not in r.stdout and "gateway.tenants" in r.stdout, r.stdout
-        assert "secret" not in r.stdout
+        assert "no change" not in r.stdout and "gateway.tenants.acme." in r.stdout, r.stdout
+        assert "secret" not in r.stdout and "sha256" not in r.stdout, r.stdout
         assert ask("sk-acme-secret").headers["x-ratelimit-limit-requests"] == "5"
         assert ask("sk-beta-secret").status_code == 401
         # The supervisor's spec is the applied one: a second reload changes nothing.

@@ -73,6 +73,13 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     for k, v in d.items():
         if isinstance(v, dict) and k != "priority_keys":  # its keys are API keys
             out.update(flatten(v, f"{prefix}{k}."))
+        elif k == "tenants" and isinstance(v, list):
+            # One line per field of each tenant, by name (`gateway.tenants.acme.limits.
+            # concurrent_streams: 3 -> null`), not the whole list twice with its digests.
+            for t in v:
+                t = dict(t)
+                name = t.pop("name", "?")
+                out.update(flatten(t, f"{prefix}tenants.{name}."))
         else:
             out[prefix + k] = v
     return out
