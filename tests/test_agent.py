@@ -865,3 +865,41 @@ def test_probes_of_a_library_no_process_maps_are_detached(
     assert len(agent.cuda.obj.links) <= before - n_links, (before, n_links)
     assert not any(r.links for r in reps)
     print(f"detached {n_links} links in {took:.2f} s")
+
+
+@pytest.mark.parametrize("multi", [True, False])
+def test_multi_uprobe_links_and_per_probe_links_count_the_same(tmp_path: Path, multi: bool) -> None:
+    """Kernel 6.6+: one multi-uprobe link per library and direction (each function's id as
+    its offset's cookie), torn down with one grace period per link; elsewhere a link per
+    probe. Both count exactly the calls made, and leave no link behind."""
+    from unbroken.agent.cuda import CudaTracer
+
+    tracer = CudaTracer(build_objects()["cuda"], multi=multi)
+    assert tracer.multi is multi  # this kernel (6.18) has them
+    p, go, done = _start_plan(tmp_path)
+    try:
+        reps = [tracer.attach_library(str(f)) for f in sorted(load().directory.glob("lib*.so*"))]
+        functions = sum(len(r.attached) for r in reps if r is not None)
+        assert functions >= 10 and all(r is not None and not r.error for r in reps)
+        want_links = 2 * len(reps) if multi else 2 * functions
+        assert len(tracer.obj.links) == want_links
+        go.touch()
+        wait_for(done.exists, timeout=30)
+        counts = {fn: s.count for (pid, fn), s in tracer.read().items() if pid == p.pid}
+        assert counts == {
+            "cudaLaunchKernel": 300,
+            "cuLaunchKernel": 120,
+            "cudaGraphLaunch": 7,
+            "cudaStreamSynchronize": 3,
+        }
+        t0 = time.monotonic()
+        tracer.detach(set(tracer.libraries))
+        took = time.monotonic() - t0
+        assert not tracer.obj.links
+        print(
+            f"multi={multi}: {want_links} links for {functions} functions, detached in {took:.2f} s"
+        )
+    finally:
+        p.kill()
+        p.wait()
+        tracer.close()

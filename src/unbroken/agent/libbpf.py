@@ -74,6 +74,8 @@ _sig(
     "bpf_program__attach_uprobe_opts", vp, vp, ci, cp, ctypes.c_size_t, ctypes.POINTER(_UprobeOpts)
 )
 _sig("bpf_link__destroy", ci, vp)
+_sig("bpf_program__set_expected_attach_type", ci, vp, ci)
+_sig("bpf_program__set_autoload", ci, vp, ctypes.c_bool)
 _sig("bpf_program__fd", ci, vp)
 _sig("bpf_prog_test_run_opts", ci, ci, vp)
 _sig("bpf_map_get_next_key", ci, ci, vp, vp)
@@ -120,17 +122,51 @@ def _errno(rc: int | None = None) -> int:
     return ctypes.get_errno() or 1
 
 
-class Link:
-    """An attachment; `destroy()` detaches it (idempotent)."""
+# The bpf(2) syscall, for what libbpf 1.1 (Debian 12's) has no call for: multi-uprobe links.
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine)
+_BPF_LINK_CREATE = 28
+BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type, kernel 6.6+
+_BPF_F_UPROBE_MULTI_RETURN = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
-    def __init__(self, ptr: int, what: str) -> None:
-        self._ptr: int | None = ptr
+
+class _UprobeMultiAttr(ctypes.Structure):
+    """union bpf_attr's `link_create` with its `uprobe_multi` member (include/uapi/linux/
+    bpf.h), padded to the size passed: the kernel requires the bytes it does not read to be 0."""
+
+    _fields_ = [
+        ("prog_fd", cu32),
+        ("target_fd", cu32),
+        ("attach_type", cu32),
+        ("flags", cu32),
+        ("path", ctypes.c_uint64),
+        ("offsets", ctypes.c_uint64),
+        ("ref_ctr_offsets", ctypes.c_uint64),
+        ("cookies", ctypes.c_uint64),
+        ("cnt", cu32),
+        ("multi_flags", cu32),
+        ("pid", cu32),
+        ("_pad", cu32),
+    ]
+
+
+class Link:
+    """An attachment; `destroy()` detaches it (idempotent). A libbpf link, or the file
+    descriptor of a link made with the bpf syscall (`fd`)."""
+
+    def __init__(self, ptr: int, what: str, *, fd: int | None = None) -> None:
+        self._ptr: int | None = ptr or None
+        self._fd = fd
         self.what = what
 
     def destroy(self) -> None:
         if self._ptr:
             _lib.bpf_link__destroy(self._ptr)
             self._ptr = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class Object:
@@ -155,6 +191,16 @@ class Object:
         if not addr or size.value < len(data):
             raise BpfError(".rodata too small", 22)
         ctypes.memmove(addr, data, len(data))
+
+    def set_expected_attach_type(self, prog: str, attach_type: int) -> None:
+        rc = _lib.bpf_program__set_expected_attach_type(self._prog(prog), attach_type)
+        if rc != 0:
+            raise BpfError(f"set attach type of {prog}", _errno(rc))
+
+    def set_autoload(self, prog: str, on: bool) -> None:
+        rc = _lib.bpf_program__set_autoload(self._prog(prog), on)
+        if rc != 0:
+            raise BpfError(f"set autoload of {prog}", _errno(rc))
 
     def load(self) -> None:
         _lines.clear()
@@ -187,6 +233,35 @@ class Object:
         if not link:
             raise BpfError(f"attach {prog} to {binary}+{offset:#x}", _errno())
         lk = Link(link, f"{prog} {binary}+{offset:#x}")
+        self.links.append(lk)
+        return lk
+
+    def attach_uprobe_multi(
+        self, prog: str, binary: str, offsets: list[int], cookies: list[int], *, retprobe: bool
+    ) -> Link:
+        """One link for a probe at each of `offsets` in `binary` (every process that maps
+        it), each call carrying its cookie: BPF_LINK_CREATE with BPF_TRACE_UPROBE_MULTI
+        (kernel 6.6+; `prog` loaded with that expected attach type). Destroying it costs
+        the one grace period that each single-probe link costs (docs/agent.md)."""
+        if _SYS_BPF is None:
+            raise BpfError("multi-uprobe link: no bpf syscall number for this machine", 38)
+        n = len(offsets)
+        offs = (ctypes.c_uint64 * n)(*offsets)
+        cks = (ctypes.c_uint64 * n)(*cookies)
+        path = ctypes.create_string_buffer(binary.encode())
+        attr = _UprobeMultiAttr(
+            prog_fd=_lib.bpf_program__fd(self._prog(prog)),
+            attach_type=BPF_TRACE_UPROBE_MULTI,
+            path=ctypes.addressof(path),
+            offsets=ctypes.addressof(offs),
+            cookies=ctypes.addressof(cks),
+            cnt=n,
+            multi_flags=_BPF_F_UPROBE_MULTI_RETURN if retprobe else 0,
+        )
+        fd = _libc.syscall(_SYS_BPF, _BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+        if fd < 0:
+            raise BpfError(f"multi-uprobe link {prog} to {binary} ({n})", ctypes.get_errno() or 1)
+        lk = Link(0, f"{prog} {binary} x{n}", fd=int(fd))
         self.links.append(lk)
         return lk
 

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0
 /* CUDA call latency: one uprobe/uretprobe pair serves every traced function; the function
- * id travels as the attach cookie. Latencies go into in-kernel log2 histograms per
+ * id travels as the attach cookie. Each program comes twice: `cuda_enter`/`cuda_exit` for
+ * one link per probe, `*_multi` loaded for multi-uprobe links (kernel 6.6+: one link per
+ * library and direction, torn down with one grace period instead of one per probe). Latencies go into in-kernel log2 histograms per
  * (pid, function). A traced call made inside another traced call on the same thread (the
  * driver call inside a runtime call) is not counted a second time. */
 #include "vmlinux.h"
@@ -44,8 +46,7 @@ static __always_inline __u32 log2_u64(__u64 v)
     return hi ? log2_u32(hi) + 32 : log2_u32((__u32)v);
 }
 
-SEC("uprobe")
-int cuda_enter(struct pt_regs *ctx)
+static __always_inline int enter(struct pt_regs *ctx)
 {
     struct start_val *s = bpf_task_storage_get(&starts, bpf_get_current_task_btf(), 0,
                                                BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -65,8 +66,7 @@ int cuda_enter(struct pt_regs *ctx)
     return 0;
 }
 
-SEC("uretprobe")
-int cuda_exit(struct pt_regs *ctx)
+static __always_inline int leave(void)
 {
     struct start_val *s = bpf_task_storage_get(&starts, bpf_get_current_task_btf(), 0, 0);
     if (!s || !s->ts)
@@ -94,4 +94,28 @@ int cuda_exit(struct pt_regs *ctx)
     __sync_fetch_and_add(&h->sum_ns, delta);
     __sync_fetch_and_add(&h->slots[slot], 1);
     return 0;
+}
+
+SEC("uprobe")
+int cuda_enter(struct pt_regs *ctx)
+{
+    return enter(ctx);
+}
+
+SEC("uretprobe")
+int cuda_exit(struct pt_regs *ctx)
+{
+    return leave();
+}
+
+SEC("uprobe")
+int cuda_enter_multi(struct pt_regs *ctx)
+{
+    return enter(ctx);
+}
+
+SEC("uretprobe")
+int cuda_exit_multi(struct pt_regs *ctx)
+{
+    return leave();
 }
