@@ -8,6 +8,11 @@ idle capacity with one tenant."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import selectors
+import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -15,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import MODEL, engine, gateway, metric, ready_endpoint
+from helpers import MODEL, engine, gateway, metric, ready_endpoint, wait_for
+from test_gateway_workers import client_conns, workers_of
 from test_tenants import KEYS, tenants_config
 from unbroken.gateway import _admission, _fairshare
 from unbroken.gateway._admission import Admission
@@ -170,6 +176,85 @@ def test_two_workers_share_the_counts(tmp_path: Path) -> None:
     asyncio.run(run())
 
 
+def test_weighted_turns_hold_across_two_workers(tmp_path: Path) -> None:
+    """Two admissions over one shared table (two workers), cap 2: heavy (weight 2) queues 30
+    in worker 0, light (weight 1) 30 in worker 1. The start tags are on one clock, and a
+    slot freed in worker 0 waits for worker 1's poll when light's turn is first there: the
+    first 12 served are 8 heavy and 4 light, as in one process. (Before, each worker had its
+    own tags and a worker's release served its own waiters: heavy took every slot.)"""
+
+    async def run() -> None:
+        path = tmp_path / "admission"
+        SharedCounters(path, create=True).close()
+        sides = []
+        for row in (0, 1):
+            sh = SharedCounters(path, row=row)
+            pool = Pool(default_cap=2)
+            ep = ready_endpoint("e")
+            ep.slot = SharedSlot(sh, 0)
+            pool.add(ep)
+            sides.append(Admission(pool, queue_timeout=10.0, shared=sh))
+        a0, a1 = sides
+        first = [await taken(a0, "x") for _ in range(2)]
+        order: list[str] = []
+
+        async def one(adm: Admission, tenant: str, share: float) -> None:
+            e, n, _ = await taken(adm, tenant, share)
+            order.append(tenant)
+            await asyncio.sleep(0.01)
+            adm.release(e, n)
+
+        tasks = [asyncio.create_task(one(a0, "heavy", 2.0)) for _ in range(30)]
+        tasks += [asyncio.create_task(one(a1, "light", 1.0)) for _ in range(30)]
+        await asyncio.sleep(0.05)
+        for e, n, _ in first:
+            a0.release(e, n)
+        await asyncio.gather(*tasks)
+        assert order[:12].count("heavy") == 8, order[:12]
+        fair = a0.fair()
+        assert not fair.queued.any() and not fair.low.any()  # every waiter uncounted
+
+    asyncio.run(run())
+
+
+def test_a_tenant_queued_in_another_worker_does_not_jump_its_turn(tmp_path: Path) -> None:
+    """Light has waiters in worker 1: its next request to worker 0 queues behind them (worker
+    0 holds none of light's), while a tenant idle everywhere takes a free slot at once. A
+    flow idle again starts at the class's virtual time."""
+
+    async def run() -> None:
+        path = tmp_path / "admission"
+        SharedCounters(path, create=True).close()
+        sides = []
+        for row in (0, 1):
+            sh = SharedCounters(path, row=row)
+            pool = Pool(default_cap=1)
+            ep = ready_endpoint("e")
+            ep.slot = SharedSlot(sh, 0)
+            pool.add(ep)
+            sides.append(Admission(pool, queue_timeout=5.0, shared=sh))
+        a0, a1 = sides
+        e, n, _ = await taken(a0, "x")
+        light1 = await pending(a1, "light")
+        light0 = await pending(a0, "light")
+        a0.release(e, n)
+        await asyncio.sleep(0.1)
+        assert light1.done() and not light0.done()  # the earlier tag, in the other worker
+        e, n, _ = light1.result()
+        a1.release(e, n)
+        e, n, _ = await asyncio.wait_for(light0, 1.0)
+        fair = a0.fair()
+        f = fair._aux_index("tag", 1, "light")
+        assert f is not None and fair.waiting(1, f) == 0
+        a0.release(e, n)
+        # Idle everywhere: a new light request takes the free slot (no queue, no debt).
+        e, n, waited = await taken(a1, "light")
+        assert waited == 0.0
+        a1.release(e, n)
+
+    asyncio.run(run())
+
+
 def test_small_pools_keep_nothing_back() -> None:
     """Under 4 slots, one kept back would be a third of the pool or more: none is."""
 
@@ -270,5 +355,84 @@ def test_light_tenant_is_not_queued_behind_a_full_pool_of_greedy_streams(tmp_pat
         stop.set()
         for t in hogs:
             t.join(timeout=10)
+        g.stop()
+        e.stop()
+
+
+def _connect_to(g_port: int, pids: tuple[int, int], to: int, n: int) -> list[socket.socket]:
+    """`n` connections accepted by worker `to`: the other is stopped while it accepts them."""
+    other = pids[0] if to == pids[1] else pids[1]
+    before = client_conns(pids, g_port)[to]
+    os.kill(other, signal.SIGSTOP)
+    try:
+        socks = [socket.create_connection(("127.0.0.1", g_port)) for _ in range(n)]
+        wait_for(lambda: client_conns(pids, g_port)[to] == before + n, timeout=30)
+    finally:
+        os.kill(other, signal.SIGCONT)
+    return socks
+
+
+def test_weighted_turns_hold_across_worker_processes(tmp_path: Path) -> None:
+    """The reviewer's case, with its connections on both workers by construction: cap 2,
+    heavy (weight 2) and light (weight 1) send 30 requests each at once, heavy's all
+    accepted by one worker and light's by the other (the other worker SIGSTOPped meanwhile).
+    Of the 12 that finish after the first two, heavy has 7-9, and 14-18 of 24 (8 and 16 in
+    one process). Before, each worker kept its own tags and served the slots it freed to its
+    own waiters: 6:6, 12:0 or 0:12 here; with connections spread by the kernel, runs went
+    2:10 to 8:4."""
+    e = engine(tmp_path, "--decode-base-s", "0.01", "--max-num-seqs", "8", fast=False)
+    cfg = tenants_config(
+        tmp_path / "gw.json",
+        [
+            {"name": "heavy", "key": KEYS["acme"], "weight": 2},
+            {"name": "light", "key": KEYS["beta"], "weight": 1},
+        ],
+        queue_timeout_s=60,
+    )
+    g = gateway(tmp_path, e.url, args=("--config", str(cfg), "--workers", "2", "--cap", "2"))
+    socks: list[socket.socket] = []
+    try:
+        pids = tuple(workers_of(g)["pids"])
+        assert len(pids) == 2
+        heavy = _connect_to(g.port, pids, pids[0], 30)  # type: ignore[arg-type]
+        light = _connect_to(g.port, pids, pids[1], 30)  # type: ignore[arg-type]
+        socks = heavy + light
+        body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": 10}).encode()
+
+        def request(key: str) -> bytes:
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            return head.encode() + body
+
+        sel = selectors.DefaultSelector()
+        got: dict[socket.socket, bytes] = {}
+        for sk, name, key in [(s, "h", KEYS["acme"]) for s in heavy] + [
+            (s, "l", KEYS["beta"]) for s in light
+        ]:
+            sk.sendall(request(key))
+            sel.register(sk, selectors.EVENT_READ, name)
+            got[sk] = b""
+        order = []
+        deadline = time.monotonic() + 60
+        while len(order) < 60 and time.monotonic() < deadline:
+            for k, _ in sel.select(timeout=1):
+                sk = k.fileobj
+                assert isinstance(sk, socket.socket)
+                data = sk.recv(65536)
+                got[sk] += data
+                if not data:  # the answer is whole (Connection: close)
+                    sel.unregister(sk)
+                    assert got[sk].startswith(b"HTTP/1.1 200"), got[sk][:200]
+                    order.append(k.data)
+        assert len(order) == 60, order
+        # 8 of 12 and 16 of 24 in one process (heavy has 30: none runs out by then).
+        assert 7 <= order[2:14].count("h") <= 9, "".join(order)
+        assert 14 <= order[2:26].count("h") <= 18, "".join(order)
+    finally:
+        for sk in socks:
+            sk.close()
         g.stop()
         e.stop()

@@ -31,6 +31,13 @@ and waiters poll for slots that other workers free every `POLL_S`, leaving a slo
 `DEFER_S` to a better priority queued in another worker. Queue bounds (count, bytes) are per
 worker.
 
+Fair queueing holds across workers: a tenant's tags are on one clock for all of them (the
+class's virtual time and each tenant's next tag are in `_fairshare`'s table, written under
+the lock), a tenant with waiters in any worker queues behind them, and each worker publishes
+its lowest tag waiting per priority and pool: a waiter leaves a free slot for up to `DEFER_S`
+to a lower tag waiting in another worker, as to a better priority. Requests without a tenant
+keep per-worker tags (FIFO per worker). One process keeps it all in process.
+
 The waiter and the heap that orders waiters are `_admission_queue`'s; the reserve's table is
 `_fairshare`'s.
 """
@@ -63,6 +70,8 @@ POLL_S = 0.005
 # How long a queued request leaves a freed slot to a better-priority request queued in another
 # worker (which may need another pool or model, so not forever).
 DEFER_S = 0.2
+# Start tags closer than this (relative) are a tie: sums of 1 / weight round differently.
+TAG_EPS = 1e-9
 
 
 class _Slots(int):
@@ -115,9 +124,15 @@ class Admission:
         # tenant request); a wake for when a tenant's reserve may have lapsed (one process:
         # with workers the poll does it).
         self._fair: FairShare | None = None
+        # With workers, per low group (priority, pool; `_fairshare`) this worker's tenant
+        # waiters by start tag, left ones popped lazily: its lowest, published to the others.
+        self._lows: dict[int, list[_Waiter]] = {}
         # The kinds of waiters queued (model, priority, weight, tenant) and how many of each,
         # and how many waiters exclude endpoints: `wake` stops once every kind is blocked.
         self._kinds: dict[_Kind, int] = {}
+        # When a pass last found no room for requests like these (model, priority, weight):
+        # a deferring waiter's clock set before it is stale.
+        self._full_at: dict[tuple[str, str, int], float] = {}
         self._excluding = 0
         self._lapse: asyncio.TimerHandle | None = None
 
@@ -179,8 +194,10 @@ class Admission:
         hint: RouteHint | None = None,
         tenant: str | None = None,
         share: float = 1.0,
+        vt: float | None = None,
     ) -> tuple[Endpoint, int] | _HeldBack | None:
-        """Slots now, or None (no room), or HELD (room only in another tenant's reserve)."""
+        """Slots now, or None (no room), or HELD (room only in another tenant's reserve).
+        `vt`: a waiter's start tag on the workers' shared clock, which its take advances."""
         # Full is known without the lock (waiters poll this often), and without the hint:
         # room does not need a cache-aware policy's arithmetic.
         if self.shared is not None and self._pick(model, priority, exclude, weight) is None:
@@ -193,9 +210,13 @@ class Admission:
             while True:
                 i, active = fair.enter(rank, tenant, ep.pool, share, now)
                 if active is None:  # alone there (or i None: the table is full, no reserve)
+                    if vt is not None:
+                        fair.served(rank, vt)
                     return self._take(ep, weight, i)
                 n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
                 if not fair.holds_back(i, n, active, *self._room(ep.pool, model), now):
+                    if vt is not None:
+                        fair.served(rank, vt)
                     return self._take(ep, weight, i)
                 # Another pool of the route may have room that nobody's reserve claims.
                 gone = ep.pool
@@ -210,6 +231,14 @@ class Admission:
         if sh is None:
             return False
         return any(sh.queued(r) > self.depth[PRIORITIES[r]] for r in range(rank + 1))
+
+    def _turn_elsewhere(self, rank: int, tenant: str) -> bool:
+        """Workers: has `tenant` waiters of priority `rank` queued in another worker (so its
+        next request's turn is after theirs, not now)?"""
+        sh = self.shared
+        if sh is None or sh.queued(rank) <= self.depth[PRIORITIES[rank]]:
+            return False
+        return self.fair().tenant_waiting(rank, tenant)
 
     def queue_depth(self) -> dict[str, int]:
         """Requests waiting, by priority: all workers' when shared."""
@@ -262,11 +291,16 @@ class Admission:
         rank = _RANK[priority]
         flow = (rank, tenant)
         # Who goes first: waiters of a better priority, and of the same one unless this is a
-        # tenant with none of its own waiting here (its start tag would be the class's virtual
-        # time, the lowest: fair queueing serves it next, so it may take a free slot now).
+        # tenant with none of its own waiting here or in another worker (its start tag would
+        # be the class's virtual time, the lowest: fair queueing serves it next, so it may
+        # take a free slot now).
         ahead = rank - 1 if tenant is not None and flow not in self._queued else rank
         mine = any(self.depth[PRIORITIES[r]] for r in range(ahead + 1))  # as the queue's
-        if not mine and not self._others_waiting(ahead):
+        if (
+            not mine
+            and not self._others_waiting(ahead)
+            and not (tenant is not None and ahead < rank and self._turn_elsewhere(rank, tenant))
+        ):
             got = self._pick_take(model, priority, exclude, weight, hint, tenant, share)
             if isinstance(got, tuple):
                 return *got, 0.0
@@ -290,8 +324,29 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after)},
             )
         loop = asyncio.get_running_loop()
-        start = max(self._vtime[rank], self._next.get(flow, 0.0))
-        self._next[flow] = start + 1.0 / max(share, 1e-9)
+        want = self._wants(model, priority)
+        self.depth[priority] += 1
+        tagged: tuple[int, float] | None = None
+        low: int | None = None
+        if self.shared is not None and tenant is not None:
+            # Its tag on the workers' shared clock (`_fairshare`): its depth published first,
+            # so that the table never counts a waiter of a row that shows none.
+            with self._lock():
+                self._publish()
+                fair = self.fair()
+                tagged = fair.enqueue(rank, tenant, share)
+                if want is not None:
+                    if tagged is not None:
+                        low = fair.low_group(rank, want)
+                    # Asking for a slot there makes it active (the reserve).
+                    i = fair.flow(rank, tenant, want, share)
+                    if i is not None:
+                        fair.mark(i, time.monotonic())
+        if tagged is None:
+            start = max(self._vtime[rank], self._next.get(flow, 0.0))
+            self._next[flow] = start + 1.0 / max(share, 1e-9)
+        else:
+            start = tagged[1]
         self._queued[flow] = self._queued.get(flow, 0) + 1
         w = _Waiter(
             rank,
@@ -304,16 +359,22 @@ class Admission:
             weight,
             size,
             hint=hint,
-            want=self._wants(model, priority),
+            want=want,
             tenant=tenant,
             share=share,
+            tag_flow=None if tagged is None else tagged[0],
+            low_group=low,
         )
         heapq.heappush(self._heap, w)
         self._counted(w, 1)
-        self.depth[priority] += 1
+        if low is not None:
+            lows = self._lows.setdefault(low, [])
+            heapq.heappush(lows, w)
+            if lows[0] is w:
+                self.fair().publish_low(low, start)
         if w.want is not None:
             self.waiting[w.want] = self.waiting.get(w.want, 0) + 1
-            if tenant is not None:  # asking for a slot there makes it active (the reserve)
+            if tenant is not None and self.shared is None:  # active there (the reserve)
                 with self._lock():
                     i = self.fair().flow(rank, tenant, w.want, share)
                     if i is not None:
@@ -356,6 +417,18 @@ class Admission:
         if left <= 0:  # idle again: its next waiter starts at the class's time
             del self._queued[flow]
             self._next.pop(flow, None)
+        fair = self._fair
+        if w.tag_flow is not None and fair is not None:
+            fair.dequeue(w.tag_flow)  # before the depth that shows it
+        if w.low_group is not None and fair is not None:
+            w.left = True
+            lows = self._lows[w.low_group]
+            if lows[0] is w:
+                while lows and lows[0].left:
+                    heapq.heappop(lows)
+                fair.publish_low(w.low_group, lows[0].vt if lows else None)
+                if not lows:
+                    del self._lows[w.low_group]
         self._publish()
 
     def release(self, ep: Endpoint, n: int = 1) -> None:
@@ -408,29 +481,54 @@ class Admission:
         full: set[tuple[str, str, int]] = set()  # requests like these found no room just now
         held: set[_Kind] = set()  # ... room only in a reserve
         now = time.monotonic()
-        # Whether another worker queues better: the same for every waiter of a rank here.
-        elsewhere = [False] + [self._others_waiting(r - 1) for r in range(1, len(PRIORITIES))]
+        # Whether another worker queues at each priority, and better: the same for every
+        # waiter of a rank here.
+        sh = self.shared
+        others = [sh is not None and sh.queued(r) > self.depth[p] for r, p in enumerate(PRIORITIES)]
+        elsewhere = [any(others[:r]) for r in range(len(PRIORITIES))]
+        lowest: dict[int, float] = {}  # per low group: the lowest tag another worker has
         for w in in_order(self._heap):
             if w.future.done():
                 served.append(w)
                 continue
-            if elsewhere[w.rank]:
-                # Defer only while there is room: the clock runs from when a slot is free.
-                if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
-                    w.deferred = None
-                    continue
-                w.deferred = w.deferred or now
-                if now - w.deferred < DEFER_S:
-                    continue
+            defer = elsewhere[w.rank]
+            if not defer and w.low_group is not None and others[w.rank]:
+                # Fair queueing across workers: a lower start tag waiting in another worker
+                # for the same pool goes first, as a better priority does.
+                lo = lowest.get(w.low_group)
+                if lo is None:
+                    assert self._fair is not None
+                    lo = lowest[w.low_group] = self._fair.lowest_elsewhere(w.rank, w.low_group)
+                defer = lo < w.vt - TAG_EPS * max(1.0, w.vt)
             key = (w.model, w.priority, w.weight)
             if not w.exclude and (key in full or (*key, w.tenant) in held):
+                w.deferred = None
                 continue
+            if defer:
+                # Defer only while there is room: the clock runs from when a slot is free (a
+                # waiter a pass did not reach since one found none restarts it).
+                if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
+                    w.deferred = None
+                    if not w.exclude:  # nor for the ones like it behind
+                        full.add(key)
+                        self._full_at[key] = now
+                        if self._all_blocked(full, held):
+                            break
+                    continue
+                if w.deferred is None or (
+                    not w.exclude and w.deferred <= self._full_at.get(key, 0.0)
+                ):
+                    w.deferred = now
+                if now - w.deferred < DEFER_S:
+                    continue
+            vt = None if w.tag_flow is None else w.vt
             got = self._pick_take(
-                w.model, w.priority, w.exclude, w.weight, w.hint, w.tenant, w.share
+                w.model, w.priority, w.exclude, w.weight, w.hint, w.tenant, w.share, vt
             )
             if got is None:
                 if not w.exclude:
                     full.add(key)
+                    self._full_at[key] = now
                     if self._all_blocked(full, held):
                         break
                 continue

@@ -39,6 +39,11 @@ class _Waiter:
     want: str | None = field(compare=False, default=None)  # the pool it counts toward
     tenant: str | None = field(compare=False, default=None)
     share: float = field(compare=False, default=1.0)  # the tenant's weight
+    # With workers: its tenant's tag flow and the low group it is published in (`_fairshare`:
+    # its tag is on the workers' shared clock), and whether it has left the queue.
+    tag_flow: int | None = field(compare=False, default=None)
+    low_group: int | None = field(compare=False, default=None)
+    left: bool = field(compare=False, default=False)
 
     def __lt__(self, other: _Waiter) -> bool:  # its turn: priority, start tag, arrival
         return (self.rank, self.vt, self.seq) < (other.rank, other.vt, other.seq)

@@ -22,6 +22,19 @@ last active (CLOCK_MONOTONIC, the same in every process); and `held[row, flow]`,
 worker `row` holds for it, written only by that worker. A worker clears its row when it
 starts (a row is reused after a death); a dead worker's row is also cleared once the main
 process has cleared its admission row (it holds no slot, so it can hold no tenant's slot).
+
+Fair queueing's turns across workers (`_admission`'s module doc) live here too, after `held`
+(a worker of an older layout maps only the part before them): per priority the virtual
+time; per (priority, tenant) "tag flow" its next start tag and `queued[row, flow]`, the
+waiters worker `row` has queued for it; and per (priority, pool) "low group"
+`low[row, group]`, the lowest start tag worker `row` has waiting there, plus one (0: none).
+A worker writes only its rows (virtual time and next tags under the admission lock). A row
+counts only while the worker publishes waiters of that priority in the admission table
+(`SharedCounters.depth`), which it does before it counts a waiter here and after it
+uncounts one, and which the main process zeroes when the worker dies: a dead worker's
+waiters and tags never hold anyone up, and a flow idle in every live worker starts again at
+the class's virtual time. Tag flows and low groups are registered like flows (names in
+their own space, a group of their own that the reserve never reads).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ RESERVE_MIN_CAP = 4  # smaller pools keep nothing back
 MAX_FLOWS = 1024  # (priority, tenant, pool) triples; beyond, a tenant gets no reserve
 SWEEP_S = 1.0  # how often dead workers' rows are looked for (only while tenants contend)
 _HDR = 8
+_PRIOS = 4  # virtual times kept (three priorities, padded)
 
 
 def reserve_cap(cap: int) -> int:
@@ -62,6 +76,9 @@ def _hash(*parts: str) -> int:
     return int.from_bytes(h, "little", signed=True) | 1  # never 0 (a free entry)
 
 
+_AUX = _hash("\0aux")
+
+
 class FairShare:
     def __init__(self, shared: SharedCounters | None = None) -> None:
         self.shared = shared
@@ -69,7 +86,8 @@ class FairShare:
         assert shared is None or shared.row >= 0
         self.row = 0 if shared is None else shared.row
         rows = MAX_WORKERS if shared is not None else 1
-        size = 8 * (_HDR + 4 * MAX_FLOWS + rows * MAX_FLOWS)
+        size = 8 * (_HDR + 4 * MAX_FLOWS + rows * MAX_FLOWS)  # the reserve's (older) part
+        size += 8 * (_PRIOS + MAX_FLOWS + 2 * rows * MAX_FLOWS)  # fair queueing's turns
         if shared is None:
             self._map = mmap.mmap(-1, size)
         else:
@@ -89,8 +107,22 @@ class FairShare:
         self.groups = ints[o + MAX_FLOWS : o + 2 * MAX_FLOWS]
         self.weight = floats[o + 2 * MAX_FLOWS : o + 3 * MAX_FLOWS]
         self.seen = floats[o + 3 * MAX_FLOWS : o + 4 * MAX_FLOWS]
-        self.held = ints[o + 4 * MAX_FLOWS :].reshape(rows, MAX_FLOWS)
-        self.held[self.row, :] = 0  # a row reused after a worker died
+        o += 4 * MAX_FLOWS
+        self.held = ints[o : o + rows * MAX_FLOWS].reshape(rows, MAX_FLOWS)
+        o += rows * MAX_FLOWS
+        self._vt0 = o  # per priority: the class's virtual time
+        self._next0 = o + _PRIOS  # per tag flow: its next start tag
+        o += _PRIOS + MAX_FLOWS
+        self.queued = ints[o : o + rows * MAX_FLOWS].reshape(rows, MAX_FLOWS)
+        self._queued0 = o + self.row * MAX_FLOWS
+        o += rows * MAX_FLOWS
+        self.low = floats[o : o + rows * MAX_FLOWS].reshape(rows, MAX_FLOWS)
+        self._low0 = o + self.row * MAX_FLOWS
+        # A row reused after a worker died.
+        self.held[self.row, :] = 0
+        self.queued[self.row, :] = 0
+        self.low[self.row, :] = 0.0
+        o = _HDR
         # The per-request reads and writes, through memoryviews (a numpy scalar access costs
         # several times as much): int64 and float64 views of the same map, and offsets.
         self._q = memoryview(self._map).cast("q")
@@ -101,6 +133,7 @@ class FairShare:
         self._row0 = o + 4 * MAX_FLOWS + self.row * MAX_FLOWS
         self._weights: dict[int, float] = {}  # what this process last wrote per flow
         self._index: dict[tuple[int, str, str], int] = {}  # this process's flows, by name
+        self._aux: dict[tuple[str, int, str], int] = {}  # its tag flows and low groups
         self._group_of: list[int] = []  # per flow index known here: its group's hash
         self._members: dict[int, list[int]] = {}  # group hash -> its flows
         self._swept = 0.0
@@ -111,25 +144,102 @@ class FairShare:
         key = (rank, tenant, pool)
         i = self._index.get(key)
         if i is None:
-            h = _hash(str(rank), tenant, pool)
-            self._refresh()
-            found = np.flatnonzero(self.keys[: len(self._group_of)] == h)
-            if found.size:
-                i = int(found[0])
-            else:
-                n = int(self.hdr[0])
-                if n >= MAX_FLOWS:
-                    return None
-                self.keys[n] = h
-                self.groups[n] = _hash(str(rank), pool)
-                self.hdr[0] = n + 1
-                self._refresh()
-                i = n
+            i = self._register(_hash(str(rank), tenant, pool), _hash(str(rank), pool))
+            if i is None:
+                return None
             self._index[key] = i
         if self._weights.get(i) != weight:  # new here, or a reload changed it
             self._weights[i] = weight
             self.weight[i] = weight
         return i
+
+    def _register(self, h: int, group: int, add: bool = True) -> int | None:
+        """The index of the entry named `h`, added (in `group`) if `add` and new (the caller
+        holds the admission lock when shared); None when absent or the table is full."""
+        self._refresh()
+        found = np.flatnonzero(self.keys[: len(self._group_of)] == h)
+        if found.size:
+            return int(found[0])
+        n = int(self.hdr[0])
+        if not add or n >= MAX_FLOWS:
+            return None
+        self.keys[n] = h
+        self.groups[n] = group
+        self.hdr[0] = n + 1
+        self._refresh()
+        return n
+
+    def _aux_index(self, kind: str, rank: int, name: str, add: bool = True) -> int | None:
+        """A tag flow ("tag", rank, tenant) or low group ("low", rank, pool)."""
+        key = (kind, rank, name)
+        i = self._aux.get(key)
+        if i is None:
+            i = self._register(_hash("\0" + kind, str(rank), name), _AUX, add)
+            if i is not None:
+                self._aux[key] = i
+        return i
+
+    # -- fair queueing's turns across workers (module doc) ----------------------------------
+    def enqueue(self, rank: int, tenant: str, weight: float) -> tuple[int, float] | None:
+        """A waiter of `tenant` at priority `rank` queues in this worker, which has already
+        published it in its admission depth (the caller holds the admission lock): its tag
+        flow and start tag, max(the class's virtual time, the flow's next tag) while the flow
+        has waiters in any live worker, else the virtual time. None: the table is full."""
+        f = self._aux_index("tag", rank, tenant)
+        if f is None:
+            return None
+        d = self._d
+        start = d[self._vt0 + rank]
+        if self.waiting(rank, f):
+            start = max(start, d[self._next0 + f])
+        d[self._next0 + f] = start + 1.0 / max(weight, 1e-9)
+        self._q[self._queued0 + f] += 1
+        return f, start
+
+    def dequeue(self, f: int) -> None:
+        """A waiter of tag flow `f` is gone from this worker (served, timed out, cancelled);
+        before the worker un-publishes it from its depth."""
+        self._q[self._queued0 + f] -= 1
+
+    def waiting(self, rank: int, f: int) -> int:
+        """Waiters of tag flow `f` (priority `rank`) queued in the live workers."""
+        if self._rows == 1:
+            return self._q[self._queued0 + f]
+        sh = self.shared
+        assert sh is not None
+        return int(self.queued[:, f][sh.depth[:, rank] > 0].sum())
+
+    def tenant_waiting(self, rank: int, tenant: str) -> bool:
+        """Has `tenant` waiters of priority `rank` queued in any live worker?"""
+        f = self._aux_index("tag", rank, tenant, add=False)
+        return f is not None and self.waiting(rank, f) > 0
+
+    def served(self, rank: int, tag: float) -> None:
+        """A waiter with start tag `tag` took its slots (under the admission lock): the
+        class's virtual time moves up to it."""
+        i = self._vt0 + rank
+        if tag > self._d[i]:
+            self._d[i] = tag
+
+    def low_group(self, rank: int, pool: str) -> int | None:
+        """The index under which workers publish their lowest tag waiting for `pool` (the
+        caller holds the admission lock)."""
+        return self._aux_index("low", rank, pool)
+
+    def publish_low(self, g: int, tag: float | None) -> None:
+        """This worker's lowest start tag waiting in low group `g` (None: none)."""
+        self._d[self._low0 + g] = 0.0 if tag is None else tag + 1.0
+
+    def lowest_elsewhere(self, rank: int, g: int) -> float:
+        """The lowest start tag that another live worker has waiting in low group `g`
+        (priority `rank`); +inf when none does."""
+        sh = self.shared
+        if sh is None:
+            return float("inf")
+        col = self.low[:, g]
+        live = (col > 0.0) & (sh.depth[:, rank] > 0)
+        live[self.row] = False
+        return float(col[live].min()) - 1.0 if live.any() else float("inf")
 
     def _refresh(self) -> None:
         """Learn the flows other workers registered since this one last looked."""
@@ -208,6 +318,7 @@ class FairShare:
         self._q.release()
         self._d.release()
         del self.hdr, self.keys, self.groups, self.weight, self.seen, self.held
+        del self.queued, self.low
         try:
             self._map.close()
         except BufferError:
