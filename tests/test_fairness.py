@@ -255,6 +255,45 @@ def test_a_tenant_queued_in_another_worker_does_not_jump_its_turn(tmp_path: Path
     asyncio.run(run())
 
 
+def test_a_dead_workers_waiters_hold_no_one_up(tmp_path: Path) -> None:
+    """Worker 1 queues light's waiters and dies: once the main process clears its row,
+    worker 0's heavy waiter with a tag above light's first takes a freed slot at once (no
+    DEFER_S for a worker that will never poll), and light's tag flow counts no waiter."""
+
+    async def run() -> None:
+        path = tmp_path / "admission"
+        SharedCounters(path, create=True).close()
+        sides = []
+        for row in (0, 1):
+            sh = SharedCounters(path, row=row)
+            pool = Pool(default_cap=1)
+            ep = ready_endpoint("e")
+            ep.slot = SharedSlot(sh, 0)
+            pool.add(ep)
+            sides.append(Admission(pool, queue_timeout=5.0, shared=sh))
+        a0, a1 = sides
+        e, n, _ = await taken(a0, "x")
+        lights = [await pending(a1, "light") for _ in range(3)]  # tags 0, 1, 2
+        heavy = [await pending(a0, "heavy") for _ in range(2)]  # tags 0, 1
+        assert a1._poller is not None
+        a1._poller.cancel()  # worker 1 dies: it polls no more ...
+        a0.shared.clear_row(1)  # type: ignore[union-attr]  # ... and main clears its row
+        a0.release(e, n)
+        e, n, _ = await asyncio.wait_for(heavy[0], 1.0)  # a tie with light's first
+        a0.release(e, n)
+        t = time.monotonic()
+        await asyncio.wait_for(heavy[1], 1.0)  # above light's 0, which no longer counts
+        assert time.monotonic() - t < _admission.DEFER_S / 2
+        fair = a0.fair()
+        f = fair._aux_index("tag", 1, "light")
+        assert f is not None and fair.waiting(1, f) == 0
+        assert fair.lowest_elsewhere(1, fair.low_group(1, "default") or 0) == float("inf")
+        for t2 in lights:
+            t2.cancel()
+
+    asyncio.run(run())
+
+
 def test_small_pools_keep_nothing_back() -> None:
     """Under 4 slots, one kept back would be a third of the pool or more: none is."""
 
