@@ -357,6 +357,50 @@ def test_conversations_and_shared_prompts_stay_put_across_two_workers(
         g.stop()
 
 
+def test_responses_api_requests_route_by_prefix_and_session(
+    tmp_path: Path, two_engines: list[Proc]
+) -> None:
+    """/v1/responses is relayed as is, but routed as chat is: a conversation (the session
+    header, or the body's `user`) stays on one engine, and requests with the same long
+    instructions land on one engine (they were spread like any pass-through request)."""
+    urls = [e.url for e in two_engines]
+    g = gateway(tmp_path, *urls, args=("--routing", "prefix"))
+    try:
+        where: dict[str, set[str]] = {}
+
+        def ask(key: str, body: dict[str, object], **headers: str) -> None:
+            r = httpx.post(g.url + "/v1/responses", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            where.setdefault(key, set()).add(r.headers["x-unbroken-endpoint"])
+
+        for turn in range(4):
+            for conv in range(6):
+                ask(
+                    f"conv-{conv}",
+                    {"model": MODEL, "input": f"conversation {conv} turn {turn}",
+                     "max_output_tokens": 3},
+                    **{"x-session-id": f"conv-{conv}"},
+                )  # fmt: skip
+                ask(
+                    f"user-{conv}",
+                    {"model": MODEL, "input": f"user {conv} turn {turn}", "user": f"u{conv}",
+                     "max_output_tokens": 3},
+                )  # fmt: skip
+        for group in range(6):
+            system = _words(400, 90 + group)
+            for q in range(4):
+                items = [{"role": "user", "content": [{"type": "input_text", "text": f"q {q}"}]}]
+                ask(
+                    f"group-{group}",
+                    {"model": MODEL, "instructions": system, "input": items,
+                     "max_output_tokens": 3},
+                )  # fmt: skip
+        assert all(len(v) == 1 for v in where.values()), where
+        assert len({next(iter(v)) for v in where.values()}) == 2  # both engines are used
+    finally:
+        g.stop()
+
+
 def test_the_index_counts_its_own_estimate_of_hits_and_exports_it() -> None:
     """Per admitted leg, the blocks looked up and the leading blocks the index credited to
     the replica chosen: a repeated prompt is all hits, a new one none; the gateway's

@@ -25,7 +25,7 @@ from unbroken.gateway._headers import Headers, request_id
 from unbroken.gateway._health import EndpointHealth
 from unbroken.gateway._legs import Legs
 from unbroken.gateway._pool import Endpoint, Pool, State
-from unbroken.gateway._prefix import RouteHint, hint_of
+from unbroken.gateway._prefix import RouteHint, hint_of, responses_as_chat
 from unbroken.gateway._ratelimit import Lease, RateLimited
 from unbroken.gateway._tenancy import Tenancy
 from unbroken.gateway._upstream import UPSTREAM_ERRORS, Retry
@@ -233,6 +233,9 @@ class Handlers(EngineRoutes):
             else:
                 del headers["Content-Type"]
             lease = await self.tenancy.admit(tenant, headers)
+            hint = None
+            if home is None and request.path == "/v1/responses" and isinstance(obj, dict):
+                hint = self._hint(request, responses_as_chat(obj), True, model)
             resp, pool_label = await self._pass(
                 request,
                 model,
@@ -245,6 +248,7 @@ class Handlers(EngineRoutes):
                 lease,
                 home=home,
                 hunt=isinstance(prev, str),
+                hint=hint,
             )
             status = resp.status
             return resp
@@ -276,9 +280,11 @@ class Handlers(EngineRoutes):
         *,
         home: str | None = None,
         hunt: bool = False,
+        hint: RouteHint | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """`home`: the endpoint to ask first; `hunt`: a 404 means "not held here" (a stored
-        response), so each endpoint is asked in turn."""
+        response), so each endpoint is asked in turn; `hint`: a Responses API request's
+        prompt and session, for prefix- and session-aware routing as chat's."""
         assert self.session is not None
         url_path = request.rel_url.raw_path_qs
         notes = request.path == "/v1/responses"
@@ -298,8 +304,9 @@ class Handlers(EngineRoutes):
                 if self.pool.could_serve(model, priority, others):
                     exclude = others
             ep, n = await self.legs.admit(
-                model, priority, exclude, size=len(body), tenant=tenant, leg=False
+                model, priority, exclude, size=len(body), tenant=tenant, leg=False, hint=hint
             )
+            learnt = False
             try:
                 limit = self.health.ttfb_limit(ep) if stream else deadline - time.monotonic()
                 try:
@@ -310,6 +317,10 @@ class Handlers(EngineRoutes):
                             data=body or None,
                             headers=self.headers.upstream(headers, ep),
                         )
+                        if hint is not None and not learnt:
+                            # On the socket now: the policy records where its prompt went.
+                            learnt = True
+                            self.pool.admitted(ep, model, priority, hint)
                         sse = up.content_type == "text/event-stream"
                         if up.status != 200 or not sse:
                             data = await _read(up)

@@ -45,6 +45,7 @@ __all__ = [
     "RouteHint",
     "hint_of",
     "prompt_text",
+    "responses_as_chat",
 ]
 
 # Only a prompt's first this many bytes are named: ~128k tokens, past any model's context,
@@ -175,6 +176,36 @@ def prompt_text(raw: dict[str, Any], chat: bool) -> str:
             )
         parts.append(f"{m.get('role', '')}\n{content or ''}\x1e")
     return "".join(parts)
+
+
+def responses_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API request's conversation as chat messages (`instructions` first, as the
+    system message vLLM renders it as; each input item's role and text), so that its turns
+    name blocks as a chat conversation's do and route by prefix and session the same way."""
+    msgs: list[dict[str, Any]] = []
+    if isinstance(ins := raw.get("instructions"), str) and ins:
+        msgs.append({"role": "system", "content": ins})
+    inp = raw.get("input")
+    if isinstance(inp, str):
+        msgs.append({"role": "user", "content": inp})
+    elif isinstance(inp, list):
+        for item in inp:
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type", "message")
+            if kind == "message" or "role" in item:
+                content = item.get("content")
+                if isinstance(content, list):  # input_text / output_text parts
+                    content = "\n".join(
+                        str(c.get("text", "")) for c in content if isinstance(c, dict)
+                    )
+                msgs.append({"role": item.get("role", "user"), "content": content})
+            elif kind == "function_call":
+                call = f"{item.get('name', '')}{item.get('arguments', '')}"
+                msgs.append({"role": "assistant", "content": call})
+            elif kind == "function_call_output":
+                msgs.append({"role": "tool", "content": str(item.get("output", ""))})
+    return {"messages": msgs, "user": raw.get("user"), "cache_salt": raw.get("cache_salt")}
 
 
 def hint_of(
