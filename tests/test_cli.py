@@ -106,17 +106,17 @@ def test_status_table_never_cuts_names() -> None:
     assert all(r["url"] in tiny for r in rows)
 
 
-@pytest.mark.parametrize("which", ["gateway", "agent"])
+@pytest.mark.parametrize("which", ["gateway", "agent", "engine"])
 def test_port_in_use_is_one_line_and_exit_2(which: str, tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        args = (
-            ["gateway", "--port", str(port), "--admin-port", str(free_port())]
-            if which == "gateway"
-            else ["agent", "--no-ebpf", "--listen", f"127.0.0.1:{port}"]
-        )
+        args = {
+            "gateway": ["gateway", "--port", str(port), "--admin-port", str(free_port())],
+            "agent": ["agent", "--no-ebpf", "--listen", f"127.0.0.1:{port}"],
+            "engine": ["engine", "--port", str(port)],  # was a 56-line traceback
+        }[which]
         r = cli(*args, env={"UNBROKEN_STATE_DIR": str(tmp_path), "UNBROKEN_ADMIN_TOKEN": "t"})
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from unbroken.cli.common import app, fail, setup_logging
+from unbroken.cli.common import app, bind_error, fail, setup_logging
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -93,19 +93,24 @@ def engine(
             fail(str(e))
     from unbroken.engine.server import EngineConfig, run_engine
 
-    run_engine(
-        EngineConfig(
-            host=host,
-            port=port,
-            model_name=model,
-            profile=prof,
-            seed=seed,
-            eos_rate=eos_rate,
-            weights=weights,
-            weights_loader=loader,
-            admin_token=admin_token or None,
-            shutdown_timeout=shutdown_timeout,
-            use_cuda_stub=not no_cuda_stub,
-            **vllm,
+    try:
+        run_engine(
+            EngineConfig(
+                host=host,
+                port=port,
+                model_name=model,
+                profile=prof,
+                seed=seed,
+                eos_rate=eos_rate,
+                weights=weights,
+                weights_loader=loader,
+                admin_token=admin_token or None,
+                shutdown_timeout=shutdown_timeout,
+                use_cuda_stub=not no_cuda_stub,
+                **vllm,
+            )
         )
-    )
+    except OSError as e:  # the port in use: one line, as the gateway, controller and agent
+        if (msg := bind_error(e)) is None:
+            raise
+        fail(msg)
