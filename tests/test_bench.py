@@ -152,6 +152,7 @@ def test_bench_cli_steady(target: tuple[Proc, Proc], tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "whole run" in r.stderr and (tmp_path / "report.html").exists()
+    assert f"target: {g.url} (from --url)" in r.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "unbroken", "bench", "--url", g.url, "--max-tokens", "9:3"],
         capture_output=True,

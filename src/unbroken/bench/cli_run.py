@@ -135,16 +135,39 @@ def _check_numbers(o: BenchOptions) -> None:
     for name, v in (("--chat-fraction", o.chat_fraction), ("--slow-fraction", o.slow_fraction)):
         if not 0 <= v <= 1:
             raise BenchOptionError(f"{name} must be between 0 and 1, got {v:g}")
+    if o.scenario != "steady":
+        # A scenario at or after the load's end ran without traffic and verified nothing.
+        if not o.at >= 0:
+            raise BenchOptionError(f"--at must be >= 0 seconds, got {o.at:g}")
+        if o.at >= o.duration:
+            raise BenchOptionError(
+                f"--at {o.at:g} is not before the load's end (--duration {o.duration:g}): the "
+                f"{o.scenario} would run without traffic; give a --duration longer than --at "
+                "(the load goes on past it until the scenario ends, and 5 s more)"
+            )
 
 
-def _target(o: BenchOptions) -> tuple[str, PipelineControl | None, Sampler | None]:
-    """The URL to load and how to act and sample: the running `unbroken up`'s control socket
-    and gateway admin API, else the user's scenario command."""
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def _target(o: BenchOptions) -> tuple[str, str, PipelineControl | None, Sampler | None]:
+    """The URL to load, where it came from (a line to print: --url, the running pipeline, or
+    the default), and how to act and sample: the running `unbroken up`'s control socket and
+    gateway admin API, else the user's scenario command."""
     from unbroken.bench.control import PipelineControl, Sampler
     from unbroken.config.paths import RunInfo, read_admin_token, state_dir
 
     info = RunInfo.read(state_dir())
-    url = o.url if o.url is not None else info.gateway_url if info else "http://127.0.0.1:8080"
+    if o.url is not None:
+        url, source = o.url, "from --url"
+    elif info is not None:
+        url, source = info.gateway_url, f"the gateway of the pipeline running in {state_dir()}"
+    else:
+        url, source = (
+            DEFAULT_URL,
+            f"the default: no --url, and no pipeline running in {state_dir()} "
+            "(UNBROKEN_STATE_DIR); whatever listens there is what gets measured",
+        )
     control = sampler = None
     if info is not None:
         control = PipelineControl(info.control_socket)
@@ -159,7 +182,26 @@ def _target(o: BenchOptions) -> tuple[str, PipelineControl | None, Sampler | Non
             f"scenario {o.scenario} needs a running `unbroken up`, or --scenario-command with "
             "what to do to your own engines"
         )
-    return url, control, sampler
+    return url, source, control, sampler
+
+
+def _check_pool(o: BenchOptions, control: PipelineControl) -> None:
+    """A scenario's --pool must be one of the pipeline's: found out before the load, not as
+    a rollout refused (or a kill with no replica) halfway through it."""
+    import asyncio
+
+    from unbroken.clients import SupervisorError
+
+    try:
+        st = asyncio.run(control.status())
+    except SupervisorError as e:
+        raise BenchOptionError(f"cannot read the pipeline's pools: {e}") from None
+    pools = sorted(st.get("pools") or {r.get("pool") for r in st.get("replicas", [])})
+    if o.pool not in pools:
+        raise BenchOptionError(
+            f"--pool {o.pool!r}: the pipeline has no such pool (its pools: "
+            f"{', '.join(pools) or 'none'})"
+        )
 
 
 def run(o: BenchOptions, console: Console) -> int:
@@ -180,7 +222,16 @@ def run(o: BenchOptions, console: Console) -> int:
         raise BenchOptionError(
             f"--url {o.url!r}: expected http(s)://HOST:PORT (a trailing /v1 is fine)"
         )
-    url, control, sampler = _target(o)
+    url, source, control, sampler = _target(o)
+    from rich.markup import escape
+
+    from unbroken.bench.control import PipelineControl
+
+    style = "yellow" if url == DEFAULT_URL and o.url is None else "bold"
+    console.print(f"target: [{style}]{escape(url)} ({escape(source)})[/]", highlight=False)
+
+    if o.scenario != "steady" and isinstance(control, PipelineControl):
+        _check_pool(o, control)
     if o.reference_url is not None and not o.reference_url.startswith(("http://", "https://")):
         raise BenchOptionError(f"--reference-url {o.reference_url!r}: expected http(s)://HOST:PORT")
     cfg = LoadConfig(

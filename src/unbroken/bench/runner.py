@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,10 @@ __all__ = [
 ]
 
 MAX_ERROR_RATE = 0.01  # default share of requests that may end in an error before exit 1
+SCENARIO_MARGIN_S = 5.0  # the scenario's window (and the load) runs this long past its end
+# How long past --duration the load waits for a scenario still running: past every bound the
+# scenarios have (a rollout's 600 s read timeout, a command's 600 s, a kill's 60 s wait).
+MAX_EXTENSION_S = 900.0
 
 
 def error_counts(
@@ -170,12 +174,17 @@ async def run_bench(
     """Run the load (and the scenario), write the report; the result's `failures` says why
     the run failed (empty when it passed). With `engine_metrics` (engine URLs), the result's
     `engines` holds the prefix-cache hit rate and the load spread over the run."""
-    load = LoadRun(cfg)
+    acting = scenario != "steady" and control is not None
+    # With a scenario the runner stops the load itself: at --duration, or once the scenario's
+    # window is over when the scenario outlasts it (see `stop_load`).
+    load = LoadRun(replace(cfg, duration=cfg.duration + MAX_EXTENSION_S) if acting else cfg)
     started = time.time()
     watch = EngineWatch(list(engine_metrics)) if engine_metrics else None
     if watch is not None:
         await watch.start()
     scenario_window: tuple[float, float] | None = None
+    scenario_failures: list[str] = []
+    stopped_at: float | None = None  # when the runner stopped the load
     with live_progress(console) as prog:
         task_id = prog.add_task(f"bench {scenario}", total=cfg.duration, stats="")
         runner = asyncio.create_task(load.run())
@@ -183,32 +192,89 @@ async def run_bench(
         if sampler is not None:
             sampler.start(load.t0)
 
-        async def action() -> None:
-            nonlocal scenario_window
-            if scenario == "steady" or control is None:
-                return
-            await asyncio.sleep(at)
-            t0 = load.now()
+        async def scenario_steps() -> None:
+            assert control is not None
             if scenario == "rollout":
                 load.mark("rollout_start", pool=pool)
                 summary = await control.rollout(pool, {}, deadline_s=deadline_s)
-                load.mark("rollout_end", ok=summary.get("ok"), seconds=summary.get("seconds"))
+                ok, error = summary.get("ok"), summary.get("error")
+                load.mark(
+                    "rollout_end",
+                    ok=ok,
+                    seconds=summary.get("seconds"),
+                    **({"error": error} if error else {}),
+                )
+                if not ok:
+                    scenario_failures.append(
+                        f"the rollout of pool {pool!r} failed: {error or 'no reason given'}"
+                    )
             elif scenario == "chaos":
                 victim = await control.kill(pool)
                 load.mark("replica_killed", replica=victim["name"], pid=victim["pid"])
+                if victim.get("ok") is False:  # --scenario-command's command failed
+                    scenario_failures.append(
+                        f"the chaos command failed: {victim.get('error') or 'no reason given'}"
+                    )
+                    return
                 by = await control.wait_replaced(victim["name"])
                 load.mark("replica_replaced", replica=victim["name"], by=by)
-            scenario_window = (t0, load.now() + 5.0)
+                if by is None and victim.get("pid") is not None:  # a pipeline's replica
+                    scenario_failures.append(
+                        f"replica {victim['name']} (pool {pool!r}) was not replaced after "
+                        "its SIGKILL"
+                    )
 
-        act = asyncio.create_task(action())
-        while not runner.done():
-            await asyncio.sleep(0.5)
-            prog.update(
-                task_id,
-                completed=min(cfg.duration, load.now()),
-                stats=load.status(),
+        async def action() -> None:
+            """The scenario at --at; whatever goes wrong in it is a failure of the run, not
+            an exception that loses the load's results."""
+            nonlocal scenario_window
+            await asyncio.sleep(at)
+            t0 = load.now()
+            try:
+                await scenario_steps()
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+                load.mark("scenario_error", error=why)
+                scenario_failures.append(f"the {scenario} scenario failed: {why}")
+            scenario_window = (t0, load.now() + SCENARIO_MARGIN_S)
+
+        async def stop_load() -> None:
+            """Stop the load at --duration; a scenario still running then, or whose window
+            (its end + SCENARIO_MARGIN_S) is not over, keeps it running until the window
+            ends: what the scenario does is measured under load, all of it."""
+            nonlocal stopped_at
+            await asyncio.sleep(max(0.0, cfg.duration - load.now()))
+            if not act.done():
+                console.print(
+                    f"[yellow]the {scenario} is still running at --duration "
+                    f"({cfg.duration:g} s): the load goes on until it ends, and "
+                    f"{SCENARIO_MARGIN_S:g} s more[/]"
+                )
+                await asyncio.wait([act])
+            if scenario_window is not None:
+                await asyncio.sleep(max(0.0, scenario_window[1] - load.now()))
+            stopped_at = load.now()
+            load.stop()
+
+        act = asyncio.create_task(action()) if acting else None
+        stopper = asyncio.create_task(stop_load()) if acting else None
+        try:
+            while not runner.done():
+                await asyncio.sleep(0.5)
+                now = load.now()
+                prog.update(
+                    task_id,
+                    total=max(cfg.duration, now),
+                    completed=min(max(cfg.duration, now), now),
+                    stats=load.status(),
+                )
+        finally:
+            for t in (act, stopper):
+                if t is not None and not t.done():
+                    t.cancel()  # the load ended at its cap: the scenario is abandoned
+            await asyncio.gather(
+                *(t for t in (act, stopper) if t is not None), return_exceptions=True
             )
-        await act
     if sampler is not None:
         await sampler.stop()
     engines = await watch.stop() if watch is not None else None
@@ -217,11 +283,25 @@ async def run_bench(
     end = max((r.end or r.start) for r in records) if records else 0.0
     windows = {"whole run": make_window(records, 0.0, end + 1)}
     spans: list[Span] = []
+    if acting and scenario_window is None:
+        scenario_failures.append(
+            f"the {scenario} did not end within {MAX_EXTENSION_S:g} s after --duration: the "
+            "load stopped before it"
+        )
     if scenario_window is not None:
         before = (min(10.0, at / 2), scenario_window[0])
         windows["before " + scenario] = make_window(records, *before)
         windows[scenario] = make_window(records, *scenario_window)
         spans = [Span("steady", *before), Span(scenario, *scenario_window)]
+        span = f"{scenario_window[0]:.0f}-{scenario_window[1]:.0f} s"
+        if stopped_at is None or stopped_at < scenario_window[1] - 0.01:
+            scenario_failures.append(f"the {scenario} window ({span}) ends after the load stopped")
+        w = windows[scenario]
+        if w["summary"]["requests"] == 0 and w["open"]["streams"] == 0:
+            scenario_failures.append(
+                f"no request was in flight in the {scenario} window ({span}): the {scenario} "
+                "ran without load, so nothing was verified"
+            )
     failures = verdict(records, max_error_rate)
     if "HTTP 404" in error_counts(records):
         said = " ".join(r.detail or "" for r in records if (r.detail or "").startswith("HTTP 404"))
@@ -235,6 +315,8 @@ async def run_bench(
                 f"404 from {base_url(cfg.url)}/v1/(chat/)completions: is --url the server's "
                 "root or its /v1 base URL?"
             )
+    load_failures = list(failures)
+    failures += scenario_failures
     md = markdown_table(windows, records)
     extra = {"target": base_url(cfg.url), "scenario": scenario}
     extra["verification"] = load.verify_note  # what "corrupted" was checked against, or why not
@@ -262,8 +344,20 @@ async def run_bench(
                 "metric": "requests answered without error, drop or corruption",
                 "measured": _outcome_line(records),
                 "target": f"errors <= {max_error_rate:.1%}, 0 dropped, 0 corrupted",
-                "ok": not failures,
-            }
+                "ok": not load_failures,
+            },
+            *(
+                [
+                    {
+                        "metric": f"{scenario} done, under load",
+                        "measured": "; ".join(scenario_failures) or "done",
+                        "target": "done, with streams open in its window",
+                        "ok": not scenario_failures,
+                    }
+                ]
+                if acting
+                else []
+            ),
         ],
         meta=meta,
     )

@@ -23,9 +23,16 @@ def bench(
     spawn_rate: Annotated[
         float, typer.Option(help="Users started per second (0: all at once).")
     ] = 10.0,
-    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 60.0,
-    at: Annotated[float, typer.Option(help="When the scenario acts (s).")] = 20.0,
-    pool: Annotated[str, typer.Option(help="Pool the scenario acts on.")] = "primary",
+    duration: Annotated[
+        float,
+        typer.Option(help="Seconds of load (more while a scenario's window is not over)."),
+    ] = 60.0,
+    at: Annotated[
+        float, typer.Option(help="When the scenario acts (s); before --duration.")
+    ] = 20.0,
+    pool: Annotated[
+        str, typer.Option(help="Pool the scenario acts on (checked before the load).")
+    ] = "primary",
     deadline: Annotated[float, typer.Option(help="Rollout drain deadline (s).")] = 5.0,
     max_tokens: Annotated[str, typer.Option(help="Output tokens, N or LO:HI.")] = "32:128",
     prompt_words: Annotated[str, typer.Option(help="Prompt words, N or LO:HI.")] = "16:64",
@@ -108,7 +115,9 @@ def bench(
 
     --url takes the server root or the SDK-style base URL ending in /v1. Exit 0 when the run
     passed; 1 when no request succeeded, errors exceeded --max-error-rate, or any stream was
-    dropped or corrupted (the reasons are printed); 2 for bad options."""
+    dropped or corrupted, or the scenario failed (the reasons are printed); 2 for bad options.
+    The first line says which URL is loaded, and why (--url, the running pipeline, or the
+    default http://127.0.0.1:8080)."""
 
     from unbroken.bench.cli_run import BenchOptionError, BenchOptions, run
 
