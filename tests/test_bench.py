@@ -317,6 +317,20 @@ def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
         u.stop()
 
 
+def test_demo_help_warns_that_short_windows_make_the_ratio_checks_unreliable() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "the p99.9 is the window's one slowest request" in text
+    assert "make the ratio checks unreliable" in text
+
+
 @given(st.integers(min_value=1, max_value=20_000))
 def test_rank_note_names_the_request_the_p999_is(n: int) -> None:
     """The demo says which request its p99.9 is (the slowest of fewer than 1,000): the same
