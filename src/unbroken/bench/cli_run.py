@@ -160,6 +160,12 @@ def _target(o: BenchOptions) -> tuple[str, str, PipelineControl | None, Sampler 
     info = RunInfo.read(state_dir())
     if o.url is not None:
         url, source = o.url, "from --url"
+        if info is not None and o.scenario != "steady" and not _same_port(o.url, info.gateway_url):
+            # The scenario acts through this state dir's supervisor, whatever --url loads.
+            source += (
+                f"; NOTE the {o.scenario} acts on the pipeline running in {state_dir()} "
+                f"(its gateway is {info.gateway_url}), which this URL may not reach"
+            )
     elif info is not None:
         url, source = info.gateway_url, f"the gateway of the pipeline running in {state_dir()}"
     else:
@@ -183,6 +189,15 @@ def _target(o: BenchOptions) -> tuple[str, str, PipelineControl | None, Sampler 
             "what to do to your own engines"
         )
     return url, source, control, sampler
+
+
+def _same_port(a: str, b: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(a).port == urlsplit(b).port
+    except ValueError:
+        return False
 
 
 def _check_pool(o: BenchOptions, control: PipelineControl) -> None:
