@@ -5,6 +5,7 @@ migration, with every stream byte-exact."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -364,3 +365,91 @@ def test_a_conversion_holds_the_pools_it_involves() -> None:
     out = a.step(0.0, {"primary": 40.0, "other": 40.0}, {"primary": 1, "other": 1},
                  busy=d.pools_involved({}))  # fmt: skip
     assert [x.pool for x in out] == ["other"]
+
+
+def test_the_floor_is_one_pool_per_model_and_says_so() -> None:
+    """`min_full_replicas` is held by one full-precision pool per model, never by a pool
+    declared `min: 0`; a resize to the pool's least says so, not "waking: demand 0"."""
+    from unbroken.controller.scaling import floor_carriers
+
+    def pool(name: str, model: str, lo: int | None, declared: int = 1) -> dict[str, Any]:
+        auto = None if lo is None else {"min": lo, "max": 4}
+        return {"name": name, "model": model, "declared": declared, "autoscale": auto}
+
+    full = {"primary", "coder", "second", "fixed", "sleepy"}
+
+    def floor(name: str) -> int:
+        return 1 if name in full else 0
+
+    pools = [
+        pool("primary", "llama", 1),
+        pool("fallback", "llama", 0),  # degraded: no floor
+        pool("second", "llama", 1),  # the model's floor is primary's
+        pool("coder", "qwen", 0),  # min 0: sleeps
+        pool("fixed", "mistral", None, declared=2),
+        pool("sleepy", "mistral", 1),  # mistral's floor is the fixed pool's
+    ]
+    assert floor_carriers(pools, floor) == {"llama": "primary", "mistral": "fixed"}
+    a = Autoscaler([PoolScaling("p", 1, 4, 10.0, floor=2)])
+    (d,) = a.step(0.0, {}, {"p": 0})
+    assert d.desired == 2 and "demand 0 at 0" not in d.reason, d.reason
+    assert d.reason == "starting: below its least of 2 replica(s) (min 1, full-precision " \
+        "floor 2); demand 0", d.reason  # fmt: skip
+
+
+# README.md's autoscaling example, as written there, but for a key digest of a real key and
+# the local rate-limit store (no Redis here).
+README_SPEC = """
+model: llama-8b
+pools:
+  - name: primary
+    replicas: {min: 1, max: 4}        # autoscaled on the gateway's demand (streams + queue)
+    scaling: {target: 48}             # per replica; cool-downs, quiet period: docs/pipeline.md
+    adapters: {sql: /adapters/sql}    # vLLM --lora-modules; requests prefer replicas holding it
+  - name: coder
+    model: qwen-coder-7b
+    replicas: {min: 0, max: 2}        # sleeps until a request for qwen-coder-7b arrives
+tenants:
+  - name: acme
+    api_keys: ["DIGEST"]              # `unbroken key-hash KEY`; the spec holds no secret
+    priority: standard                # a ceiling: the priority header may only lower it
+    weight: 2                         # its share of a full pool against other standard tenants
+    limits: {requests_per_minute: 600, completion_tokens_per_minute: 200000, concurrent_streams: 64}
+rate_limit: {store: local}
+"""
+
+
+def test_readme_min_0_pool_sleeps_until_its_model_is_asked_for(tmp_path: Path) -> None:
+    """The README's `coder` pool (`min: 0`, fp16 like every pool there) stays at 0 replicas
+    once the autoscaler runs (it was woken 2 s after the start by the controller's floor of
+    full-precision replicas, "waking: demand 0 at 0 replicas", and held at 1), and a request
+    for its model wakes it."""
+    from unbroken.config.tenants import key_digest
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(README_SPEC.replace("DIGEST", key_digest("sk-acme")))
+    u = Up(tmp_path, spec)
+    try:
+        ctl = f"http://127.0.0.1:{u.controller_port}"
+
+        def autoscaling() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return bool(httpx.get(ctl + "/state", timeout=5).json().get("autoscale"))
+            return False
+
+        wait_for(autoscaling, timeout=60, interval=0.2, what="the autoscaler's first window")
+        time.sleep(4)  # several scaling intervals (0.5 s) and up cool-downs (2 s)
+        pools = _pools(u)
+        assert (pools["primary"]["live"], pools["coder"]["live"]) == (1, 0), pools
+        assert not [d for d in _decisions(u) if d["endpoint"] == "coder"], _decisions(u)
+        r = httpx.post(
+            u.url + "/v1/completions",
+            json={"model": "qwen-coder-7b", "prompt": "wake", "max_tokens": 4, "temperature": 0},
+            headers={"Authorization": "Bearer sk-acme"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        wakes = [d for d in _decisions(u) if d["endpoint"] == "coder" and "up to 1" in d["action"]]
+        assert wakes and wakes[0]["reason"].startswith("waking: demand 1"), wakes
+    finally:
+        u.stop()

@@ -5,8 +5,9 @@ supervisor to resize.
 
 The rule is the HPA's, with its guards:
 - desired = ceil(demand / target), clamped to [min, max] and never below the controller's
-  floor of full-precision replicas for critical work; a ratio within `tolerance` of 1 keeps
-  the current count (no flapping at the target);
+  floor of full-precision replicas for critical work (held by one pool per model:
+  `scaling.floor_carriers`); a ratio within `tolerance` of 1 keeps the current count (no
+  flapping at the target); a resize to the least the pool must hold says so, not "demand";
 - up at once and in proportion (a burst that needs three replicas gets three), at most every
   `up_cooldown_s`; a pool at 0 with any demand wakes to at least one;
 - down only after demand has wanted fewer replicas for `down_quiet_s` without a break, one
@@ -36,7 +37,7 @@ class PoolScaling:
     up_cooldown_s: float = 2.0
     down_quiet_s: float = 30.0
     down_cooldown_s: float = 10.0
-    floor: int = 0  # the controller's min_full_replicas for a full-precision pool
+    floor: int = 0  # the controller's min_full_replicas, on its model's carrier pool
     spill_to: str | None = None  # the next pool of the same model in route order
 
 
@@ -125,9 +126,16 @@ class Autoscaler:
                     continue
                 st.last_up = now
                 st.desired = want
-                why = f"demand {d:g} over {cur} replica(s) at target {p.target:g}"
-                if cur == 0:
+                if raw < want and want == lo:  # the pool's least, not its demand
+                    why = f"below its least of {lo} replica(s) (min {p.min}"
+                    why += f", full-precision floor {p.floor})" if p.floor > p.min else ")"
+                    why += f"; demand {d:g}"
+                    if cur == 0:
+                        why = f"starting: {why}"
+                elif cur == 0:
                     why = f"waking: demand {d:g} at 0 replicas"
+                else:
+                    why = f"demand {d:g} over {cur} replica(s) at target {p.target:g}"
                 out.append(ScaleDecision(p.name, cur, want, d, why))
             elif want < cur:
                 if st.below_since is None:

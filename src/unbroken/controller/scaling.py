@@ -24,7 +24,7 @@ from unbroken.clients import SupervisorClient, SupervisorError, SupervisorReject
 from unbroken.controller.actions import Decision
 from unbroken.controller.autoscale import Autoscaler, PoolScaling, ScaleDecision
 
-__all__ = ["ScalingLoop", "parse_demand"]
+__all__ = ["ScalingLoop", "floor_carriers", "parse_demand"]
 
 log = logging.getLogger("unbroken.controller.scaling")
 
@@ -46,6 +46,23 @@ def parse_demand(text: str) -> dict[str, float]:
         except (ValueError, IndexError):
             continue
         out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def floor_carriers(pools: list[dict[str, Any]], floor: Callable[[str], int]) -> dict[str, str]:
+    """Per model, the one pool that holds the controller's floor of full-precision replicas
+    (`min_full_replicas`): the first pool of the model in spec order with a floor (a
+    full-precision pool) and at least one replica by its own declaration (`min` >= 1, or a
+    fixed count >= 1). The floor is there so that each model's critical work keeps a
+    full-precision replica to go to; one pool per model is enough for that, and a pool
+    declared `min: 0` sleeps as declared (a model whose full pools all may sleep gets no
+    floor: its first request wakes one). Before, every full pool had the floor, so the
+    README's `min: 0` pool of a second model was woken 2 s after the start and never slept."""
+    out: dict[str, str] = {}
+    for p in pools:
+        least = p["autoscale"]["min"] if p.get("autoscale") else int(p.get("declared", 0))
+        if floor(p["name"]) > 0 and least >= 1:
+            out.setdefault(p["model"], p["name"])
     return out
 
 
@@ -125,6 +142,7 @@ class ScalingLoop:
             return
         self._signature = sig
         ranged = [p for p in pools if p.get("autoscale")]
+        carriers = floor_carriers(pools, self.floor)
         specs = []
         for i, p in enumerate(pools):
             if not p.get("autoscale"):
@@ -144,7 +162,7 @@ class ScalingLoop:
                     up_cooldown_s=sc["up_cooldown_s"],
                     down_quiet_s=sc["down_quiet_s"],
                     down_cooldown_s=sc["down_cooldown_s"],
-                    floor=self.floor(p["name"]),
+                    floor=self.floor(p["name"]) if carriers.get(p["model"]) == p["name"] else 0,
                     spill_to=nxt if nxt in {q["name"] for q in ranged} else None,
                 )
             )
