@@ -294,6 +294,7 @@ def test_drain_cli_waits_until_empty(tmp_path: Path) -> None:
             timeout=15,
             what="the stream under way on an endpoint",
         )
+        pid = next(x["pid"] for x in u.status()["replicas"] if x["name"] == serving)
         t0 = time.monotonic()
         r = u.run("drain", serving, "--deadline", "60")
         assert r.returncode == 0, r.stderr
@@ -302,7 +303,39 @@ def test_drain_cli_waits_until_empty(tmp_path: Path) -> None:
         events, _ = out["r"]
         assert text_of(events, chat=False) == expected_completion("keep going", 600).text
         assert time.monotonic() - t0 > 0.3  # it waited for the stream, not the deadline
-        assert serving not in {e["name"] for e in u.status()["gateway"]["endpoints"]}
+        # Under `unbroken up` the pool keeps its size: the drained replica's engine is
+        # stopped (it kept running outside the gateway, "unregistered", and the pool stayed
+        # one short with no way back) and a successor serves in its place.
+        st = u.status()
+        eps = {e["name"]: e for e in st["gateway"]["endpoints"]}
+        assert serving not in eps and serving not in {x["name"] for x in st["replicas"]}
+        pool = serving.rsplit("-", 1)[0]
+        mine = [n for n, e in eps.items() if e["pool"] == pool]
+        assert len(mine) == 2 and all(eps[n]["state"] == "ready" for n in mine), eps
+        assert st["pools"][pool] == {"declared": 2, "live": 2}, st["pools"]
+        successor = next(iter(set(mine) - {"primary-1", "primary-2"}))
+        assert f"{successor} serves in its place" in r.stderr, r.stderr
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10, what="engine gone")
+        assert "unregistered" not in u.run("status").stdout
+        # Drained through the gateway's admin API alone, a replica runs unregistered;
+        # `unbroken drain` of it stops it and brings up a successor as well.
+        token = (u.state / "admin-token").read_text().strip()
+        httpx.post(
+            f"http://127.0.0.1:{u.admin_port}/admin/endpoints/{successor}/drain",
+            json={"deadline_s": 1},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        ).raise_for_status()
+        wait_for(
+            lambda: successor not in {e["name"] for e in u.status()["gateway"]["endpoints"]},
+            timeout=10,
+            what="the admin API's drain",
+        )
+        assert f"{successor}" in u.run("status").stdout  # unregistered, still running
+        r = u.run("drain", successor)
+        assert r.returncode == 0 and "the gateway no longer listed it" in r.stderr, r.stderr
+        eps = {e["name"]: e for e in u.status()["gateway"]["endpoints"]}
+        assert len([n for n, e in eps.items() if e["pool"] == pool]) == 2, eps
         r = u.run("drain", "no-such-endpoint")
         assert r.returncode == 1 and "no endpoint named" in r.stderr
     finally:

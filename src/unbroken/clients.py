@@ -328,6 +328,17 @@ class SupervisorClient:
         body = {"pool": pool, "replicas": replicas, "reason": reason}
         return await self._call("POST", "/scale", json_body=body, read_timeout=read_timeout)
 
+    async def drain(
+        self, replica: str, deadline_s: float | None = None, *, timeout_s: float = 600.0
+    ) -> dict[str, Any]:
+        """Drain one of the pipeline's replicas and replace it; answers when it has
+        stopped and its successor serves (`replica`, `drain_s`, `replaced_by`, ...).
+        SupervisorRejected 404: not one of the supervisor's replicas; 409: busy."""
+        body: dict[str, Any] = {"replica": replica, "timeout_s": timeout_s}
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        return await self._call("POST", "/drain", json_body=body, read_timeout=timeout_s + 180)
+
     async def convert(
         self, endpoint: str, to_pool: str, *, read_timeout: float = 300
     ) -> dict[str, Any]:

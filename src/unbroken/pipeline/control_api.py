@@ -3,7 +3,8 @@
 The routes are the HTTP face of the supervisor's own methods: `GET /status`, `GET /events`,
 `GET /pools` (what the autoscaler reads every interval), `POST /rollout` (progress streamed as
 NDJSON, then a summary), `POST /convert` and `POST /scale` (the controller's dynamic
-precision and autoscaler; they answer when done) and `POST /reload`. Rollouts, conversions,
+precision and autoscaler; they answer when done), `POST /drain` (`unbroken drain` of one of
+its replicas: drained, stopped and replaced) and `POST /reload`. Rollouts, conversions,
 scaling and reloads run one at a time: a second one is refused with 409. Every request gets
 an answer, whatever failed. The client is `pipeline/control.py`.
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from unbroken.pipeline.drain import NoSuchReplica
 from unbroken.pipeline.reload import ReloadError
 from unbroken.pipeline.rollout import Progress, RolloutError, RolloutRequest
 
@@ -57,6 +59,7 @@ class ControlServer:
         app.router.add_post("/scale", self.scale)
         app.router.add_get("/pools", self.pools)
         app.router.add_post("/reload", self.reload)
+        app.router.add_post("/drain", self.drain)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.UnixSite(self._runner, str(self.socket)).start()
@@ -138,6 +141,8 @@ class ControlServer:
             summary = await run(req, progress)
         except RolloutError as e:
             return _error(str(e), 400)
+        except NoSuchReplica as e:
+            return _error(f"no replica named {e.args[0]!r} in this pipeline", 404)
         except Exception as e:
             log.exception("%s failed", what(req))
             summary = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -165,6 +170,19 @@ class ControlServer:
 
         return await self._change(
             request, ScaleRequest, self.sup.scale, lambda r: f"scaling of {r.pool}", say
+        )
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """`unbroken drain REPLICA`: drain one of the supervisor's replicas and replace it;
+        answers when the replica has stopped and its successor serves (or retries). 404 for a
+        name that is not one of its replicas (the CLI then drains it in the gateway alone)."""
+        from unbroken.pipeline.drain import DrainRequest
+
+        def say(req: Any, ev: dict[str, Any]) -> None:
+            log.info("drain %s: %s %s", req.replica, ev["event"], _brief(ev))
+
+        return await self._change(
+            request, DrainRequest, self.sup.drain, lambda r: f"drain of {r.replica}", say
         )
 
     async def reload(self, request: web.Request) -> web.Response:

@@ -326,9 +326,9 @@ class ReplicaSet:
             await sup.admin.remove(name=r.name)
         if not sup.restart:
             return
-        await self._replace(r)
+        await self.replace(r)
 
-    async def _replace(self, r: Replica) -> None:
+    async def replace(self, r: Replica) -> None:
         """Bring up a successor of `r`, retrying with backoff until one serves (the pool
         stays at its declared size in the end, whatever failed on the way)."""
         sup = self.sup

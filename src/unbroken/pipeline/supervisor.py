@@ -268,6 +268,17 @@ class Supervisor:
                 self.scaling = None
                 self.save_plane()
 
+    async def drain(self, req: Any, progress: Progress) -> dict[str, Any]:
+        """Drain one replica and replace it (drain.DrainRequest; drain.NoSuchReplica when
+        it is not one of ours)."""
+        from unbroken.pipeline.drain import run_drain
+
+        async with self.change_lock:
+            try:
+                return await run_drain(self, req, progress)
+            finally:
+                self.save_plane()
+
     async def reload(self) -> dict[str, Any]:
         """`unbroken reload` (reload.py); ReloadError when refused or failed."""
         return await self.reloader.reload()

@@ -467,6 +467,10 @@ def drain_cli(
     from unbroken.config.paths import read_admin_token
 
     info = RunInfo.read(state_dir())
+    if info is not None and admin_url is None:
+        done = _drain_supervised(name, info, deadline_s, timeout, console)
+        if done is not None:
+            return done
     url = admin_url or (info.admin_url if info else "http://127.0.0.1:8081")
     token = read_admin_token(state_dir(), info)
     if not token:
@@ -492,6 +496,49 @@ def drain_cli(
             return 1
 
     return asyncio.run(go())
+
+
+def _drain_supervised(
+    name: str, info: RunInfo, deadline_s: float | None, timeout: float, console: Console
+) -> int | None:
+    """Under `unbroken up`: the supervisor drains its replica, stops it and brings up a
+    successor, so the pool keeps its size (docs/rollout.md). None when `name` is not one of
+    its replicas (an endpoint added to the gateway by hand): the gateway drains it alone."""
+    client = SupervisorClient(info.control_socket)
+    try:
+        with console.status(f"draining {escape(name)}"):
+            res = asyncio.run(client.drain(name, deadline_s, timeout_s=timeout))
+    except SupervisorRejected as e:
+        if e.status == 404:
+            return None
+        console.print(f"[red]error:[/red] {escape(e.message)}")
+        return 1
+    except SupervisorError as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        return 1
+    if not res.get("ok"):
+        console.print(f"[red]error:[/red] {escape(str(res.get('error')))}")
+        return 1
+    was = (
+        f"{res['inflight']} stream(s) in flight at the start"
+        if res.get("registered")
+        else "the gateway no longer listed it"
+    )
+    console.print(
+        f"{name} drained in {res['drain_s']:.1f} s ({was}); the supervisor stopped its engine",
+        markup=False,
+    )
+    if res.get("replaced_by"):
+        console.print(
+            f"{res['replaced_by']} serves in its place (pool {res['pool']})", markup=False
+        )
+    else:
+        console.print(
+            f"warning: no successor yet ({res.get('replace_error')}); the supervisor keeps "
+            "trying (see `unbroken status`)",
+            markup=False,
+        )
+    return 0
 
 
 def _orphan(state: Path) -> dict[str, Any] | None:
