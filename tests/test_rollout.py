@@ -340,3 +340,63 @@ def test_drain_cli_waits_until_empty(tmp_path: Path) -> None:
         assert r.returncode == 1 and "no endpoint named" in r.stderr
     finally:
         u.stop()
+
+
+def test_engine_health_timeout_is_the_pools_and_the_wait_is_logged(tmp_path: Path) -> None:
+    """`engine.health_timeout_s` is how long a starting replica may take to answer /health
+    (it was 120 s, fixed, for `up`, rollouts and replacements: a large vLLM model failed
+    them); the wait says every 10 s that it still waits (it was silent without a terminal);
+    a rollout's `--health-timeout` bounds its surge."""
+    import sys
+
+    engine = (
+        f"sleep 11; exec {sys.executable} -m unbroken engine --host {{host}} --port {{port}} "
+        "--served-model-name {model}"
+    )
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"model: {MODEL}\n"
+        "pools:\n"
+        "  - name: slow\n"
+        "    engine:\n"
+        "      kind: command\n"
+        f"      command: [sh, -c, {json.dumps(engine)}]\n"
+        "      health_timeout_s: 60\n"
+        "controller: {enabled: false}\n"
+    )
+    u = Up(tmp_path, spec)
+    try:
+        log = u.log.read_text()
+        assert "waiting for slow-1 to answer /health: 10 s of 60 (pid " in log, log
+        t0 = time.monotonic()
+        r = u.run("rollout", "slow", "--health-timeout", "3", "--deadline", "1")
+        assert r.returncode == 1 and "no /health within 3 s" in r.stderr, r.stderr
+        assert time.monotonic() - t0 < 10
+        st = u.status()
+        assert [x["name"] for x in st["replicas"]] == ["slow-1"], st["replicas"]
+    finally:
+        u.stop()
+
+
+def test_health_timeout_fails_up_with_its_value(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"model: {MODEL}\n"
+        "pools:\n"
+        "  - name: stuck\n"
+        "    engine: {kind: command, command: [sleep, '30'], health_timeout_s: 1.5}\n"
+        "controller: {enabled: false}\n"
+    )
+    env = {**os.environ, "UNBROKEN_STATE_DIR": str(tmp_path / "state")}
+    from unbroken.wire.http import free_port
+
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "up", "--no-agent", "--port", str(free_port()),
+         "--admin-port", str(free_port()), str(spec)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "stuck-1 did not answer /health within 1.5 s" in r.stderr, r.stderr

@@ -88,6 +88,13 @@ def rollout(
         str | None, typer.Option(help="New engine command (kind: command), shell-style words.")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="New model seed.")] = None,
+    health_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Stage 1: a new replica must answer /health within this (s) [the pool's "
+            "engine.health_timeout_s, 120]; kept for the pool's later replicas."
+        ),
+    ] = None,
     deadline: Annotated[
         float, typer.Option(help="Drain deadline per old replica (s); then streams are migrated.")
     ] = 30.0,
@@ -106,6 +113,8 @@ def rollout(
         engine["profile"] = profile
     if seed is not None:
         engine["seed"] = seed
+    if health_timeout is not None:
+        engine["health_timeout_s"] = health_timeout
     if command:
         engine["kind"] = "command"
         engine["command"] = shlex.split(command)

@@ -261,6 +261,10 @@ class EngineSpec(_Spec):
     seed: int = 0
     eos_rate: Annotated[float, Field(ge=0, lt=1)] = 0.0
     shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    # How long a starting replica may take to answer /health (its imports and weight load:
+    # minutes for a large model on vLLM) before its start fails: at `unbroken up`, in a
+    # rollout's or resize's surge, and when a dead replica is replaced.
+    health_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     # CPU niceness of a starting replica (its whole process group) until it answers /health,
     # then back to 0: a replica started beside serving ones (rollout surge, a crash's
     # replacement) takes only spare CPU for its imports and weight load. 0: off. Only used

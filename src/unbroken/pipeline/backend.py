@@ -51,8 +51,9 @@ class Backend(Protocol):
         """Start one more replica of `pool` (not yet registered with the gateway)."""
         ...
 
-    async def wait_health(self, r: ReplicaHandle) -> None:
-        """Stage 1: until `/health` answers; raises if the replica dies first."""
+    async def wait_health(self, r: ReplicaHandle, *, timeout: float | None = None) -> None:
+        """Stage 1: until `/health` answers; raises if the replica dies first, TimeoutError
+        after `timeout` (None: its pool's `engine.health_timeout_s`)."""
         ...
 
     def adopt(self, r: ReplicaHandle) -> None:

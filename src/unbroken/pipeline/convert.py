@@ -37,7 +37,8 @@ class ConvertRequest(BaseModel):
     to_pool: str = Field(min_length=1, max_length=63)
     drain_deadline_s: float = Field(default=30.0, ge=0)
     warmup_budget_s: float = Field(default=10.0, gt=0)
-    health_timeout_s: float = Field(default=120.0, gt=0)
+    # None: the new replica's pool's engine.health_timeout_s.
+    health_timeout_s: float | None = Field(default=None, gt=0)
     ready_timeout_s: float = Field(default=30.0, gt=0)
 
 

@@ -32,9 +32,25 @@ from unbroken.wire.http import free_port, wait_ok
 if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
 
-__all__ = ["Replica", "ReplicaSet", "engine_argv", "key_var", "pool_key", "serial_of"]
+__all__ = [
+    "HealthTimeout",
+    "Replica",
+    "ReplicaSet",
+    "engine_argv",
+    "key_var",
+    "pool_key",
+    "serial_of",
+]
 
 log = logging.getLogger("unbroken.pipeline")
+
+
+# While a replica starts, a line this often says that its start is still awaited.
+HEALTH_LOG_EVERY_S = 10.0
+
+
+class HealthTimeout(StartupError):
+    """A replica did not answer /health within its pool's `engine.health_timeout_s`."""
 
 
 @dataclass(eq=False)
@@ -144,9 +160,9 @@ class ReplicaSet:
     them. The supervisor (`sup`) lends the spec, the gateway's admin API, the event log, the
     plane record and the task set."""
 
-    def __init__(self, sup: Supervisor, health_timeout: float) -> None:
+    def __init__(self, sup: Supervisor, health_timeout: float | None = None) -> None:
         self.sup = sup
-        self.health_timeout = health_timeout
+        self.health_timeout = health_timeout  # None: each pool's engine.health_timeout_s
         self.by_name: dict[str, Replica] = {}
         self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
         self._serial = {p.name: itertools.count(1) for p in sup.spec.pools}
@@ -199,7 +215,13 @@ class ReplicaSet:
         sup.record("replica_started", replica=name, pid=r.pid)
         return r
 
-    async def wait_health(self, r: Replica) -> None:
+    async def wait_health(self, r: Replica, *, timeout: float | None = None) -> None:
+        """Until `r` answers /health: StartupError if it exits first, HealthTimeout after
+        `timeout` (None: the supervisor's, else the pool's `engine.health_timeout_s`). A
+        line every HEALTH_LOG_EVERY_S says it still waits (a large model loads for
+        minutes, and without a terminal `unbroken up` shows no spinner)."""
+        limit = timeout or self.health_timeout or r.pool.engine.health_timeout_s
+
         def alive() -> None:
             if r.proc is not None and r.proc.returncode is not None:
                 raise StartupError(
@@ -207,14 +229,30 @@ class ReplicaSet:
                     f"answering /health; log: {r.log_path}\n" + tail(r.log_path)
                 )
 
-        async with aiohttp.ClientSession() as s:
-            try:
-                await wait_ok(s, r.url + "/health", timeout=self.health_timeout, check=alive)
-            except TimeoutError:
-                raise StartupError(
-                    f"{r.name} did not answer /health within "
-                    f"{self.health_timeout:.0f} s; log: {r.log_path}"
-                ) from None
+        async def say_waiting() -> None:
+            t0 = time.monotonic()
+            while True:
+                await asyncio.sleep(HEALTH_LOG_EVERY_S)
+                log.info(
+                    "waiting for %s to answer /health: %.0f s of %g (pid %s, log: %s)",
+                    r.name,
+                    time.monotonic() - t0,
+                    limit,
+                    r.pid,
+                    r.log_path,
+                )
+
+        ticker = asyncio.create_task(say_waiting())
+        try:
+            async with aiohttp.ClientSession() as s:
+                await wait_ok(s, r.url + "/health", timeout=limit, check=alive)
+        except TimeoutError:
+            raise HealthTimeout(
+                f"{r.name} did not answer /health within {limit:g} s (the pool's "
+                f"engine.health_timeout_s); log: {r.log_path}"
+            ) from None
+        finally:
+            ticker.cancel()
         r.healthy_at = time.time()
         self.sup.save_plane()
         if r.niced and r.proc is not None:  # serving from here on: its fair share again

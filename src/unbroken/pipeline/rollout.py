@@ -46,7 +46,8 @@ class RolloutRequest(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineSpec fields to change")
     drain_deadline_s: float = Field(default=30.0, ge=0)
     warmup_budget_s: float = Field(default=10.0, gt=0)
-    health_timeout_s: float = Field(default=120.0, gt=0)
+    # None: the new replica's pool's engine.health_timeout_s.
+    health_timeout_s: float | None = Field(default=None, gt=0)
     ready_timeout_s: float = Field(default=30.0, gt=0)
 
 
@@ -197,7 +198,7 @@ async def run_rollout(sup: Backend, req: RolloutRequest, progress: Progress) -> 
 
 class _Timeouts(Protocol):
     warmup_budget_s: float
-    health_timeout_s: float
+    health_timeout_s: float | None
     ready_timeout_s: float
 
 
@@ -224,11 +225,12 @@ async def surge(
         new = await sup.start_replica(pool)
         if on_surge is not None:
             await on_surge(new)
+        limit = req.health_timeout_s or pool.engine.health_timeout_s
         try:
-            await asyncio.wait_for(sup.wait_health(new), req.health_timeout_s)
+            await sup.wait_health(new, timeout=limit)
         except TimeoutError:
             raise RolloutError(
-                f"{new.name} failed stage 1: no /health within {req.health_timeout_s:g} s"
+                f"{new.name} failed stage 1: no /health within {limit:g} s"
             ) from None
         if on_stage is not None:
             await on_stage("stage1", new, 0.0)

@@ -45,7 +45,8 @@ class ScaleRequest(BaseModel):
     # None: the pool's scaling.drain_deadline_s.
     drain_deadline_s: float | None = Field(default=None, ge=0)
     warmup_budget_s: float = Field(default=10.0, gt=0)
-    health_timeout_s: float = Field(default=120.0, gt=0)
+    # None: the new replica's pool's engine.health_timeout_s.
+    health_timeout_s: float | None = Field(default=None, gt=0)
     ready_timeout_s: float = Field(default=30.0, gt=0)
 
 

@@ -69,7 +69,7 @@ from unbroken.pipeline.reload import (
     flatten,
     not_applied,
 )
-from unbroken.pipeline.replicas import Replica, ReplicaSet
+from unbroken.pipeline.replicas import HealthTimeout, Replica, ReplicaSet
 from unbroken.pipeline.rollout import Progress, RolloutRequest, run_rollout
 from unbroken.pipeline.statelock import StateLock
 from unbroken.pipeline.weights import PREWARM_NICE, Weights
@@ -108,18 +108,20 @@ class Supervisor:
         state: Path,
         token: str,
         token_file: Path,
-        health_timeout: float = 120.0,
+        health_timeout: float | None = None,
         restart: bool = True,
         spec_path: Path | None = None,
         reload_spec: Callable[[], PipelineSpec] | None = None,
         survive: bool = False,
     ) -> None:
-        """`reload_spec` reads the spec again for `unbroken reload` (SpecError if it no
-        longer parses or validates); without it a reload re-applies the running spec (new
-        gateway workers with the code on disk, no setting changed). `spec_path` is where it
-        reads from (None: the default spec), for messages. `survive`: the data plane
-        outlives this process (recorded in plane.json, adopted by the next supervisor);
-        otherwise each child gets a parent-death signal (the demo, the baseline)."""
+        """`health_timeout`: how long any replica may take to answer /health (None: its
+        pool's `engine.health_timeout_s`). `reload_spec` reads the spec again for `unbroken
+        reload` (SpecError if it no longer parses or validates); without it a reload
+        re-applies the running spec (new gateway workers with the code on disk, no setting
+        changed). `spec_path` is where it reads from (None: the default spec), for
+        messages. `survive`: the data plane outlives this process (recorded in plane.json,
+        adopted by the next supervisor); otherwise each child gets a parent-death signal
+        (the demo, the baseline)."""
         self.survive = survive
         self.spec = spec
         self.spec_path = spec_path
@@ -210,8 +212,11 @@ class Supervisor:
     async def start_replica(self, pool: PoolSpec) -> Replica:
         return await self.replica_set.start(pool)
 
-    async def wait_health(self, r: Replica) -> None:
-        await self.replica_set.wait_health(r)
+    async def wait_health(self, r: Replica, *, timeout: float | None = None) -> None:
+        try:
+            await self.replica_set.wait_health(r, timeout=timeout)
+        except HealthTimeout as e:  # the Backend's contract: TimeoutError when it never answers
+            raise TimeoutError(str(e)) from None
 
     def adopt(self, r: ReplicaHandle) -> None:
         assert isinstance(r, Replica)
