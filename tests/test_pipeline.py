@@ -81,6 +81,9 @@ def test_second_up_refuses_while_one_runs(up: Up) -> None:
         timeout=30,
     )
     assert r.returncode == 1 and "already running" in r.stderr
+    # One line naming the directory and the way to run a second pipeline (docs/pipeline.md).
+    assert f"with the state directory {up.state} (pid" in r.stderr, r.stderr
+    assert "set UNBROKEN_STATE_DIR to another directory" in r.stderr, r.stderr
 
 
 def test_supervisor_replaces_killed_replica_and_shuts_down_clean(tmp_path: Path) -> None:

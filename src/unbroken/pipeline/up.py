@@ -67,8 +67,10 @@ def run_up(
     running = RunInfo.read(state)
     if running is not None:
         console.print(
-            f"[red]error:[/red] a pipeline is already running (pid {running.pid}, "
-            f"{running.gateway_url}); see `unbroken status`"
+            f"[red]error:[/red] a pipeline is already running with the state directory "
+            f"{escape(str(state))} (pid {running.pid}, {running.gateway_url}); see `unbroken "
+            "status`, stop it with `unbroken down`, or set UNBROKEN_STATE_DIR to another "
+            "directory to run a second one"
         )
         return 1
     token, token_file, generated = admin_token(state)
