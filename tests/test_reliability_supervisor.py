@@ -175,3 +175,52 @@ def test_an_orphaned_data_plane_stops_with_unbroken_down(tmp_path: Path) -> None
         assert json.loads(again.stdout)["running"] is False
     finally:
         u.kill_orphans()
+
+
+def test_status_right_after_kill_9_says_the_supervisor_is_gone(tmp_path: Path) -> None:
+    """Within the first second of a `kill -9` of the supervisor (its parent has not reaped it
+    yet: `kill -0` still succeeds), `unbroken status` said `error: cannot reach the
+    supervisor at .../supervisor.sock: UnixClientConnectorError ... Connection refused`;
+    now it says what it says a second later. Here the test is the parent and does not reap
+    it until the end."""
+    u = Up(tmp_path, _spec(tmp_path))
+    try:
+        os.kill(u.proc.pid, signal.SIGKILL)
+        wait_for(
+            lambda: (
+                Path(f"/proc/{u.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            ),
+            timeout=10,
+            what="the supervisor a zombie",
+        )
+        text = u.run("status", timeout=30)
+        assert text.returncode == 1, text.stdout + text.stderr
+        assert "supervisor not running, data plane serving" in text.stderr, text.stderr
+        assert "cannot reach" not in text.stderr
+        st = json.loads(u.run("status", "--json", timeout=30).stdout)
+        assert st["supervisor"] == "not running" and st["data_plane"] == "serving", st
+    finally:
+        u.kill_orphans()
+
+
+def test_a_refused_control_socket_is_a_supervisor_not_running(tmp_path: Path) -> None:
+    """Nothing listening on the socket (a dead supervisor's file, or none) is told apart
+    from a supervisor that does not answer in time."""
+    import asyncio
+    import socket
+
+    from unbroken.clients import SupervisorClient, SupervisorUnreachable
+
+    path = tmp_path / "s.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))  # bound, not listening: connect is refused
+    try:
+        for where in (path, tmp_path / "none.sock"):
+            try:
+                asyncio.run(SupervisorClient(str(where)).status())
+            except SupervisorUnreachable as e:
+                assert e.refused, e
+            else:
+                raise AssertionError("answered")
+    finally:
+        s.close()

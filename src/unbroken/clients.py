@@ -200,7 +200,18 @@ class SupervisorError(Exception):
 
 
 class SupervisorUnreachable(SupervisorError):
-    pass
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        # Nothing listens on the socket (refused, or no socket file): the supervisor is not
+        # running, whatever run.json says (it outlives a SIGKILL).
+        self.refused = refused
+
+
+def _refused(e: BaseException) -> bool:
+    os_error = getattr(e, "os_error", None)
+    return isinstance(e, FileNotFoundError | ConnectionRefusedError) or isinstance(
+        os_error, FileNotFoundError | ConnectionRefusedError
+    )
 
 
 class SupervisorRejected(SupervisorError):
@@ -251,7 +262,8 @@ class SupervisorClient:
                 return data
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
             raise SupervisorUnreachable(
-                f"cannot reach the supervisor at {self.socket}: {type(e).__name__}: {e}"
+                f"cannot reach the supervisor at {self.socket}: {type(e).__name__}: {e}",
+                refused=_refused(e),
             ) from None
 
     async def status(self) -> dict[str, Any]:
@@ -311,7 +323,8 @@ class SupervisorClient:
             }
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
             raise SupervisorUnreachable(
-                f"cannot reach the supervisor at {self.socket}: {type(e).__name__}: {e}"
+                f"cannot reach the supervisor at {self.socket}: {type(e).__name__}: {e}",
+                refused=_refused(e),
             ) from None
         return summary
 

@@ -147,7 +147,19 @@ class RunInfo:
             return None
         except PermissionError:
             pass
+        if _dead(info.pid):
+            return None
         return info
+
+
+def _dead(pid: int) -> bool:
+    """Whether `pid` has exited but is not reaped yet (a zombie: `kill -0` still succeeds,
+    for as long as its parent has not waited for it, and its control socket refuses)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc: kill -0 is all there is
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
 
 
 def read_admin_token(directory: Path, info: RunInfo | None = None) -> str | None:

@@ -19,7 +19,12 @@ from rich.table import Table
 from unbroken.clients import AdminError
 from unbroken.config.paths import RunInfo, admin_token, state_dir
 from unbroken.config.spec import PipelineSpec, SpecError, load_spec
-from unbroken.pipeline.control import SupervisorClient, SupervisorError, SupervisorRejected
+from unbroken.pipeline.control import (
+    SupervisorClient,
+    SupervisorError,
+    SupervisorRejected,
+    SupervisorUnreachable,
+)
 from unbroken.pipeline.supervisor import StartupError, Supervisor, live_plane, stop_plane
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
@@ -303,6 +308,16 @@ def _table(status: dict[str, Any]) -> str:
 
 def show_status(*, as_json: bool) -> int:
     info = RunInfo.read(state_dir())
+    status: dict[str, Any] | None = None
+    if info is not None:
+        try:
+            status = asyncio.run(SupervisorClient(info.control_socket).status())
+        except SupervisorUnreachable as e:
+            if not e.refused:
+                return _status_error(str(e), as_json)
+            info = None  # nothing listens: it died (run.json outlives a SIGKILL)
+        except SupervisorError as e:
+            return _status_error(str(e), as_json)
     if info is None and (orphan := _orphan(state_dir())) is not None:
         gw = orphan["gateway"]
         engines = [r for r in orphan.get("replicas", []) if r["alive"]]
@@ -332,15 +347,7 @@ def show_status(*, as_json: bool) -> int:
             sys.stderr.write(msg + "\n")
         return 1
 
-    try:
-        status = asyncio.run(SupervisorClient(info.control_socket).status())
-    except SupervisorError as e:
-        msg = str(e)
-        if as_json:
-            sys.stdout.write(json.dumps({"running": False, "error": msg}) + "\n")
-        else:
-            sys.stderr.write(f"error: {msg}\n")
-        return 1
+    assert status is not None
     if as_json:
         sys.stdout.write(json.dumps({"running": True, **status}, indent=1) + "\n")
         return 0
@@ -349,6 +356,14 @@ def show_status(*, as_json: bool) -> int:
     sys.stdout.write(render_table(status_rows(status), STATUS_COLUMNS, width) + "\n")
     sys.stdout.write("\n".join(status_lines(status)) + "\n")
     return 0
+
+
+def _status_error(msg: str, as_json: bool) -> int:
+    if as_json:
+        sys.stdout.write(json.dumps({"running": False, "error": msg}) + "\n")
+    else:
+        sys.stderr.write(f"error: {msg}\n")
+    return 1
 
 
 def rollout_cli(
