@@ -199,6 +199,13 @@ def test_status_right_after_kill_9_says_the_supervisor_is_gone(tmp_path: Path) -
         assert "cannot reach" not in text.stderr
         st = json.loads(u.run("status", "--json", timeout=30).stdout)
         assert st["supervisor"] == "not running" and st["data_plane"] == "serving", st
+        # The commands that need the supervisor say so, not "no pipeline is running".
+        for argv in (["reload"], ["rollout", "main", "--seed", "3"]):
+            r = u.run(*argv, timeout=30)
+            assert r.returncode != 0, r.stdout + r.stderr
+            said = " ".join(r.stderr.split())
+            assert "the supervisor is not running; the data plane still serves" in said, said
+            assert f"`unbroken up` with this state directory ({u.state}) adopts it" in said
     finally:
         u.kill_orphans()
 

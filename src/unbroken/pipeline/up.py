@@ -378,7 +378,7 @@ def rollout_cli(
     """Ask the running supervisor for a rolling upgrade and show its progress."""
     info = RunInfo.read(state_dir())
     if info is None:
-        console.print("[red]error:[/red] no pipeline is running (start one with `unbroken up`)")
+        console.print(f"[red]error:[/red] {escape(no_supervisor())}")
         return 1
     body = {
         "pool": pool,
@@ -406,6 +406,9 @@ def rollout_cli(
 
     try:
         summary = asyncio.run(go())
+    except SupervisorUnreachable as e:
+        console.print(f"[red]error:[/red] {escape(no_supervisor() if e.refused else str(e))}")
+        return 1
     except SupervisorError as e:
         console.print(f"[red]error:[/red] {escape(str(e))}")
         return 1
@@ -558,6 +561,22 @@ def _drain_supervised(
     return 0
 
 
+def no_supervisor(state: Path | None = None) -> str:
+    """What a command that needs the supervisor says when none runs in the state directory:
+    a data plane a killed supervisor left serving is named (reload, rollout and scale need
+    the supervisor; `unbroken up` adopts the data plane), else that no pipeline runs."""
+    state = state or state_dir()
+    orphan = _orphan(state)
+    if orphan is not None:
+        gw = orphan["gateway"]
+        return (
+            f"the supervisor is not running; the data plane still serves (gateway pid "
+            f"{gw['pid']}, {gw.get('url')}); `unbroken up` with this state directory "
+            f"({state}) adopts it"
+        )
+    return f"no pipeline is running in {state} (start one with `unbroken up`)"
+
+
 def _orphan(state: Path) -> dict[str, Any] | None:
     """The data plane a supervisor that died left serving (its gateway still runs), or None."""
     plane = live_plane(state)
@@ -600,13 +619,16 @@ def reload_cli() -> int:
     changed and what only a restart applies. 1 when refused (nothing changed)."""
     info = RunInfo.read(state_dir())
     if info is None:
-        sys.stderr.write("error: no pipeline is running (start one with `unbroken up`)\n")
+        sys.stderr.write(f"error: {no_supervisor()}\n")
         return 2
     try:
         res = asyncio.run(SupervisorClient(info.control_socket).reload())
     except SupervisorRejected as e:
         sys.stderr.write(f"error: reload refused, nothing changed: {e.message}\n")
         return 1
+    except SupervisorUnreachable as e:
+        sys.stderr.write(f"error: {no_supervisor() if e.refused else e}\n")
+        return 2 if e.refused else 1
     except SupervisorError as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
