@@ -296,6 +296,11 @@ def test_scale_endpoint_refuses_outside_the_range(up: Up) -> None:
     assert status == 400 and "no pool named" in body["error"]["message"]
     status, body = asyncio.run(post({"pool": "primary", "replicas": "x"}))
     assert status == 400
+    # `unbroken scale POOL N`: the same route from the command line.
+    r = up.run("scale", "primary", "4")
+    assert r.returncode == 1 and "pool primary may have 1 to 3 replicas, not 4" in r.stderr
+    r = up.run("scale", "nope", "1")
+    assert r.returncode == 1 and "no pool named 'nope'" in r.stderr, r.stderr
 
 
 def test_a_model_only_a_sleeping_pool_serves_wakes_it(up: Up) -> None:

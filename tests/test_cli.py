@@ -78,6 +78,23 @@ def test_status_with_nothing_running(tmp_path: Path) -> None:
     assert r.returncode == 1 and "no pipeline is running" in r.stderr and r.stdout == ""
 
 
+def test_commands_with_nothing_running_say_where(tmp_path: Path) -> None:
+    """`unbroken drain` with no pipeline said only `no admin token: set
+    UNBROKEN_ADMIN_TOKEN`; it names the state directory and --token-file. `reload`,
+    `rollout` and `scale` name the directory too."""
+    env = {"UNBROKEN_STATE_DIR": str(tmp_path / "empty")}
+    r = cli("drain", "primary-2", env=env)
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2, said
+    assert f"no pipeline runs in the state directory {tmp_path / 'empty'}" in said, said
+    assert "UNBROKEN_ADMIN_TOKEN" in said and "--token-file" in said, said
+    for argv in (["reload"], ["rollout", "primary"], ["scale", "primary", "2"]):
+        r = cli(*argv, env=env)
+        said = " ".join(r.stderr.split())
+        assert r.returncode != 0, argv
+        assert f"no pipeline is running in {tmp_path / 'empty'}" in said, (argv, said)
+
+
 def test_status_table_never_cuts_names() -> None:
     rows = [
         {

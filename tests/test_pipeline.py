@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -67,6 +68,9 @@ def test_default_pipeline_and_status(up: Up) -> None:
         timeout=30,
     )
     assert human.returncode == 0 and "primary" in human.stdout and "ready" in human.stdout
+    # The gateway's line as `unbroken up` prints it (status printed `gateway http://...`).
+    assert f"gateway: {up.url}/v1   admin: " in human.stdout, human.stdout
+    assert f"gateway: {up.url}/v1   admin: " in up.log.read_text()
     token_file = up.state / "admin-token"
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert "admin token" in up.log.read_text()
@@ -122,6 +126,8 @@ pools:
     finally:
         code = u.stop()
     assert code == 0
+    log = u.log.read_text()
+    assert "stopping" in log and re.search(r"\nstopped in \d+\.\d s\n", log), log[-500:]
     time.sleep(0.2)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
@@ -152,6 +158,9 @@ def test_spec_errors_name_the_field(tmp_path: Path, text: str, expect: str) -> N
         env={**os.environ, "UNBROKEN_STATE_DIR": str(tmp_path / "s")},
     )
     assert r.returncode == 2 and expect in r.stderr, r.stderr
+    assert "<unicode string>" not in r.stderr, r.stderr  # a YAML error names the file
+    if expect == "invalid YAML":
+        assert f'in "{spec}", line' in " ".join(r.stderr.split()), r.stderr
 
 
 def test_supervisor_restarts_a_dead_gateway(tmp_path: Path) -> None:
@@ -181,3 +190,40 @@ def test_supervisor_restarts_a_dead_gateway(tmp_path: Path) -> None:
         assert "gateway_restarted" in [e["event"] for e in u.status()["events"]]
     finally:
         assert u.stop() == 0
+
+
+def test_companions_stop_together() -> None:
+    """The agent and the controller get SIGTERM together and are waited for together: two
+    companions that take 1 s each to exit stop in about 1 s, not 2, and exit by themselves
+    (no SIGKILL). (The old code also signalled both first, so it passes there too: the
+    reviewer's 6.5 s `down` was the agent killed at the 5 s timeout, see the commit.)"""
+    import asyncio
+    import textwrap
+
+    from unbroken.config.spec import default_spec
+    from unbroken.pipeline.companions import Companion, Companions
+
+    slow = textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0)))
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+
+    async def go() -> float:
+        comps = Companions(default_spec(), Path("/nonexistent"), "http://x", "t")
+        for name in ("agent", "controller"):
+            c = Companion(name, [], {}, "http://x")
+            c.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", slow, stdout=asyncio.subprocess.PIPE
+            )
+            assert c.proc.stdout is not None
+            await c.proc.stdout.readline()  # its handler is set
+            comps.items[name] = c
+        t0 = time.monotonic()
+        await comps.stop()
+        assert all(c.proc is not None and c.proc.returncode == 0 for c in comps.items.values())
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert 0.9 < took < 1.8, took

@@ -400,3 +400,17 @@ def test_health_timeout_fails_up_with_its_value(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 1, r.stderr
     assert "stuck-1 did not answer /health within 1.5 s" in r.stderr, r.stderr
+
+
+def test_an_invalid_engine_update_is_one_line_naming_the_field() -> None:
+    """`unbroken rollout primary --set bogus=1` printed pydantic's multi-line error with its
+    errors.pydantic.dev URL; now one line, as spec errors are."""
+    from unbroken.config.spec import EngineSpec
+    from unbroken.pipeline.rollout import RolloutError, new_engine
+
+    with pytest.raises(RolloutError) as e:
+        new_engine(EngineSpec(), {"overrides": {"bogus": 1.0}, "seed": "x"})
+    msg = str(e.value)
+    assert "\n" not in msg and "pydantic.dev" not in msg, msg
+    assert "overrides.bogus: Extra inputs are not permitted" in msg, msg
+    assert msg.startswith("invalid engine update: "), msg

@@ -1,5 +1,5 @@
-"""The running pipeline's commands: `up`, `reload`, `down`, `status`, `rollout`, `drain` and
-`fault`; each hands its options to `unbroken.pipeline` (`up.py`, `faults.py`) or, for a
+"""The running pipeline's commands: `up`, `reload`, `down`, `status`, `rollout`, `scale`,
+`drain` and `fault`; each hands its options to `unbroken.pipeline` (`up.py`, `faults.py`) or, for a
 drain on Kubernetes, to `k8s.hooks`."""
 
 from __future__ import annotations
@@ -144,6 +144,19 @@ def rollout(
             console=console(),
         )
     )
+
+
+@app.command()
+def scale(
+    pool: Annotated[str, typer.Argument(help="An autoscaled pool (replicas: {min, max}).")],
+    replicas: Annotated[int, typer.Argument(help="Replicas wanted, within its [min, max].")],
+) -> None:
+    """Resize an autoscaled pool of the running `unbroken up` now, as the autoscaler does
+    (new replicas through the surge path, a leaving one drained and migrated). The
+    autoscaler goes on deciding from demand afterwards."""
+    from unbroken.pipeline.up import scale_cli
+
+    raise typer.Exit(scale_cli(pool, replicas, console=console()))
 
 
 @app.command()

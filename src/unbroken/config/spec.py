@@ -24,6 +24,7 @@ __all__ = [
     "ScalingSpec",
     "SpecError",
     "default_spec",
+    "format_errors",
     "load_spec",
 ]
 
@@ -501,6 +502,12 @@ def default_spec() -> PipelineSpec:
     )
 
 
+def format_errors(e: ValidationError) -> str:
+    """A validation error as one line naming each field (`overrides.bogus: Extra inputs are
+    not permitted`), as spec errors are shown."""
+    return _format(e)
+
+
 def _format(e: ValidationError) -> str:
     lines = []
     for err in e.errors(include_url=False):
@@ -523,7 +530,8 @@ def load_spec(path: Path | None) -> PipelineSpec:
     if path is None:
         return default_spec()
     try:
-        data = yaml.safe_load(path.read_text())
+        with path.open() as f:  # a YAML error's position then names the file
+            data = yaml.safe_load(f)
     except OSError as e:
         raise SpecError(f"cannot read {path}: {e.strerror}") from None
     except yaml.YAMLError as e:

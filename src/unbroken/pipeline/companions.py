@@ -26,6 +26,7 @@ __all__ = ["FULL_PRECISIONS", "Companion", "Companions", "controller_settings"]
 log = logging.getLogger("unbroken.pipeline")
 
 FULL_PRECISIONS = ("fp16", "bf16")
+STOP_TIMEOUT_S = 5.0  # after SIGTERM, before SIGKILL
 
 Spawn = Callable[
     [str, list[str], dict[str, str] | None], Awaitable[tuple[asyncio.subprocess.Process, Path]]
@@ -160,20 +161,29 @@ class Companions:
                 out["controller"]["live"] = False
         return out
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM every companion at once and wait for them together (in turn, each had
+        its own 5 s: `unbroken down` paid the sum); SIGKILL what is left after `timeout`.
+        How long each took is logged, and a kill as a warning."""
         self._stopping = True
-        procs = []
-        for c in self.items.values():
-            if c.task is not None:
-                c.task.cancel()
-            if c.proc is not None and c.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGTERM)
-                procs.append(c.proc)
-        for p in procs:
+        t0 = time.monotonic()
+
+        async def one(c: Companion) -> None:
+            p = c.proc
+            if p is None or p.returncode is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(p.wait(), 5)
+                await asyncio.wait_for(p.wait(), timeout)
             except TimeoutError:
+                log.warning("the %s did not exit %g s after SIGTERM: killed", c.name, timeout)
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 await p.wait()
+            log.info("%s stopped in %.1f s", c.name, time.monotonic() - t0)
+
+        for c in self.items.values():
+            if c.task is not None:
+                c.task.cancel()
+        await asyncio.gather(*(one(c) for c in self.items.values()))

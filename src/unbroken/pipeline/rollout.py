@@ -27,7 +27,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unbroken.clients import AdminError, AdminRejected
-from unbroken.config.spec import EngineSpec, PoolSpec
+from unbroken.config.spec import EngineSpec, PoolSpec, format_errors
 from unbroken.pipeline.backend import Backend, ReplicaHandle
 
 __all__ = ["RolloutError", "RolloutRequest", "run_rollout", "surge"]
@@ -72,7 +72,7 @@ def new_engine(old: EngineSpec, update: dict[str, Any]) -> EngineSpec:
     try:
         return EngineSpec.model_validate(data)
     except ValidationError as e:
-        raise RolloutError(f"invalid engine update: {e}") from None
+        raise RolloutError(f"invalid engine update: {format_errors(e)}") from None
 
 
 async def _warmup(sup: Backend, r: ReplicaHandle, budget: float, model: str | None = None) -> float:

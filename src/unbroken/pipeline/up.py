@@ -28,7 +28,7 @@ from unbroken.pipeline.control import (
 from unbroken.pipeline.supervisor import StartupError, Supervisor, live_plane, stop_plane
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
-__all__ = ["down_cli", "reload_cli", "run_up", "show_status"]
+__all__ = ["down_cli", "reload_cli", "run_up", "scale_cli", "show_status"]
 
 
 def run_up(
@@ -164,10 +164,12 @@ async def _main(sup: Supervisor, console: Console) -> int:
         console.print(f"[red]error:[/red] {escape(str(e))}")
         code = 1
     finally:
+        t0 = time.monotonic()
         await sup.stop()
         prom = sup.state / "prometheus"
         if prom.exists():  # a stopped pipeline has nothing to scrape (not "down" targets)
             write_targets(prom, {j: [] for j in JOBS})
+        console.print(f"stopped in {time.monotonic() - t0:.1f} s", markup=False)
     return code
 
 
@@ -241,9 +243,10 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     gw = status.get("gateway") or {}
     queue = gw.get("queue") or {}
     q = ", ".join(f"{k} {v}" for k, v in queue.items()) or "-"
-    out = [
-        f"gateway {status.get('gateway_url', '-')}  admin {status.get('admin_url', '-')}  "
-        f"restarts {status.get('restarts', 0)}",
+    url = status.get("gateway_url")
+    out = [  # as `unbroken up` prints them
+        f"gateway: {url + '/v1' if url else '-'}   admin: {status.get('admin_url', '-')}   "
+        f"restarts: {status.get('restarts', 0)}",
         f"queue: {q}",
     ]
     if gw.get("error"):
@@ -435,6 +438,40 @@ def rollout_cli(
     return 0 if summary.get("ok") else 1
 
 
+def scale_cli(pool: str, replicas: int, *, console: Console) -> int:
+    """Ask the running supervisor to resize an autoscaled pool (`POST /scale`, what the
+    controller's autoscaler sends); answers when done."""
+    info = RunInfo.read(state_dir())
+    if info is None:
+        console.print(f"[red]error:[/red] {escape(no_supervisor())}")
+        return 1
+    client = SupervisorClient(info.control_socket)
+    try:
+        with console.status(f"scaling {escape(pool)} to {replicas}"):
+            res = asyncio.run(client.scale(pool, replicas, "unbroken scale (by hand)"))
+    except SupervisorRejected as e:
+        console.print(f"[red]error:[/red] {escape(e.message)}")
+        return 1
+    except SupervisorUnreachable as e:
+        console.print(f"[red]error:[/red] {escape(no_supervisor() if e.refused else str(e))}")
+        return 1
+    except SupervisorError as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        return 1
+    line = f"pool {pool}: {res.get('from')} -> {res.get('replicas')} replica(s)"
+    line += f" in {res.get('seconds')} s"
+    for key in ("added", "removed"):
+        if res.get(key):
+            line += f"; {key} {', '.join(res[key])}"
+    console.print(line, markup=False)
+    if res.get("limited"):
+        console.print(f"warning: {res['limited']}", markup=False)
+    if not res.get("ok"):
+        console.print(f"[red]error:[/red] {escape('; '.join(res.get('errors') or []))}")
+        return 1
+    return 0
+
+
 def _secs(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} s"
 
@@ -494,7 +531,14 @@ def drain_cli(
     url = admin_url or (info.admin_url if info else "http://127.0.0.1:8081")
     token = read_admin_token(state_dir(), info)
     if not token:
-        console.print("[red]error:[/red] no admin token: set UNBROKEN_ADMIN_TOKEN")
+        where = (
+            "" if info is not None else f"no pipeline runs in the state directory {state_dir()}; "
+        )
+        console.print(
+            f"[red]error:[/red] {escape(where)}no admin token: set UNBROKEN_ADMIN_TOKEN, or "
+            "give --admin-url with --token-file FILE",
+            highlight=False,
+        )
         return 2
 
     async def go() -> int:
