@@ -814,3 +814,26 @@ def test_changed_config_rolls_the_pods() -> None:
     assert changed["unbroken-controller"] == base["unbroken-controller"]
     rotated = sums(default_spec(), "t-2")
     assert all(rotated[n] != base[n] for n in base)
+
+
+def test_startup_probe_covers_the_pools_health_timeout() -> None:
+    """A pool whose engine may take longer than the default 30 min to answer /health (a large
+    model on slow storage: `engine.health_timeout_s`) must not be killed by its liveness
+    probe while it loads."""
+    spec = parse_spec(
+        {
+            "model": "m",
+            "pools": [
+                {"name": "primary"},
+                {"name": "slow", "engine": {"health_timeout_s": 3600}},
+            ],
+        }
+    )
+    probes = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        for o in render(spec, RenderOptions())
+        if o["kind"] == "Deployment"
+        and o["metadata"]["name"] in ("unbroken-primary", "unbroken-slow")
+    }
+    budget = {k: p["periodSeconds"] * p["failureThreshold"] for k, p in probes.items()}
+    assert budget == {"unbroken-primary": 1800, "unbroken-slow": 3600}

@@ -492,8 +492,11 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
         # Model loading and CUDA graph capture take minutes: the startup probe holds the
-        # liveness probe off until /health answers.
-        "startupProbe": _http_probe("/health", "http", 10, 180),
+        # liveness probe off until /health answers, for at least 30 min, or the pool's
+        # `engine.health_timeout_s` where that is longer (a large model on slow storage).
+        "startupProbe": _http_probe(
+            "/health", "http", 10, max(180, math.ceil(pool.engine.health_timeout_s / 10))
+        ),
         "readinessProbe": {
             "exec": {"command": ready_cmd},
             "periodSeconds": 10,
