@@ -550,6 +550,80 @@ def test_contention_detected_acted_on_and_undone(
     )
 
 
+def _engine_seqs(e: Proc) -> int:
+    r = httpx.get(e.url + "/admin/config", headers=AUTH, timeout=5)
+    return int(r.json()["max_num_seqs"])
+
+
+def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """The controller is SIGKILLed while the victim's engine runs with a lowered
+    max_num_seqs, and started again (what the supervisor does): the new process never saw
+    the engine's original, yet the engine ends the episode back at its configured value (the
+    settings name each pool's; the supervisor fills them from the spec)."""
+    g, engines = tiered
+    victim = _name_of(g, engines["p-1"].url)
+    settings = {
+        **LOOP_SETTINGS,
+        "engine_max_num_seqs": {"primary": 256, "fallback": 256},
+        "state_file": str(tmp_path / "controller-state.json"),
+    }
+    args = ("--full-pool", "primary", "--degraded-pool", "fallback")
+    c = controller(tmp_path, g, *args, settings=settings).start()
+    c2: Proc | None = None
+    try:
+        with Load(g.url, users=6, max_tokens=100):
+            wait_for(lambda: _primary_baselines(c.url), timeout=20, what="baselines learned")
+            configured = _engine_seqs(engines["p-1"])
+            assert configured == 256
+            r = httpx.post(
+                engines["p-1"].url + "/admin/faults",
+                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 8},
+                headers=AUTH,
+            )
+            assert r.status_code == 200, r.text
+            t_end = time.monotonic() + 8
+            wait_for(
+                lambda: _engine_seqs(engines["p-1"]) < configured,
+                timeout=10,
+                what="engine max_num_seqs lowered",
+            )
+            assert c.popen is not None
+            c.popen.kill()
+            c.popen.wait(10)
+            c2 = controller(tmp_path, g, *args, settings=settings).start()
+            wait_for(
+                lambda: (
+                    time.monotonic() > t_end
+                    and _by_name(g)[victim]["condition"] == "normal"
+                    and _by_name(g)[victim]["cap_override"] is None
+                ),
+                timeout=40,
+                interval=0.2,
+                what="back to normal after the episode",
+            )
+            wait_for(
+                lambda: _engine_seqs(engines["p-1"]) == configured,
+                timeout=5,
+                what=lambda: f"engine restored (is {_engine_seqs(engines['p-1'])})",
+            )
+            text = httpx.get(c2.url + "/metrics").text
+        assert metric_line(text, 'unbroken_controller_actions_total{action="engine max_num_seqs"}')
+    finally:
+        for p in (c2, c):
+            if p is not None:
+                p.stop()
+
+
+def metric_line(text: str, prefix: str) -> float:
+    """The value of the first exposition line starting with `prefix` (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def _primary_baselines(url: str) -> bool:
     """The controller has a baseline for both endpoints of the primary pool."""
     eps = [e for e in _ctl_state(url).values() if e["pool"] == "primary"]

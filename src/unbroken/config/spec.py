@@ -209,6 +209,14 @@ class ControllerSettings(_Spec):
     convert_after_s: Annotated[float, Field(gt=0)] | None = None
     convert_back_after_s: Annotated[float, Field(gt=0)] = 60.0
     min_full_replicas: Annotated[int, Field(ge=0)] = 1
+    # Each pool's configured engine max_num_seqs (`unbroken up` fills it from the engine
+    # profile and overrides): what a lowered engine is restored to, also by a controller
+    # that did not lower it (restarted mid-episode). Unset pools: read from the engine.
+    engine_max_num_seqs: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    # Where the controller keeps what must outlive its process (learned baselines, the
+    # original max_num_seqs of engines it lowered); `unbroken up` puts it in the state
+    # directory. null: in memory only.
+    state_file: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ControllerSettings:

@@ -70,6 +70,7 @@ class ControllerMetrics:
             "route to degraded",
             "restore routes",
             "move streams",
+            "engine max_num_seqs",
             "convert",
             "convert back",
         ):

@@ -8,6 +8,7 @@ clearing an override."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from unbroken.controller.actions import Actuator, Decision, EndpointView
 from unbroken.controller.classify import CONDITIONS, Detector
 from unbroken.controller.config import ControllerConfig
 from unbroken.controller.metrics import ControllerMetrics
+from unbroken.controller.persist import StateStore
 from unbroken.controller.sensing import Sensing
 
 __all__ = ["Reconciler"]
@@ -33,6 +35,7 @@ class Reconciler:
         metrics: ControllerMetrics,
         sensing: Sensing,
         record: Callable[[list[Decision]], None],
+        store: StateStore | None = None,
     ) -> None:
         self.cfg = cfg
         self.s = cfg.settings
@@ -40,10 +43,15 @@ class Reconciler:
         self.metrics = metrics
         self.sensing = sensing
         self._record = record
+        self.store = store if store is not None else StateStore(None)
         # The engine-side twin of the cap, per engine it lowered: (max_num_seqs before, the
         # cap last applied); and engines without an admin API to do it.
         self._engine_capped: dict[str, tuple[int, int]] = {}
         self._engine_no_admin: set[str] = set()
+        # Endpoints whose engine's max_num_seqs was read since this process first saw them:
+        # the memory above is lost with the process, so what the engine runs with is
+        # compared with its original once (a restarted controller finds it still lowered).
+        self._engine_checked: set[str] = set()
         self._routes_applied: dict[str, dict[str, list[str]]] = {}  # per gateway
         self.routes_wanted: dict[str, list[str]] | None = None
         self._moved: set[str] = set()  # endpoints whose streams were moved this episode
@@ -52,10 +60,42 @@ class Reconciler:
         """The max_num_seqs last set on the endpoint's engine, None when not lowered."""
         return c[1] if (c := self._engine_capped.get(name)) else None
 
-    def forget(self, name: str) -> None:
-        """An endpoint no gateway lists any more."""
-        self._engine_capped.pop(name, None)
+    def original(self, v: EndpointView) -> int | None:
+        """The engine's max_num_seqs before any lowering, known from outside this process:
+        the pool's configured value (the supervisor's settings), else what a previous run
+        of the controller recorded before lowering it. None: unknown (read it)."""
+        configured = self.s.engine_max_num_seqs.get(v.pool)
+        return configured if configured is not None else self.store.engines.get(v.url)
+
+    async def forget(self, name: str, view: EndpointView | None) -> None:
+        """An endpoint no gateway lists any more: a lowered engine is restored first, while
+        it still answers (it may be listed again, or serve other clients)."""
+        capped = self._engine_capped.pop(name, None)
         self._engine_no_admin.discard(name)
+        self._engine_checked.discard(name)
+        token = self.cfg.engine_token
+        if capped is None or view is None or not token:
+            return
+        try:
+            async with EngineAdmin(view.url, token, timeout=2.0) as eng:
+                await eng.set_max_num_seqs(max_num_seqs=capped[0])
+        except AdminError as e:
+            log.warning("%s: removed with max_num_seqs lowered, not restored: %s", name, e)
+            return
+        self.store.engines.pop(view.url, None)
+        self.store.save()
+        self.metrics.actions.labels("engine max_num_seqs").inc()
+        self._record(
+            [
+                Decision(
+                    time.time(),
+                    name,
+                    "engine max_num_seqs",
+                    f"removed from the gateway: restored to {capped[0]}",
+                    {"max_num_seqs": capped[0]},
+                )
+            ]
+        )
 
     def forget_gateway(self, url: str) -> None:
         """A gateway replica discovery no longer lists."""
@@ -105,13 +145,23 @@ class Reconciler:
         for name, v in views.items():
             want = self.actuator.caps.get(name)
             capped = self._engine_capped.get(name)
-            if name in self._engine_no_admin or (capped[1] if capped else None) == want:
+            checked = name in self._engine_checked
+            if name in self._engine_no_admin or (
+                checked and (capped[1] if capped else None) == want
+            ):
                 continue  # as wanted already (never lowered and nothing to lower included)
             try:
                 async with EngineAdmin(v.url, token, timeout=2.0) as eng:
-                    orig = capped[0] if capped else int((await eng.config())["max_num_seqs"])
+                    orig = capped[0] if capped else self.original(v)
+                    current: int | None = None
+                    if not checked or orig is None:
+                        current = int((await eng.config())["max_num_seqs"])
+                    self._engine_checked.add(name)
+                    orig = orig if orig is not None else current
+                    assert orig is not None
                     target = orig if want is None else min(want, orig)
-                    await eng.set_max_num_seqs(max_num_seqs=target)
+                    if current != target:
+                        await eng.set_max_num_seqs(max_num_seqs=target)
             except (AdminError, KeyError, TypeError, ValueError) as e:
                 no_api = isinstance(e, AdminRejected) and e.status in (401, 403, 404, 405)
                 if not no_api:
@@ -129,15 +179,25 @@ class Reconciler:
                 )
                 continue
             if want is None:
-                del self._engine_capped[name]
+                self._engine_capped.pop(name, None)
+                if self.store.engines.pop(v.url, None) is not None:
+                    self.store.save()
             else:
                 self._engine_capped[name] = (orig, want)
+                if self.store.engines.get(v.url) != orig:
+                    self.store.engines[v.url] = orig
+                    self.store.save()
+            if current == target:
+                continue  # found as wanted (first look since start): nothing changed
             why = (
                 f"restored to {target}"
                 if want is None
                 else f"follows the gateway cap: {target} (was {orig})"
             )
+            if want is None and capped is None:
+                why += f" (found at {current}: lowered before this controller's start)"
             data = {"max_num_seqs": target}
+            self.metrics.actions.labels("engine max_num_seqs").inc()
             self._record([Decision(now, name, "engine max_num_seqs", why, data)])
 
     async def _move_streams(self, detectors: Mapping[str, Detector], now: float) -> None:

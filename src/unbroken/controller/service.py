@@ -29,6 +29,7 @@ from unbroken.controller.api import build_app, run_controller, serve
 from unbroken.controller.classify import CONDITIONS, Detector, Transition
 from unbroken.controller.config import ControllerConfig
 from unbroken.controller.metrics import DETECTION_BUCKETS, ControllerMetrics
+from unbroken.controller.persist import StateStore
 from unbroken.controller.precision_driver import PrecisionDriver
 from unbroken.controller.reconcile import Reconciler
 from unbroken.controller.scaling import ScalingLoop
@@ -60,7 +61,10 @@ class Controller:
         self.detectors: dict[str, Detector] = {}
         self.views: dict[str, EndpointView] = {}
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=2000)
-        self.reconciler = Reconciler(cfg, self.actuator, self.metrics, self.sensing, self._record)
+        self.store = StateStore(self.s.state_file)
+        self.reconciler = Reconciler(
+            cfg, self.actuator, self.metrics, self.sensing, self._record, self.store
+        )
         self.sensing.on_gateway_gone = self.reconciler.forget_gateway
         self._stop = asyncio.Event()
         self.polls = 0
@@ -113,9 +117,9 @@ class Controller:
             sense.read_agent(), asyncio.gather(*(sense.read_engine(v) for v in views.values()))
         )
         self.metrics.poll.observe(time.monotonic() - t0)
-        self.views = views
+        before, self.views = self.views, views
         for gone in set(self.detectors) - set(views):
-            self._forget(gone)
+            await self._forget(gone, before.get(gone))
         mono, now = time.monotonic(), time.time()
         for v, ew in zip(views.values(), engines, strict=True):
             sense.engine_last[v.name] = ew
@@ -166,9 +170,9 @@ class Controller:
                 self.metrics.actions.labels(d.action).inc()
             log.info("%s: %s (%s)", d.endpoint, d.action, d.reason)
 
-    def _forget(self, name: str) -> None:
+    async def _forget(self, name: str, view: EndpointView | None) -> None:
         self.sensing.forget(name)
-        self.reconciler.forget(name)
+        await self.reconciler.forget(name, view)
         self.detectors.pop(name, None)
         self.actuator.caps.pop(name, None)
         for c in CONDITIONS:

@@ -20,6 +20,7 @@ import aiohttp
 
 from unbroken.config.paths import engine_token_path
 from unbroken.config.spec import PipelineSpec
+from unbroken.engine.profiles import get_profile
 
 __all__ = ["FULL_PRECISIONS", "Companion", "Companions", "controller_settings"]
 
@@ -33,13 +34,24 @@ Spawn = Callable[
 ]
 
 
-def controller_settings(spec: PipelineSpec) -> dict[str, Any]:
-    """The spec's controller section with tiers filled in from pool precisions when unset."""
+def controller_settings(spec: PipelineSpec, state: Path | None = None) -> dict[str, Any]:
+    """The spec's controller section with tiers filled in from pool precisions when unset;
+    each simulator pool's configured max_num_seqs (what a lowered engine is restored to,
+    also by a restarted controller); and, with the state directory, the controller's state
+    file (baselines and lowered engines survive a restart of the controller)."""
     s = spec.controller.model_dump()
     if not s["full_pools"]:
         s["full_pools"] = [p.name for p in spec.pools if p.precision in FULL_PRECISIONS]
     if not s["degraded_pools"]:
         s["degraded_pools"] = [p.name for p in spec.pools if p.precision not in FULL_PRECISIONS]
+    seqs = dict(s["engine_max_num_seqs"])
+    for p in spec.pools:
+        e = p.engine
+        if e.kind == "simulator" and p.name not in seqs:
+            seqs[p.name] = e.overrides.max_num_seqs or get_profile(e.profile).max_num_seqs
+    s["engine_max_num_seqs"] = seqs
+    if state is not None and not s["state_file"]:
+        s["state_file"] = str(state / "controller-state.json")
     return s
 
 
@@ -99,7 +111,7 @@ class Companions:
         c = self.spec.controller
         if c.enabled:
             cfg = self.state / "controller.json"
-            cfg.write_text(json.dumps(controller_settings(self.spec), indent=1))
+            cfg.write_text(json.dumps(controller_settings(self.spec, self.state), indent=1))
             argv = [*py, "controller", "--gateway-admin", self.admin_url, "--config", str(cfg),
                     "--supervisor-socket", str(self.state / "supervisor.sock")]  # fmt: skip
             if agent_url:
