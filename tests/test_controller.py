@@ -249,6 +249,21 @@ def test_baselines_are_per_endpoint() -> None:
     assert tiny.read(3, cuda_latency=40e-6, itl=None, running=1, backpressure=0).ratio == 1.0
 
 
+def test_no_baseline_is_learned_while_the_gateway_lists_an_episode() -> None:
+    """A fresh detector (a restarted controller) whose gateway lists the endpoint contended
+    must not learn the contended latency as its normal; kept baselines carry over."""
+    det = Detector("e", FAST_SETTINGS)
+    for i in range(20):
+        det.read(i * 0.1, cuda_latency=0.05, itl=None, running=1, backpressure=0, learn=False)
+    assert det.cuda.n == 0 and not det.has_baseline
+    healthy = Detector("e", FAST_SETTINGS)
+    _healthy(healthy, FAST_SETTINGS.baseline_windows + 2, 0.1)
+    again = Detector("e", FAST_SETTINGS)
+    assert again.load_baselines(json.loads(json.dumps(healthy.baselines())))
+    r = again.read(9.0, cuda_latency=0.05, itl=None, running=1, backpressure=0, learn=False)
+    assert r.ratio is not None and r.ratio > 10
+
+
 def test_itl_baseline_follows_batch_size() -> None:
     """A continuous-batching step costs base + per-sequence: a busier replica is slower, not
     contended."""
@@ -555,13 +570,33 @@ def _engine_seqs(e: Proc) -> int:
     return int(r.json()["max_num_seqs"])
 
 
+class GatewayTrail(StateTrail):
+    """The gateway's listing of one endpoint every poll: (monotonic, condition, cap)."""
+
+    def __init__(self, g: Proc, endpoint: str, interval: float = 0.1) -> None:
+        super().__init__(g.url, endpoint, interval)
+        self.g = g
+        self.seen: list[tuple[float, str, int | None]] = []
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                e = _by_name(self.g)[self.endpoint]
+            except (httpx.HTTPError, KeyError):
+                continue
+            self.seen.append((time.monotonic(), e["condition"], e["cap_override"]))
+
+
 def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
     tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
 ) -> None:
     """The controller is SIGKILLed while the victim's engine runs with a lowered
     max_num_seqs, and started again (what the supervisor does): the new process never saw
     the engine's original, yet the engine ends the episode back at its configured value (the
-    settings name each pool's; the supervisor fills them from the spec)."""
+    settings name each pool's; the supervisor fills them from the spec). The new process
+    takes the episode over where the gateway shows it: the victim stays contended under its
+    lowered cap until the fault ends (never cleared at once), and its baseline is the
+    healthy one kept in `state_file`, not the contended latency it first sees."""
     g, engines = tiered
     victim = _name_of(g, engines["p-1"].url)
     settings = {
@@ -592,7 +627,18 @@ def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
             assert c.popen is not None
             c.popen.kill()
             c.popen.wait(10)
-            c2 = controller(tmp_path, g, *args, settings=settings).start()
+            with GatewayTrail(g, victim) as trail:
+                c2 = controller(tmp_path, g, *args, settings=settings).start()
+                t_started = time.monotonic()
+                time.sleep(max(0.0, t_end - 0.3 - time.monotonic()))
+            during = [s for s in trail.seen if t_started < s[0] < t_end - 0.3]
+            assert during and all(
+                cond != "normal" and cap is not None for _t, cond, cap in during
+            ), during
+            decisions = httpx.get(c2.url + "/decisions").json()["decisions"]
+            resumed = [d for d in decisions if d["action"] == "resume episode"]
+            assert resumed and resumed[0]["endpoint"] == victim, decisions
+            assert "condition contended" not in " ".join(d["action"] for d in decisions)
             wait_for(
                 lambda: (
                     time.monotonic() > t_end
@@ -609,6 +655,14 @@ def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
                 what=lambda: f"engine restored (is {_engine_seqs(engines['p-1'])})",
             )
             text = httpx.get(c2.url + "/metrics").text
+            # Judged against the healthy baseline: the recovered replica reads about x1 (a
+            # baseline learned during the episode read it x0.001..x0.04).
+            wait_for(
+                lambda: 0.5 < (_ctl_state(c2.url)[victim]["ratio"] or 0) < 2,
+                timeout=5,
+                interval=0.2,
+                what=lambda: f"a ratio near 1: {_ctl_state(c2.url)[victim]}",
+            )
         assert metric_line(text, 'unbroken_controller_actions_total{action="engine max_num_seqs"}')
     finally:
         for p in (c2, c):

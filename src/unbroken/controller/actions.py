@@ -125,6 +125,18 @@ class Actuator:
             self._next_step.pop(name, None)
         return out
 
+    def resume(self, name: str, cap: int | None, condition: str, mono: float) -> None:
+        """Take over a cap override found on the gateway (set by an earlier controller
+        process): kept as it is, and raised step by step from there once recovering."""
+        if cap is None:
+            self.caps.pop(name, None)
+        else:
+            self.caps[name] = cap
+        if condition == "recovering":
+            self._next_step[name] = mono + self.s.recover_step_s
+        else:
+            self._next_step.pop(name, None)
+
     def step_up(
         self, name: str, view: EndpointView | None, mono: float, now: float
     ) -> tuple[list[Decision], bool]:

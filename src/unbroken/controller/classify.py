@@ -54,6 +54,12 @@ class CudaBaseline:
     def value(self) -> float | None:
         return math.exp(self._log) if self.n else None
 
+    def state(self) -> dict[str, float]:
+        return {"n": self.n, "log": self._log}
+
+    def load(self, d: dict[str, float]) -> None:
+        self.n, self._log = int(d["n"]), float(d["log"])
+
     def learn(self, x: float) -> None:
         if x <= 0:
             return
@@ -78,6 +84,15 @@ class ItlBaseline:
     @property
     def ready(self) -> bool:
         return self.n >= self.windows
+
+    def state(self) -> dict[str, float]:
+        return {"n": self.n, "w": self._w, "x": self._x, "y": self._y, "xx": self._xx,
+                "xy": self._xy}  # fmt: skip
+
+    def load(self, d: dict[str, float]) -> None:
+        self.n = int(d["n"])
+        self._w, self._x, self._y = float(d["w"]), float(d["x"]), float(d["y"])
+        self._xx, self._xy = float(d["xx"]), float(d["xy"])
 
     def learn(self, running: float, itl: float) -> None:
         if itl <= 0:
@@ -158,11 +173,14 @@ class Detector:
         itl: float | None,
         running: float,
         backpressure: float,
+        learn: bool = True,
     ) -> Reading:
         """Turn one window's raw numbers into a ratio against this endpoint's baseline, and
-        learn from it while normal. The CUDA signal wins when present: it is the direct one."""
+        learn from it while normal (and `learn`: the caller's word that the gateway lists
+        the endpoint normal, with no cap override). The CUDA signal wins when present: it
+        is the direct one."""
         r = Reading(t=t, backpressure=backpressure, running=running)
-        normal = self.condition == "normal" and self._above_since is None
+        normal = learn and self.condition == "normal" and self._above_since is None
         if cuda_latency is not None:
             base = self.cuda.value if self.cuda.ready else None
             r.source, r.value, r.baseline = "cuda", cuda_latency, base
@@ -191,6 +209,31 @@ class Detector:
                 self.itl.learn(running, itl)
         self.last = r
         return r
+
+    @property
+    def has_baseline(self) -> bool:
+        return self.cuda.ready or self.itl.ready
+
+    def baselines(self) -> dict[str, dict[str, float]]:
+        """What was learned, to outlive the process (controller/persist.py)."""
+        return {"cuda": self.cuda.state(), "itl": self.itl.state()}
+
+    def load_baselines(self, d: dict[str, dict[str, float]]) -> bool:
+        """Take over what an earlier process learned; False when it is unusable."""
+        try:
+            self.cuda.load(d["cuda"])
+            self.itl.load(d["itl"])
+        except (KeyError, TypeError, ValueError):
+            self.cuda = CudaBaseline(self.settings.baseline_windows)
+            self.itl = ItlBaseline(self.settings.baseline_windows)
+            return False
+        return True
+
+    def resume(self, condition: Condition, t: float) -> None:
+        """Start in the condition the gateway lists (a controller restarted mid-episode, or
+        one that lost an endpoint and sees it again): the episode goes on from there."""
+        self.condition, self.since = condition, t
+        self._above_since = self._below_since = None
 
     @property
     def suspect(self) -> bool:

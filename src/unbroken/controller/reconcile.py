@@ -60,6 +60,10 @@ class Reconciler:
         """The max_num_seqs last set on the endpoint's engine, None when not lowered."""
         return c[1] if (c := self._engine_capped.get(name)) else None
 
+    def moved(self, name: str) -> None:
+        """The endpoint's streams were moved this episode already (an earlier process)."""
+        self._moved.add(name)
+
     def original(self, v: EndpointView) -> int | None:
         """The engine's max_num_seqs before any lowering, known from outside this process:
         the pool's configured value (the supervisor's settings), else what a previous run

@@ -26,7 +26,7 @@ from typing import Any
 
 from unbroken.controller.actions import Actuator, Decision, EndpointView
 from unbroken.controller.api import build_app, run_controller, serve
-from unbroken.controller.classify import CONDITIONS, Detector, Transition
+from unbroken.controller.classify import CONDITIONS, Condition, Detector, Transition
 from unbroken.controller.config import ControllerConfig
 from unbroken.controller.metrics import DETECTION_BUCKETS, ControllerMetrics
 from unbroken.controller.persist import StateStore
@@ -48,6 +48,8 @@ __all__ = [
 
 log = logging.getLogger("unbroken.controller")
 
+BASELINE_SAVE_S = 2.0  # how often learned baselines are written to `state_file`
+
 
 class Controller:
     def __init__(self, cfg: ControllerConfig) -> None:
@@ -68,6 +70,7 @@ class Controller:
         self.sensing.on_gateway_gone = self.reconciler.forget_gateway
         self._stop = asyncio.Event()
         self.polls = 0
+        self._baselines_saved = 0.0
         self.precision_driver = PrecisionDriver(cfg, self.metrics, self._record, self._spawn)
         # Autoscaling of `replicas: {min, max}` pools (controller/scaling.py): under
         # `unbroken up` only; on Kubernetes KEDA or the HPA scale on the same signal.
@@ -125,7 +128,7 @@ class Controller:
             sense.engine_last[v.name] = ew
             det = self.detectors.get(v.name)
             if det is None:
-                det = self.detectors[v.name] = Detector(v.name, self.s, since=mono)
+                det = self.detectors[v.name] = self._new_detector(v, mono, now)
             cw = (agent or {}).get(v.name)
             cuda = cw.quantile(self.s.cuda_quantile) if cw is not None and cw.count >= 3 else None
             if agent is not None:
@@ -137,6 +140,8 @@ class Controller:
                 itl=ew.itl_mean if ew is not None and ew.itl_count >= 3 else None,
                 running=ew.running if ew is not None else float(v.inflight),
                 backpressure=(cw.backpressure_s / win) if cw is not None else 0.0,
+                # Never learn from an endpoint the gateway lists in an episode.
+                learn=v.condition == "normal" and v.cap_override is None,
             )
             if reading.ratio is not None and reading.source is not None:
                 self.metrics.ratio.labels(v.name, reading.source).set(reading.ratio)
@@ -156,12 +161,61 @@ class Controller:
         await self.reconciler.apply(self.detectors, self.views, now)
         self.precision_driver.step(mono, now, self.detectors, self.views)
         self.polls += 1
+        if self.store.path is not None and mono - self._baselines_saved >= BASELINE_SAVE_S:
+            self._save_baselines(mono)
+
+    def _new_detector(self, v: EndpointView, mono: float, now: float) -> Detector:
+        """An endpoint this process has not judged yet (its start, or listed anew). Its
+        baselines are what an earlier process learned, where `state_file` kept them. An
+        endpoint the gateway lists in an episode (contended or recovering, or with a cap
+        override) was acted on by an earlier process: the episode goes on from the
+        gateway's cap, never cleared at once; without a baseline to judge the end by, it is
+        undone step by step (recovering)."""
+        det = Detector(v.name, self.s, since=mono)
+        kept = self.store.baselines.get(v.name)
+        restored = bool(kept) and kept.get("url") == v.url and det.load_baselines(kept)
+        if v.condition not in ("contended", "recovering") and v.cap_override is None:
+            return det
+        judged = restored and det.has_baseline
+        cond: Condition = "contended" if v.condition == "contended" and judged else "recovering"
+        det.resume(cond, mono)
+        self.actuator.resume(v.name, v.cap_override, cond, mono)
+        if cond == "contended":
+            self.reconciler.moved(v.name)  # its streams were moved when it entered
+        how = (
+            "judged against its kept baseline"
+            if judged
+            else "no baseline kept to judge it by: undone step by step"
+        )
+        self._record(
+            [
+                Decision(
+                    now,
+                    v.name,
+                    "resume episode",
+                    f"the gateway lists it {v.condition} with cap override {v.cap_override}: "
+                    f"resumed as {cond}, {how}",
+                    {"cap": v.cap_override, "condition": cond},
+                )
+            ]
+        )
+        return det
+
+    def _save_baselines(self, mono: float) -> None:
+        self._baselines_saved = mono
+        for name, det in self.detectors.items():
+            v = self.views.get(name)
+            if v is not None and det.has_baseline:
+                self.store.baselines[name] = {"url": v.url, **det.baselines()}
+        self.store.save()
 
     def _transition(self, tr: Transition, v: EndpointView, running: float, now: float) -> None:
         self.metrics.transitions.labels(tr.endpoint, tr.old, tr.new).inc()
         if tr.detection_s is not None:
             self.metrics.detection.observe(tr.detection_s)
         self._record(self.actuator.on_transition(tr, v, running, now))
+        if tr.new == "contended" and self.store.path is not None:
+            self._save_baselines(time.monotonic())  # what a restart mid-episode judges by
 
     def _record(self, decisions: list[Decision]) -> None:
         for d in decisions:
