@@ -670,6 +670,87 @@ def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
                 p.stop()
 
 
+def test_a_gateway_restarted_mid_episode_is_brought_back_in_line(
+    tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
+) -> None:
+    """The gateway is SIGKILLed mid-episode and started again with no condition, cap
+    override or routes override, and at first no endpoints (they are added back through its
+    admin API 1.5 s later, as a supervisor would): the controller keeps its state through
+    the gap and puts the condition, the cap and the routes override back on the new
+    gateway, then undoes them after the fault, the engine's max_num_seqs included."""
+    g, engines = tiered
+    victim = _name_of(g, engines["p-1"].url)
+    c = tiered_controller(tmp_path, g).start()
+    try:
+        with Load(g.url, users=6, max_tokens=100):
+            wait_for(lambda: _primary_baselines(c.url), timeout=20, what="baselines learned")
+            configured = _engine_seqs(engines["p-1"])
+            r = httpx.post(
+                engines["p-1"].url + "/admin/faults",
+                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 9},
+                headers=AUTH,
+            )
+            assert r.status_code == 200, r.text
+            t_end = time.monotonic() + 9
+            wait_for(
+                lambda: (
+                    _by_name(g)[victim]["cap_override"] is not None
+                    and admin(g, "GET", "/admin/routes").json()["override"]
+                ),
+                timeout=10,
+                what="contended and routed",
+            )
+            listed = [(e["name"], e["url"], e["pool"]) for e in _by_name(g).values()]
+            assert g.popen is not None
+            os.killpg(g.popen.pid, signal.SIGKILL)
+            g.popen.wait(10)
+        argv = g.argv
+        g.argv = [a for i, a in enumerate(argv) if "--endpoint" not in argv[i - 1 : i + 1]]
+        g.start()
+        g.argv = argv
+        time.sleep(1.5)  # listings without the endpoints, for several windows
+        for name, url, pool in listed:
+            body = {"name": name, "url": url, "pool": pool, "warmup": False}
+            assert admin(g, "POST", "/admin/endpoints", body).status_code < 300
+        t_back = time.monotonic()
+        with Load(g.url, users=6, max_tokens=100):
+            wait_for(
+                lambda: (
+                    _by_name(g).get(victim, {}).get("condition") == "contended"
+                    and _by_name(g)[victim]["cap_override"] is not None
+                    and admin(g, "GET", "/admin/routes").json()["override"].get("standard", [""])[0]
+                    == "fallback"
+                ),
+                timeout=3,
+                interval=0.1,
+                what=lambda: (
+                    f"state re-applied: {_by_name(g).get(victim)} "
+                    f"{admin(g, 'GET', '/admin/routes').json()['override']}"
+                ),
+            )
+            assert time.monotonic() < t_end, "the fault ended before the check"
+            assert time.monotonic() - t_back < 3
+            assert _engine_seqs(engines["p-1"]) < configured
+            wait_for(
+                lambda: (
+                    time.monotonic() > t_end
+                    and _by_name(g)[victim]["condition"] == "normal"
+                    and _by_name(g)[victim]["cap_override"] is None
+                ),
+                timeout=40,
+                interval=0.2,
+                what="back to normal after the episode",
+            )
+            assert admin(g, "GET", "/admin/routes").json()["override"] == {}
+            wait_for(
+                lambda: _engine_seqs(engines["p-1"]) == configured,
+                timeout=5,
+                what=lambda: f"engine restored (is {_engine_seqs(engines['p-1'])})",
+            )
+    finally:
+        c.stop()
+
+
 def metric_line(text: str, prefix: str) -> float:
     """The value of the first exposition line starting with `prefix` (0 when absent)."""
     for line in text.splitlines():

@@ -106,7 +106,11 @@ class Reconciler:
         self._routes_applied.pop(url, None)
 
     async def apply(
-        self, detectors: Mapping[str, Detector], views: Mapping[str, EndpointView], now: float
+        self,
+        detectors: Mapping[str, Detector],
+        views: Mapping[str, EndpointView],
+        now: float,
+        pools: Mapping[str, str] | None = None,
     ) -> None:
         """Make every gateway match what we want: condition and cap override per endpoint,
         and the routes override. Compared with what each gateway reports, so a restarted (or
@@ -132,7 +136,9 @@ class Reconciler:
                         self.metrics.errors.labels("apply").inc()
                         log.warning("could not update %s on the gateway %s: %s", name, url, e)
         conditions = {n: d.condition for n, d in detectors.items()}
-        pools = {n: v.pool for n, v in views.items()}
+        # Pools of endpoints missing from this window's listing too (a restarting gateway):
+        # their episode still holds the routes.
+        pools = {**(pools or {}), **{n: v.pool for n, v in views.items()}}
         want = self.actuator.routes(conditions, pools)
         await self._apply_routes(want, now)
         await self._move_streams(detectors, now)
@@ -247,7 +253,11 @@ class Reconciler:
 
     async def _apply_routes(self, want: dict[str, list[str]], now: float) -> None:
         for url in self.sensing.gateway_views:
-            if self._routes_applied.get(url) == want:
+            # What the gateway reports, so that a restarted one gets the override again;
+            # what was applied only where its routes could not be read this window.
+            has = self.sensing.gateway_routes.get(url, self._routes_applied.get(url))
+            if has is not None and _routes(has) == _routes(want):
+                self._routes_applied[url] = want
                 continue
             try:
                 if want:
@@ -282,3 +292,8 @@ class Reconciler:
             self._record(
                 [Decision(now, "*", "restore routes", "no full-precision endpoint is contended")]
             )
+
+
+def _routes(r: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """A routes override as the gateway keeps it (priorities with no pool dropped)."""
+    return {k: list(v) for k, v in r.items() if v}

@@ -61,6 +61,11 @@ class Sensing:
         self._admins: dict[str, GatewayAdmin] = {}
         # What each gateway listed last window: name → view (to apply only what differs).
         self.gateway_views: dict[str, dict[str, EndpointView]] = {}
+        # ... each gateway's routes override as it reports it (absent: not read this window)
+        self.gateway_routes: dict[str, dict[str, list[str]]] = {}
+        # Every endpoint name a gateway listed last window, in whatever state (a restarted
+        # gateway lists its endpoints before their health checks pass).
+        self.listed_any: set[str] = set()
         # Called with a gateway's admin URL once discovery no longer lists it.
         self.on_gateway_gone: Callable[[str], None] = lambda url: None
         self._agent_deltas: dict[str, HistogramDelta] = {}
@@ -156,16 +161,22 @@ class Sensing:
         """Every gateway's listing. Endpoints are the union; in-flight and slow clients are
         summed over the replicas (each holds its own share of the streams)."""
         urls = self.sources.gateways
-        listings = await asyncio.gather(
-            *(self.admin(u).endpoints() for u in urls), return_exceptions=True
+        listings, routes = await asyncio.gather(
+            asyncio.gather(*(self.admin(u).endpoints() for u in urls), return_exceptions=True),
+            asyncio.gather(*(self.admin(u).routes() for u in urls), return_exceptions=True),
         )
         merged: dict[str, EndpointView] = {}
         self.gateway_views = {}
-        for url, listing in zip(urls, listings, strict=True):
+        self.gateway_routes = {}
+        self.listed_any = set()
+        for url, listing, rts in zip(urls, listings, routes, strict=True):
             if isinstance(listing, BaseException):
                 self.metrics.errors.labels("gateway").inc()
                 self._gateway_failed(url, listing)
                 continue
+            if isinstance(rts, dict) and isinstance(rts.get("override"), dict):
+                self.gateway_routes[url] = rts["override"]
+            self.listed_any.update(str(d.get("name")) for d in listing)
             if url in self._gateway_down:
                 self._gateway_down.discard(url)
                 log.info("gateway admin %s answers again", url)

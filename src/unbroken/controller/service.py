@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -48,6 +49,10 @@ __all__ = [
 
 log = logging.getLogger("unbroken.controller")
 
+# An endpoint no gateway lists is forgotten after this long (and this many windows in which
+# a gateway answered): a restarted gateway's first listings may lack it.
+FORGET_AFTER_S = 10.0
+FORGET_AFTER_WINDOWS = 5
 BASELINE_SAVE_S = 2.0  # how often learned baselines are written to `state_file`
 
 
@@ -69,6 +74,11 @@ class Controller:
         )
         self.sensing.on_gateway_gone = self.reconciler.forget_gateway
         self._stop = asyncio.Event()
+        # Every endpoint judged, as last listed (also while a restarting gateway omits it),
+        # and for how many windows in a row no readable gateway has listed it.
+        self.known: dict[str, EndpointView] = {}
+        self._missing: dict[str, int] = {}
+        self.forget_after = max(FORGET_AFTER_WINDOWS, math.ceil(FORGET_AFTER_S / self.s.interval_s))
         self.polls = 0
         self._baselines_saved = 0.0
         self.precision_driver = PrecisionDriver(cfg, self.metrics, self._record, self._spawn)
@@ -120,9 +130,9 @@ class Controller:
             sense.read_agent(), asyncio.gather(*(sense.read_engine(v) for v in views.values()))
         )
         self.metrics.poll.observe(time.monotonic() - t0)
-        before, self.views = self.views, views
-        for gone in set(self.detectors) - set(views):
-            await self._forget(gone, before.get(gone))
+        self.views = views
+        self.known.update(views)
+        await self._forget_gone(views)
         mono, now = time.monotonic(), time.time()
         for v, ew in zip(views.values(), engines, strict=True):
             sense.engine_last[v.name] = ew
@@ -158,7 +168,8 @@ class Controller:
                 self._record(decisions)
                 if restored and (tr2 := det.recovered(mono)) is not None:
                     self._transition(tr2, v, reading.running, now)
-        await self.reconciler.apply(self.detectors, self.views, now)
+        pools = {n: v.pool for n, v in self.known.items()}
+        await self.reconciler.apply(self.detectors, self.views, now, pools)
         self.precision_driver.step(mono, now, self.detectors, self.views)
         self.polls += 1
         if self.store.path is not None and mono - self._baselines_saved >= BASELINE_SAVE_S:
@@ -224,7 +235,35 @@ class Controller:
                 self.metrics.actions.labels(d.action).inc()
             log.info("%s: %s (%s)", d.endpoint, d.action, d.reason)
 
+    async def _forget_gone(self, views: dict[str, EndpointView]) -> None:
+        """Forget an endpoint only once no readable gateway has listed it, in any state, for
+        `forget_after` windows in a row: a restarted gateway lists none or some at first
+        (or lists them before their health checks pass), and forgetting at once dropped
+        the episode's condition, cap and lowered engine."""
+        for name in list(self.detectors):
+            if name in views or name in self.sensing.listed_any:
+                self._missing.pop(name, None)
+                continue
+            n = self._missing[name] = self._missing.get(name, 0) + 1
+            if n >= self.forget_after:
+                await self._forget(name, self.known.get(name))
+
     async def _forget(self, name: str, view: EndpointView | None) -> None:
+        det = self.detectors.get(name)
+        if det is not None and det.condition != "normal":
+            self._record(
+                [
+                    Decision(
+                        time.time(),
+                        name,
+                        "forget endpoint",
+                        f"removed from the gateway while {det.condition} (cap override "
+                        f"{self.actuator.caps.get(name)}): its episode ends with it",
+                    )
+                ]
+            )
+        self._missing.pop(name, None)
+        self.known.pop(name, None)
         self.sensing.forget(name)
         await self.reconciler.forget(name, view)
         self.detectors.pop(name, None)
