@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from helpers import (
     MODEL,
@@ -1204,6 +1205,10 @@ def test_the_loop_on_the_agents_uprobes(tmp_path: Path) -> None:
         ({"cuda_exit_ratio": 5}, "cuda_exit_ratio must be below cuda_enter_ratio"),
         ({"interval_s": 0}, "controller.interval_s"),
         ({"surprise": 1}, "controller.surprise"),
+        (
+            {"full_pools": ["primary"], "degraded_pools": ["primary"]},
+            "full_pools and degraded_pools both name pool(s): primary",
+        ),
     ],
 )
 def test_controller_spec_errors_name_the_field(controller: dict[str, Any], message: str) -> None:
@@ -1212,6 +1217,36 @@ def test_controller_spec_errors_name_the_field(controller: dict[str, Any], messa
     with pytest.raises(SpecError) as e:
         parse_spec({"pools": [{"name": "primary"}], "controller": controller})
     assert message in str(e.value)
+
+
+def test_derived_tiers_never_put_a_pool_in_both_and_engines_originals_are_passed(
+    tmp_path: Path,
+) -> None:
+    """`degraded_pools: [primary]` with full_pools derived from precision: primary is not
+    also made full; each simulator pool's max_num_seqs and the state file are passed."""
+    from unbroken.config.spec import parse_spec
+    from unbroken.controller.config import settings_from
+    from unbroken.controller.metrics import ControllerMetrics
+    from unbroken.pipeline.companions import controller_settings
+
+    spec = parse_spec(
+        {
+            "pools": [
+                {"name": "primary", "precision": "fp16"},
+                {"name": "big", "precision": "fp16", "engine": {"overrides": {"max_num_seqs": 64}}},
+            ],
+            "controller": {"degraded_pools": ["primary"]},
+        }
+    )
+    s = controller_settings(spec, tmp_path)
+    assert s["full_pools"] == ["big"] and s["degraded_pools"] == ["primary"]
+    assert s["engine_max_num_seqs"] == {"primary": 256, "big": 64}
+    assert s["state_file"] == str(tmp_path / "controller-state.json")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(s))
+    assert settings_from(cfg).engine_max_num_seqs == {"primary": 256, "big": 64}
+    text = generate_latest(ControllerMetrics().registry).decode()
+    assert 'unbroken_controller_actions_total{action="engine max_num_seqs"} 0.0' in text
 
 
 def test_every_gateway_replica_discovered_from_kubernetes_is_told(

@@ -226,6 +226,12 @@ class ControllerSettings(_Spec):
             raise ValueError("cuda_strong_ratio must be at least cuda_enter_ratio")
         if self.itl_exit_ratio >= self.itl_enter_ratio:
             raise ValueError("itl_exit_ratio must be below itl_enter_ratio")
+        both = [p for p in self.full_pools if p in self.degraded_pools]
+        if both:
+            raise ValueError(
+                f"full_pools and degraded_pools both name pool(s): {', '.join(both)} "
+                "(a pool is one tier or the other)"
+            )
         return self
 
 

@@ -40,10 +40,16 @@ def controller_settings(spec: PipelineSpec, state: Path | None = None) -> dict[s
     also by a restarted controller); and, with the state directory, the controller's state
     file (baselines and lowered engines survive a restart of the controller)."""
     s = spec.controller.model_dump()
-    if not s["full_pools"]:
-        s["full_pools"] = [p.name for p in spec.pools if p.precision in FULL_PRECISIONS]
-    if not s["degraded_pools"]:
-        s["degraded_pools"] = [p.name for p in spec.pools if p.precision not in FULL_PRECISIONS]
+    # A tier set in the spec wins: the derived one never names a pool it has.
+    full, degraded = list(s["full_pools"]), list(s["degraded_pools"])
+    if not full:
+        s["full_pools"] = [
+            p.name for p in spec.pools if p.precision in FULL_PRECISIONS and p.name not in degraded
+        ]
+    if not degraded:
+        s["degraded_pools"] = [
+            p.name for p in spec.pools if p.precision not in FULL_PRECISIONS and p.name not in full
+        ]
     seqs = dict(s["engine_max_num_seqs"])
     for p in spec.pools:
         e = p.engine
