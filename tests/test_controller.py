@@ -403,17 +403,22 @@ class Load:
         prio = "critical" if self.critical_every and i % self.critical_every == 0 else "standard"
         while not self._stop.is_set():
             t0 = time.time()
-            events, r = stream(
-                self.url,
-                "/v1/completions",
-                {
-                    "model": MODEL,
-                    "prompt": f"user {i} says",
-                    "max_tokens": self.max_tokens,
-                    "temperature": 0,
-                },
-                headers={"x-unbroken-priority": prio},
-            )
+            try:
+                events, r = stream(
+                    self.url,
+                    "/v1/completions",
+                    {
+                        "model": MODEL,
+                        "prompt": f"user {i} says",
+                        "max_tokens": self.max_tokens,
+                        "temperature": 0,
+                    },
+                    headers={"x-unbroken-priority": prio},
+                )
+            except httpx.TransportError as e:  # a failed stream is a record, not a dead user
+                self.records.append((t0, prio, "", False, type(e).__name__))
+                time.sleep(0.05)
+                continue
             ok = r.status_code == 200 and stream_text(events, chat=False) == self.expected[i]
             ok = ok and events[-1] == "[DONE]"
             self.records.append(
