@@ -22,14 +22,14 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from unbroken.engine import structured
 from unbroken.engine.core import Output
 from unbroken.engine.render import alternatives, tool_call_id
 from unbroken.engine.request import RequestState
 from unbroken.wire.errors import ApiError
-from unbroken.wire.openai import check_cache_salt
+from unbroken.wire.openai import CacheSalted
 
 __all__ = [
     "STORE_ENV",
@@ -65,7 +65,7 @@ def store_enabled() -> bool:
         return False
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(CacheSalted):
     """vLLM's ResponsesRequest, the fields the simulator acts on or echoes; unknown fields are
     accepted and ignored (vLLM's OpenAIBaseModel). Strict types, as the engine's other
     request models."""
@@ -103,14 +103,6 @@ class ResponsesRequest(BaseModel):
     prompt: dict[str, Any] | None = None
     # vLLM's extra: the response's id (default resp_ and 16 hex digits).
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    cache_salt: str | None = None  # vLLM's: salts the prefix cache (check_cache_salt)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_cache_salt(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_cache_salt(data.get("cache_salt"))
-        return data
 
     # -- what Engine._seqs and _salt read of a request --------------------------------------
     @property

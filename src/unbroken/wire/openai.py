@@ -20,6 +20,7 @@ from unbroken.wire.errors import ApiError
 
 __all__ = [
     "MAX_TOKENS_LIMIT",
+    "CacheSalted",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
@@ -49,7 +50,39 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Model):
+CACHE_SALT_MAX = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: object) -> None:
+    """vLLM 0.32's validate_cache_salt (entrypoints/generate/base/protocol.py), its words:
+    a request's `cache_salt` keeps its prompt's KV blocks apart from every other salt's."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(salt) > CACHE_SALT_MAX or any(c in CACHE_SALT_FORBIDDEN for c in salt):
+        raise ValueError(
+            "Parameter 'cache_salt' must be at most 128 characters and must "
+            "not contain '@', '/', '\\\\', or NUL."
+        )
+
+
+class CacheSalted(BaseModel):
+    """vLLM's `cache_salt` (chat, completions, the Responses API): checked as vLLM checks it
+    (`check_cache_salt`), before the field's own type."""
+
+    cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_cache_salt(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_cache_salt(data.get("cache_salt"))
+        return data
+
+
+class _Sampling(_Model, CacheSalted):
     # Optional as in vLLM (`str | None`): absent, null or "" is the served model.
     model: Annotated[str, Field(max_length=512)] | None = None
     stream: bool | None = False  # vLLM's type: `"stream": null` is a plain request
@@ -65,14 +98,6 @@ class _Sampling(_Model):
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     user: str | None = None
-    cache_salt: str | None = None  # vLLM's: salts the prefix cache (check_cache_salt)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_cache_salt(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_cache_salt(data.get("cache_salt"))
-        return data
 
     @property
     def greedy(self) -> bool:
@@ -90,24 +115,6 @@ class _Sampling(_Model):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
-
-
-CACHE_SALT_MAX = 128
-CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-
-
-def check_cache_salt(salt: object) -> None:
-    """vLLM 0.32's validate_cache_salt (entrypoints/generate/base/protocol.py), its words:
-    a request's `cache_salt` keeps its prompt's KV blocks apart from every other salt's."""
-    if salt is None:
-        return
-    if not isinstance(salt, str) or not salt:
-        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
-    if len(salt) > CACHE_SALT_MAX or any(c in CACHE_SALT_FORBIDDEN for c in salt):
-        raise ValueError(
-            "Parameter 'cache_salt' must be at most 128 characters and must "
-            "not contain '@', '/', '\\\\', or NUL."
-        )
 
 
 TokenId = Annotated[int, Field(ge=0)]  # vLLM's: a negative id is a 400
