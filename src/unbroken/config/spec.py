@@ -519,10 +519,6 @@ def default_spec() -> PipelineSpec:
 def format_errors(e: ValidationError) -> str:
     """A validation error as one line naming each field (`overrides.bogus: Extra inputs are
     not permitted`), as spec errors are shown."""
-    return _format(e)
-
-
-def _format(e: ValidationError) -> str:
     lines = []
     for err in e.errors(include_url=False):
         loc = ".".join(str(p) for p in err["loc"])
@@ -537,7 +533,7 @@ def parse_spec(data: Any, source: str = "spec") -> PipelineSpec:
     try:
         return PipelineSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(f"{source}: {_format(e)}") from None
+        raise SpecError(f"{source}: {format_errors(e)}") from None
 
 
 def load_spec(path: Path | None) -> PipelineSpec:
