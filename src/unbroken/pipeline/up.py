@@ -409,11 +409,8 @@ def rollout_cli(
 
     try:
         summary = asyncio.run(go())
-    except SupervisorUnreachable as e:
-        console.print(f"[red]error:[/red] {escape(no_supervisor() if e.refused else str(e))}")
-        return 1
     except SupervisorError as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}")
+        console.print(f"[red]error:[/red] {escape(supervisor_error(e))}")
         return 1
     if not as_json and not summary.get("ok") and not summary.get("steps"):
         # Refused before any replica changed (no such pool, bad engine, another rollout).
@@ -452,11 +449,8 @@ def scale_cli(pool: str, replicas: int, *, console: Console) -> int:
     except SupervisorRejected as e:
         console.print(f"[red]error:[/red] {escape(e.message)}")
         return 1
-    except SupervisorUnreachable as e:
-        console.print(f"[red]error:[/red] {escape(no_supervisor() if e.refused else str(e))}")
-        return 1
     except SupervisorError as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}")
+        console.print(f"[red]error:[/red] {escape(supervisor_error(e))}")
         return 1
     line = f"pool {pool}: {res.get('from')} -> {res.get('replicas')} replica(s)"
     line += f" in {res.get('seconds')} s"
@@ -621,6 +615,12 @@ def no_supervisor(state: Path | None = None) -> str:
     return f"no pipeline is running in {state} (start one with `unbroken up`)"
 
 
+def supervisor_error(e: SupervisorError) -> str:
+    """What a command says when its call to the supervisor failed: `no_supervisor()` when
+    nothing listens on the control socket (run.json outlives a SIGKILL), else the error."""
+    return no_supervisor() if isinstance(e, SupervisorUnreachable) and e.refused else str(e)
+
+
 def _orphan(state: Path) -> dict[str, Any] | None:
     """The data plane a supervisor that died left serving (its gateway still runs), or None."""
     plane = live_plane(state)
@@ -670,12 +670,9 @@ def reload_cli() -> int:
     except SupervisorRejected as e:
         sys.stderr.write(f"error: reload refused, nothing changed: {e.message}\n")
         return 1
-    except SupervisorUnreachable as e:
-        sys.stderr.write(f"error: {no_supervisor() if e.refused else e}\n")
-        return 2 if e.refused else 1
     except SupervisorError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 1
+        sys.stderr.write(f"error: {supervisor_error(e)}\n")
+        return 2 if isinstance(e, SupervisorUnreachable) and e.refused else 1
     sys.stdout.write("\n".join(reload_lines(res)) + "\n")
     return 0
 
