@@ -24,6 +24,7 @@ class StateStore:
         self.engines: dict[str, int] = {}
         # endpoint name -> {"url": ..., "cuda": {...}, "itl": {...}}
         self.baselines: dict[str, dict[str, Any]] = {}
+        self._written: str | None = None  # what the file holds since this process wrote it
         if self.path is None:
             return
         try:
@@ -44,11 +45,17 @@ class StateStore:
                 self.baselines = {str(k): v for k, v in bl.items() if isinstance(v, dict)}
 
     def save(self) -> None:
+        """Write the state, unless the file holds it already (the controller saves its
+        baselines every few seconds, also while nothing was learned)."""
         if self.path is None:
+            return
+        text = json.dumps({"engines": self.engines, "baselines": self.baselines})
+        if text == self._written:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps({"engines": self.engines, "baselines": self.baselines}))
+            tmp.write_text(text)
             os.replace(tmp, self.path)
+            self._written = text
         except OSError as e:
             log.warning("could not write the controller state %s: %s", self.path, e)
