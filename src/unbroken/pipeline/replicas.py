@@ -160,9 +160,8 @@ class ReplicaSet:
     them. The supervisor (`sup`) lends the spec, the gateway's admin API, the event log, the
     plane record and the task set."""
 
-    def __init__(self, sup: Supervisor, health_timeout: float | None = None) -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
-        self.health_timeout = health_timeout  # None: each pool's engine.health_timeout_s
         self.by_name: dict[str, Replica] = {}
         self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
         self._serial = {p.name: itertools.count(1) for p in sup.spec.pools}
@@ -217,10 +216,10 @@ class ReplicaSet:
 
     async def wait_health(self, r: Replica, *, timeout: float | None = None) -> None:
         """Until `r` answers /health: StartupError if it exits first, HealthTimeout after
-        `timeout` (None: the supervisor's, else the pool's `engine.health_timeout_s`). A
-        line every HEALTH_LOG_EVERY_S says it still waits (a large model loads for
-        minutes, and without a terminal `unbroken up` shows no spinner)."""
-        limit = timeout or self.health_timeout or r.pool.engine.health_timeout_s
+        `timeout` (None: the pool's `engine.health_timeout_s`). A line every
+        HEALTH_LOG_EVERY_S says it still waits (a large model loads for minutes, and
+        without a terminal `unbroken up` shows no spinner)."""
+        limit = timeout or r.pool.engine.health_timeout_s
 
         def alive() -> None:
             if r.proc is not None and r.proc.returncode is not None:

@@ -108,20 +108,18 @@ class Supervisor:
         state: Path,
         token: str,
         token_file: Path,
-        health_timeout: float | None = None,
         restart: bool = True,
         spec_path: Path | None = None,
         reload_spec: Callable[[], PipelineSpec] | None = None,
         survive: bool = False,
     ) -> None:
-        """`health_timeout`: how long any replica may take to answer /health (None: its
-        pool's `engine.health_timeout_s`). `reload_spec` reads the spec again for `unbroken
-        reload` (SpecError if it no longer parses or validates); without it a reload
-        re-applies the running spec (new gateway workers with the code on disk, no setting
-        changed). `spec_path` is where it reads from (None: the default spec), for
-        messages. `survive`: the data plane outlives this process (recorded in plane.json,
-        adopted by the next supervisor); otherwise each child gets a parent-death signal
-        (the demo, the baseline)."""
+        """`reload_spec` reads the spec again for `unbroken reload` (SpecError if it no
+        longer parses or validates); without it a reload re-applies the running spec (new
+        gateway workers with the code on disk, no setting changed). `spec_path` is where it
+        reads from (None: the default spec), for messages. `survive`: the data plane
+        outlives this process (recorded in plane.json, adopted by the next supervisor);
+        otherwise each child gets a parent-death signal (the demo, the baseline). How long a
+        replica may take to answer /health is its pool's `engine.health_timeout_s`."""
         self.survive = survive
         self.spec = spec
         self.spec_path = spec_path
@@ -146,7 +144,7 @@ class Supervisor:
         # The parts.
         self.statelock = StateLock(state)
         self.weights = Weights()
-        self.replica_set = ReplicaSet(self, health_timeout)
+        self.replica_set = ReplicaSet(self)
         self.gateway = GatewayProcess(self)
         self.reloader = Reloader(self)
         self.control = ControlServer(self, state / "supervisor.sock")
