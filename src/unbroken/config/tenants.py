@@ -14,9 +14,10 @@ from unbroken.config._base import Priority, _Spec
 
 __all__ = ["RateLimitSettings", "TenantLimits", "TenantSpec", "check_tenants", "key_digest"]
 
-ANONYMOUS = "anonymous"  # takes the requests whose key matches no tenant (gateway/_tenants.py)
-# The metrics' tenant of requests that have none (no tenants configured, or refused with 401;
-# gateway/_tenants.py NONE): a tenant of that name would be counted with them.
+# Both are the gateway's too (gateway/_tenants.py: ANONYMOUS, and RESERVED as NONE).
+ANONYMOUS = "anonymous"  # takes the requests whose key matches no tenant
+# The metrics' tenant of requests that have none (no tenants configured, or refused with
+# 401): a tenant of that name would be counted with them.
 RESERVED = "none"
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url takes
 

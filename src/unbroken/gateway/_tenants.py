@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+from unbroken.config.tenants import ANONYMOUS
+from unbroken.config.tenants import RESERVED as NONE  # the metrics' tenant of no tenant
 from unbroken.gateway._admission import PRIORITIES
 from unbroken.wire.errors import ApiError
 
@@ -21,8 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ANONYMOUS", "NONE", "Tenants"]
 
-ANONYMOUS = "anonymous"
-NONE = "none"  # the metrics' tenant for requests with no tenant (none configured, or 401)
 _RANK = {p: i for i, p in enumerate(PRIORITIES)}
 
 
