@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from unbroken.clients import AdminError, AdminRejected
-from unbroken.pipeline.procs import StartupError
+from unbroken.pipeline.procs import StartupError, first_line
 from unbroken.pipeline.rollout import Progress
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ async def run_drain(sup: Supervisor, req: DrainRequest, progress: Progress) -> d
     try:
         new = await successor
     except (StartupError, AdminError, OSError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         summary["replace_error"] = why
         log.error("could not bring up a successor of %s: %s; retrying", r.name, why)
         # The replacement path (replicas.py) retries with backoff until one serves.

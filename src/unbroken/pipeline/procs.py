@@ -27,6 +27,7 @@ __all__ = [
     "backoff",
     "cmdline",
     "die_with_parent",
+    "first_line",
     "proc_record",
     "proc_start_time",
     "spawn",
@@ -47,6 +48,11 @@ UNKNOWN_EXIT = -1  # an adopted process is not our child: its exit status cannot
 
 def backoff(attempt: int) -> float:
     return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempt - 1)))
+
+
+def first_line(e: BaseException) -> str:
+    """Why a start failed, in one line (a StartupError goes on with its log's tail)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def proc_start_time(pid: int) -> int | None:

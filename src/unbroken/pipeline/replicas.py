@@ -26,7 +26,7 @@ from unbroken.clients import AdminError
 from unbroken.config.spec import PipelineSpec, PoolSpec
 from unbroken.pipeline.cpucap import CpuCap, CpuCapUnavailable
 from unbroken.pipeline.niceness import may_renice, set_session_nice
-from unbroken.pipeline.procs import Proc, StartupError, backoff, tail, terminate
+from unbroken.pipeline.procs import Proc, StartupError, backoff, first_line, tail, terminate
 from unbroken.wire.http import free_port, wait_ok
 
 if TYPE_CHECKING:
@@ -380,7 +380,7 @@ class ReplicaSet:
                     new = await self.bring_up(pool)
                 except (StartupError, AdminError, OSError) as e:
                     delay = backoff(attempt)
-                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    why = first_line(e)
                     self.replacing[r.name] = why
                     log.error(
                         "could not replace %s (attempt %d): %s; retrying in %.0f s",
