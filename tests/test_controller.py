@@ -493,12 +493,7 @@ def test_contention_detected_acted_on_and_undone(
 
             configured = engine_cap("p-1")
             t_fault = time.time()
-            r = httpx.post(
-                engines["p-1"].url + "/admin/faults",
-                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 5},
-                headers=AUTH,
-            )
-            assert r.status_code == 200, r.text
+            _slow_cuda(engines["p-1"], 5)
             wait_for(
                 lambda: _by_name(g)[victim]["condition"] == "contended",
                 timeout=10,
@@ -576,6 +571,38 @@ def _engine_seqs(e: Proc) -> int:
     return int(r.json()["max_num_seqs"])
 
 
+def _slow_cuda(e: Proc, seconds: float, extra_ms: float = 15) -> float:
+    """Slow the engine's CUDA calls for `seconds`; when the fault ends (monotonic)."""
+    r = httpx.post(
+        e.url + "/admin/faults",
+        json={"kind": "slow_cuda", "extra_ms": extra_ms, "duration_s": seconds},
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    return time.monotonic() + seconds
+
+
+def _wait_episode_over(g: Proc, victim: str, t_end: float) -> None:
+    wait_for(
+        lambda: (
+            time.monotonic() > t_end
+            and _by_name(g)[victim]["condition"] == "normal"
+            and _by_name(g)[victim]["cap_override"] is None
+        ),
+        timeout=40,
+        interval=0.2,
+        what="back to normal after the episode",
+    )
+
+
+def _wait_engine_restored(e: Proc, configured: int) -> None:
+    wait_for(
+        lambda: _engine_seqs(e) == configured,
+        timeout=5,
+        what=lambda: f"engine restored (is {_engine_seqs(e)})",
+    )
+
+
 class GatewayTrail(StateTrail):
     """The gateway's listing of one endpoint every poll: (monotonic, condition, cap)."""
 
@@ -618,13 +645,7 @@ def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
             wait_for(lambda: _primary_baselines(c.url), timeout=20, what="baselines learned")
             configured = _engine_seqs(engines["p-1"])
             assert configured == 256
-            r = httpx.post(
-                engines["p-1"].url + "/admin/faults",
-                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 8},
-                headers=AUTH,
-            )
-            assert r.status_code == 200, r.text
-            t_end = time.monotonic() + 8
+            t_end = _slow_cuda(engines["p-1"], 8)
             wait_for(
                 lambda: _engine_seqs(engines["p-1"]) < configured,
                 timeout=10,
@@ -645,21 +666,8 @@ def test_a_controller_killed_mid_episode_leaves_no_engine_lowered(
             resumed = [d for d in decisions if d["action"] == "resume episode"]
             assert resumed and resumed[0]["endpoint"] == victim, decisions
             assert "condition contended" not in " ".join(d["action"] for d in decisions)
-            wait_for(
-                lambda: (
-                    time.monotonic() > t_end
-                    and _by_name(g)[victim]["condition"] == "normal"
-                    and _by_name(g)[victim]["cap_override"] is None
-                ),
-                timeout=40,
-                interval=0.2,
-                what="back to normal after the episode",
-            )
-            wait_for(
-                lambda: _engine_seqs(engines["p-1"]) == configured,
-                timeout=5,
-                what=lambda: f"engine restored (is {_engine_seqs(engines['p-1'])})",
-            )
+            _wait_episode_over(g, victim, t_end)
+            _wait_engine_restored(engines["p-1"], configured)
             text = httpx.get(c2.url + "/metrics").text
             # Judged against the healthy baseline: the recovered replica reads about x1 (a
             # baseline learned during the episode read it x0.001..x0.04).
@@ -691,13 +699,7 @@ def test_a_gateway_restarted_mid_episode_is_brought_back_in_line(
         with Load(g.url, users=6, max_tokens=100):
             wait_for(lambda: _primary_baselines(c.url), timeout=20, what="baselines learned")
             configured = _engine_seqs(engines["p-1"])
-            r = httpx.post(
-                engines["p-1"].url + "/admin/faults",
-                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 9},
-                headers=AUTH,
-            )
-            assert r.status_code == 200, r.text
-            t_end = time.monotonic() + 9
+            t_end = _slow_cuda(engines["p-1"], 9)
             wait_for(
                 lambda: (
                     _by_name(g)[victim]["cap_override"] is not None
@@ -737,22 +739,9 @@ def test_a_gateway_restarted_mid_episode_is_brought_back_in_line(
             assert time.monotonic() < t_end, "the fault ended before the check"
             assert time.monotonic() - t_back < 3
             assert _engine_seqs(engines["p-1"]) < configured
-            wait_for(
-                lambda: (
-                    time.monotonic() > t_end
-                    and _by_name(g)[victim]["condition"] == "normal"
-                    and _by_name(g)[victim]["cap_override"] is None
-                ),
-                timeout=40,
-                interval=0.2,
-                what="back to normal after the episode",
-            )
+            _wait_episode_over(g, victim, t_end)
             assert admin(g, "GET", "/admin/routes").json()["override"] == {}
-            wait_for(
-                lambda: _engine_seqs(engines["p-1"]) == configured,
-                timeout=5,
-                what=lambda: f"engine restored (is {_engine_seqs(engines['p-1'])})",
-            )
+            _wait_engine_restored(engines["p-1"], configured)
     finally:
         c.stop()
 
@@ -833,12 +822,7 @@ def test_routed_around_endpoint_recovers_by_probing(
                 timeout=20,
                 what="baseline learned",
             )
-            r = httpx.post(
-                engines["p-1"].url + "/admin/faults",
-                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 3},
-                headers=AUTH,
-            )
-            assert r.status_code == 200, r.text
+            _slow_cuda(engines["p-1"], 3)
             with StateTrail(c.url, victim) as trail:
                 wait_for(
                     lambda: _by_name(g)[victim]["condition"] == "contended",
@@ -879,12 +863,7 @@ def test_a_suspicion_that_lost_its_traffic_is_confirmed_by_probes(
             assert time.monotonic() < deadline, "no baseline after 30 s of direct requests"
             stream(p1.url, "/v1/completions", body)
         before = metric(c.url, "unbroken_controller_probes_total", result="ok")
-        r = httpx.post(
-            p1.url + "/admin/faults",
-            json={"kind": "slow_cuda", "extra_ms": 20, "duration_s": 8},
-            headers=AUTH,
-        )
-        assert r.status_code == 200, r.text
+        _slow_cuda(p1, 8, extra_ms=20)
         # About 0.2 s of decode: one or two slow windows, shorter than the enter dwell.
         events, resp = stream(p1.url, "/v1/completions", {**body, "max_tokens": 8})
         assert resp.status_code == 200 and events[-1] == "[DONE]"
@@ -1293,12 +1272,7 @@ def test_every_gateway_replica_discovered_from_kubernetes_is_told(
                 timeout=20,
                 what="baseline",
             )
-            r = httpx.post(
-                engines["p-1"].url + "/admin/faults",
-                json={"kind": "slow_cuda", "extra_ms": 15, "duration_s": 6},
-                headers=AUTH,
-            )
-            assert r.status_code == 200
+            _slow_cuda(engines["p-1"], 6)
             for g in (g1, g2):
                 wait_for(lambda g=g: _by_name(g)[victim]["condition"] == "contended", timeout=10)
             # A replica that joins mid-episode is brought in line.
