@@ -444,6 +444,16 @@ class Up:
         )
 
 
+def small_up(tmp: Path) -> Up:
+    """`unbroken up` of one pool of two fast simulated replicas (the CLI and bench tests)."""
+    spec = tmp / "spec.yaml"
+    spec.write_text(
+        f"model: {MODEL}\npools:\n  - name: primary\n    replicas: 2\n"
+        "    weights_size: 8MiB\n    engine: {overrides: {decode_base_s: 0.005}}\n"
+    )
+    return Up(tmp, spec)
+
+
 class Poller:
     """Calls `poll()` every `period` seconds in a thread, from `__enter__` to `__exit__`."""
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import MODEL, Proc, engine, gateway
+from helpers import Proc, engine, gateway
 from unbroken.bench.demo import rank_note
 from unbroken.bench.load import LoadConfig, LoadRun, Record, base_url
 from unbroken.bench.report import write_report
@@ -279,14 +279,9 @@ def test_locustfile_reports_ttft_and_itl(target: tuple[Proc, Proc], tmp_path: Pa
 
 
 def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
-    from helpers import Up
+    from helpers import small_up
 
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        f"model: {MODEL}\npools:\n  - name: primary\n    replicas: 2\n"
-        "    weights_size: 8MiB\n    engine: {overrides: {decode_base_s: 0.005}}\n"
-    )
-    u = Up(tmp_path, spec)
+    u = small_up(tmp_path)
     try:
         out = tmp_path / "out"
         r = u.run(

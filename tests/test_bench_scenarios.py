@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from helpers import MODEL, Up
+from helpers import Up, small_up
 from unbroken.bench.control import PipelineControl
 from unbroken.bench.load import LoadConfig
 from unbroken.bench.runner import run_bench
@@ -25,13 +25,7 @@ from unbroken.config.paths import RunInfo
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Up:
-    tmp = tmp_path_factory.mktemp("bench-scenarios")
-    spec = tmp / "spec.yaml"
-    spec.write_text(
-        f"model: {MODEL}\npools:\n  - name: primary\n    replicas: 2\n"
-        "    weights_size: 8MiB\n    engine: {overrides: {decode_base_s: 0.005}}\n"
-    )
-    u = Up(tmp, spec)
+    u = small_up(tmp_path_factory.mktemp("bench-scenarios"))
     yield u
     u.stop()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import MODEL, TOKEN, Proc, Up, admin, wait_for
+from helpers import TOKEN, Proc, Up, admin, small_up, wait_for
 from unbroken import __version__
 from unbroken.pipeline.up import STATUS_COLUMNS, render_table
 from unbroken.wire.http import free_port
@@ -200,13 +200,7 @@ def _pty_run(args: list[str], env: dict[str, str], cols: int = 80) -> str:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("cli-up")
-    spec = tmp / "spec.yaml"
-    spec.write_text(
-        f"model: {MODEL}\npools:\n  - name: primary\n    replicas: 2\n"
-        "    weights_size: 8MiB\n    engine: {overrides: {decode_base_s: 0.005}}\n"
-    )
-    u = Up(tmp, spec)
+    u = small_up(tmp_path_factory.mktemp("cli-up"))
     yield u
     u.stop()
 
