@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING
 from unbroken.clients import AdminError
 from unbroken.config.spec import GatewaySettings, PipelineSpec
 from unbroken.pipeline.niceness import set_session_nice
-from unbroken.pipeline.procs import Adopted, Proc, StartupError, backoff, tail, terminate
+from unbroken.pipeline.procs import (
+    Adopted,
+    Proc,
+    StartupError,
+    backoff,
+    first_line,
+    tail,
+    terminate,
+)
 from unbroken.pipeline.replicas import key_var, pool_key
 
 if TYPE_CHECKING:
@@ -180,7 +188,7 @@ class GatewayProcess:
                     break
                 except (StartupError, AdminError) as e:
                     failures += 1
-                    why = str(e).splitlines()[0]
+                    why = first_line(e)
                     log.error("could not restart the gateway: %s", why)
                     sup.record("gateway_restart_failed", error=why, attempt=failures)
                     if self.proc is not None and self.proc.returncode is None:

@@ -341,7 +341,7 @@ def show_status(*, as_json: bool) -> int:
             )
         return 1
     if info is None:
-        msg = "no pipeline is running (start one with `unbroken up`)"
+        msg = no_supervisor()  # "no pipeline is running in STATE_DIR (start one ...)"
         if as_json:
             sys.stdout.write(
                 json.dumps({"running": False, "error": msg, "state_dir": str(state_dir())}) + "\n"
@@ -572,7 +572,11 @@ def _drain_supervised(
         console.print(f"[red]error:[/red] {escape(e.message)}")
         return 1
     except SupervisorError as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}")
+        if isinstance(e, SupervisorUnreachable) and e.refused:
+            # A killed supervisor's data plane still serves: the gateway drains it alone.
+            console.print(f"{no_supervisor()}; draining {name} in the gateway alone", markup=False)
+            return None
+        console.print(f"[red]error:[/red] {escape(supervisor_error(e))}")
         return 1
     if not res.get("ok"):
         console.print(f"[red]error:[/red] {escape(str(res.get('error')))}")
