@@ -147,10 +147,21 @@ def _env_pod() -> list[Obj]:
     ]
 
 
+def _secret_env(name: str, secret: str, key: str) -> Obj:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
 def _env_token(o: RenderOptions) -> Obj:
+    return _secret_env("UNBROKEN_ADMIN_TOKEN", f"{o.prefix}-admin-token", "token")
+
+
+def _secret(meta: Obj, data: dict[str, str]) -> Obj:
     return {
-        "name": "UNBROKEN_ADMIN_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": f"{o.prefix}-admin-token", "key": "token"}},
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": data,
     }
 
 
@@ -185,10 +196,6 @@ def _checksum(*parts: str) -> str:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
-
-
-def _secret_env(name: str, secret: str, key: str) -> Obj:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def upstream_key_var(pool: str) -> str:
@@ -596,16 +603,8 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
     }
     objs = [deployment, service]
     if secret:
-        meta = _meta(o, pool_secret_name(o, pool), "engine", **pool_labels)
         objs.insert(
-            0,
-            {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": meta,
-                "type": "Opaque",
-                "stringData": secret,
-            },
+            0, _secret(_meta(o, pool_secret_name(o, pool), "engine", **pool_labels), secret)
         )
     if pool.autoscale is not None:
         a = pool.autoscale
@@ -664,8 +663,8 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     settings |= {"endpoint_header": False}
     # Each pool's engine API key, from the pool's Secret into a variable the gateway reads
     # (`upstream_key_env`), never into its settings.
-    keyed = [p for p in spec.pools if pool_key(p) is not None]
-    keys = [pool_key(p) or "" for p in keyed]
+    keys = {p.name: k for p in spec.pools if (k := pool_key(p)) is not None}
+    keyed = [p for p in spec.pools if p.name in keys]
     keys_env = [
         _secret_env(upstream_key_var(p.name), pool_secret_name(o, p), "api-key") for p in keyed
     ]
@@ -698,21 +697,9 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     # A Secret, not a ConfigMap: the settings may hold secrets (`priority_keys` are raw API
     # keys, `rate_limit.redis_url` may carry a password), and the gateway reads one file.
     gateway_yaml = yaml.safe_dump(settings, sort_keys=True)
-    config = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(o, f"{name}-config", "gateway"),
-        "type": "Opaque",
-        "stringData": {"gateway.yaml": gateway_yaml},
-    }
-    token = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(o, f"{o.prefix}-admin-token", "gateway"),
-        "type": "Opaque",
-        "stringData": {"token": o.admin_token or ""},
-    }
-    checksum = _checksum(gateway_yaml, o.admin_token or "", *keys)
+    config = _secret(_meta(o, f"{name}-config", "gateway"), {"gateway.yaml": gateway_yaml})
+    token = _secret(_meta(o, f"{o.prefix}-admin-token", "gateway"), {"token": o.admin_token or ""})
+    checksum = _checksum(gateway_yaml, o.admin_token or "", *keys.values())
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
