@@ -147,9 +147,7 @@ class CudaTracer:
                     )
                 )
         except libbpf.BpfError as e:
-            for lk in links:
-                lk.destroy()
-            self.obj.links = [lk for lk in self.obj.links if lk not in links]
+            self.obj.destroy(links)
             if e.errno in _NO_MULTI:
                 log.info("no multi-uprobe links here (%s): one link per probe", e)
                 self.multi = False
@@ -170,10 +168,7 @@ class CudaTracer:
             rep = self.libraries.pop(key, None)
             if rep is None:
                 continue
-            for lk in rep.links:
-                lk.destroy()
-            ids = {id(lk) for lk in rep.links}
-            self.obj.links = [lk for lk in self.obj.links if id(lk) not in ids]
+            self.obj.destroy(rep.links)
             rep.links.clear()
             gone.append(rep)
             log.info("%s: no process maps it any more; probes detached", rep.path)

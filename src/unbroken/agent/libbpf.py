@@ -280,6 +280,13 @@ class Object:
             raise BpfError(f"no map {name}", 2)
         return int(_lib.bpf_map__fd(m))
 
+    def destroy(self, links: list[Link]) -> None:
+        """Destroy these links and stop holding them (the rest stay attached)."""
+        for lk in links:
+            lk.destroy()
+        ids = {id(lk) for lk in links}
+        self.links = [lk for lk in self.links if id(lk) not in ids]
+
     def close(self) -> None:
         for lk in self.links:
             lk.destroy()
