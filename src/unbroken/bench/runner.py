@@ -156,6 +156,35 @@ def live_progress(console: Console) -> Progress:
     )
 
 
+async def _scenario_steps(
+    scenario: str, control: PipelineControl, load: LoadRun, pool: str, deadline_s: float
+) -> list[str]:
+    """Run the rollout or the chaos kill, marking each step on the load's timeline; the
+    failures it ran into (empty when it did what it should)."""
+    if scenario == "rollout":
+        load.mark("rollout_start", pool=pool)
+        summary = await control.rollout(pool, {}, deadline_s=deadline_s)
+        ok, error = summary.get("ok"), summary.get("error")
+        load.mark(
+            "rollout_end",
+            ok=ok,
+            seconds=summary.get("seconds"),
+            **({"error": error} if error else {}),
+        )
+        if not ok:
+            return [f"the rollout of pool {pool!r} failed: {error or 'no reason given'}"]
+    elif scenario == "chaos":
+        victim = await control.kill(pool)
+        load.mark("replica_killed", replica=victim["name"], pid=victim["pid"])
+        if victim.get("ok") is False:  # --scenario-command's command failed
+            return [f"the chaos command failed: {victim.get('error') or 'no reason given'}"]
+        by = await control.wait_replaced(victim["name"])
+        load.mark("replica_replaced", replica=victim["name"], by=by)
+        if by is None and victim.get("pid") is not None:  # a pipeline's replica
+            return [f"replica {victim['name']} (pool {pool!r}) was not replaced after its SIGKILL"]
+    return []
+
+
 async def run_bench(
     cfg: LoadConfig,
     *,
@@ -192,46 +221,17 @@ async def run_bench(
         if sampler is not None:
             sampler.start(load.t0)
 
-        async def scenario_steps() -> None:
-            assert control is not None
-            if scenario == "rollout":
-                load.mark("rollout_start", pool=pool)
-                summary = await control.rollout(pool, {}, deadline_s=deadline_s)
-                ok, error = summary.get("ok"), summary.get("error")
-                load.mark(
-                    "rollout_end",
-                    ok=ok,
-                    seconds=summary.get("seconds"),
-                    **({"error": error} if error else {}),
-                )
-                if not ok:
-                    scenario_failures.append(
-                        f"the rollout of pool {pool!r} failed: {error or 'no reason given'}"
-                    )
-            elif scenario == "chaos":
-                victim = await control.kill(pool)
-                load.mark("replica_killed", replica=victim["name"], pid=victim["pid"])
-                if victim.get("ok") is False:  # --scenario-command's command failed
-                    scenario_failures.append(
-                        f"the chaos command failed: {victim.get('error') or 'no reason given'}"
-                    )
-                    return
-                by = await control.wait_replaced(victim["name"])
-                load.mark("replica_replaced", replica=victim["name"], by=by)
-                if by is None and victim.get("pid") is not None:  # a pipeline's replica
-                    scenario_failures.append(
-                        f"replica {victim['name']} (pool {pool!r}) was not replaced after "
-                        "its SIGKILL"
-                    )
-
         async def action() -> None:
             """The scenario at --at; whatever goes wrong in it is a failure of the run, not
             an exception that loses the load's results."""
             nonlocal scenario_window
             await asyncio.sleep(at)
             t0 = load.now()
+            assert control is not None  # `acting`
             try:
-                await scenario_steps()
+                scenario_failures.extend(
+                    await _scenario_steps(scenario, control, load, pool, deadline_s)
+                )
             except Exception as e:
                 why = f"{type(e).__name__}: {e}"
                 load.mark("scenario_error", error=why)
@@ -265,7 +265,7 @@ async def run_bench(
                 prog.update(
                     task_id,
                     total=max(cfg.duration, now),
-                    completed=min(max(cfg.duration, now), now),
+                    completed=now,
                     stats=load.status(),
                 )
         finally:
@@ -328,6 +328,23 @@ async def run_bench(
         extra["workload"] = ", ".join(f"{k}={v}" for k, v in asdict(cfg.workload).items())
     extra["engines"] = " / ".join(engine_lines)
     meta = run_metadata(command=command or " ".join(sys.argv), started=started, extra=extra)
+    checks = [
+        {
+            "metric": "requests answered without error, drop or corruption",
+            "measured": _outcome_line(records),
+            "target": f"errors <= {max_error_rate:.1%}, 0 dropped, 0 corrupted",
+            "ok": not load_failures,
+        }
+    ]
+    if acting:
+        checks.append(
+            {
+                "metric": f"{scenario} done, under load",
+                "measured": "; ".join(scenario_failures) or "done",
+                "target": "done, with streams open in its window",
+                "ok": not scenario_failures,
+            }
+        )
     report = write_report(
         out,
         title=f"unbroken bench: {scenario}",
@@ -339,26 +356,7 @@ async def run_bench(
         markdown=md,
         spans=spans,
         markers=[Marker(e["t"], e["event"]) for e in load.events],
-        checks=[
-            {
-                "metric": "requests answered without error, drop or corruption",
-                "measured": _outcome_line(records),
-                "target": f"errors <= {max_error_rate:.1%}, 0 dropped, 0 corrupted",
-                "ok": not load_failures,
-            },
-            *(
-                [
-                    {
-                        "metric": f"{scenario} done, under load",
-                        "measured": "; ".join(scenario_failures) or "done",
-                        "target": "done, with streams open in its window",
-                        "ok": not scenario_failures,
-                    }
-                ]
-                if acting
-                else []
-            ),
-        ],
+        checks=checks,
         meta=meta,
     )
     if engines is not None:  # results.json gets the numbers, not only the lines
