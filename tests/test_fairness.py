@@ -48,6 +48,24 @@ async def pending(adm: Admission, tenant: str, share: float = 1.0) -> asyncio.Ta
     return t
 
 
+def two_workers(
+    tmp_path: Path, cap: int, queue_timeout: float = 5.0
+) -> list[tuple[Endpoint, Admission]]:
+    """Two admissions over one shared table (two workers' rows), each with its pool of one
+    endpoint `e` whose slot count is shared."""
+    path = tmp_path / "admission"
+    SharedCounters(path, create=True).close()
+    sides = []
+    for row in (0, 1):
+        sh = SharedCounters(path, row=row)
+        pool = Pool(default_cap=cap)
+        ep = ready_endpoint("e")
+        ep.slot = SharedSlot(sh, 0)
+        pool.add(ep)
+        sides.append((ep, Admission(pool, queue_timeout=queue_timeout, shared=sh)))
+    return sides
+
+
 def test_over_share_tenant_leaves_the_last_slot_to_an_active_light_one() -> None:
     async def run() -> None:
         _, ep, adm = one_pool(4)
@@ -149,17 +167,7 @@ def test_two_workers_share_the_counts(tmp_path: Path) -> None:
     the last slot to light, whose requests come to worker 1."""
 
     async def run() -> None:
-        path = tmp_path / "admission"
-        SharedCounters(path, create=True).close()
-        sides = []
-        for row in (0, 1):
-            sh = SharedCounters(path, row=row)
-            pool = Pool(default_cap=4)
-            ep = ready_endpoint("e")
-            ep.slot = SharedSlot(sh, 0)
-            pool.add(ep)
-            sides.append((ep, Admission(pool, queue_timeout=5.0, shared=sh)))
-        (ep0, a0), (ep1, a1) = sides
+        (ep0, a0), (ep1, a1) = two_workers(tmp_path, 4)
         e, n, _ = await taken(a1, "light")
         a1.release(e, n)
         got = [await taken(a0, "greedy") for _ in range(3)]
@@ -184,17 +192,7 @@ def test_weighted_turns_hold_across_two_workers(tmp_path: Path) -> None:
     own tags and a worker's release served its own waiters: heavy took every slot.)"""
 
     async def run() -> None:
-        path = tmp_path / "admission"
-        SharedCounters(path, create=True).close()
-        sides = []
-        for row in (0, 1):
-            sh = SharedCounters(path, row=row)
-            pool = Pool(default_cap=2)
-            ep = ready_endpoint("e")
-            ep.slot = SharedSlot(sh, 0)
-            pool.add(ep)
-            sides.append(Admission(pool, queue_timeout=10.0, shared=sh))
-        a0, a1 = sides
+        (_, a0), (_, a1) = two_workers(tmp_path, 2, queue_timeout=10.0)
         first = [await taken(a0, "x") for _ in range(2)]
         order: list[str] = []
 
@@ -223,17 +221,7 @@ def test_a_tenant_queued_in_another_worker_does_not_jump_its_turn(tmp_path: Path
     flow idle again starts at the class's virtual time."""
 
     async def run() -> None:
-        path = tmp_path / "admission"
-        SharedCounters(path, create=True).close()
-        sides = []
-        for row in (0, 1):
-            sh = SharedCounters(path, row=row)
-            pool = Pool(default_cap=1)
-            ep = ready_endpoint("e")
-            ep.slot = SharedSlot(sh, 0)
-            pool.add(ep)
-            sides.append(Admission(pool, queue_timeout=5.0, shared=sh))
-        a0, a1 = sides
+        (_, a0), (_, a1) = two_workers(tmp_path, 1)
         e, n, _ = await taken(a0, "x")
         light1 = await pending(a1, "light")
         light0 = await pending(a0, "light")
@@ -261,17 +249,7 @@ def test_a_dead_workers_waiters_hold_no_one_up(tmp_path: Path) -> None:
     DEFER_S for a worker that will never poll), and light's tag flow counts no waiter."""
 
     async def run() -> None:
-        path = tmp_path / "admission"
-        SharedCounters(path, create=True).close()
-        sides = []
-        for row in (0, 1):
-            sh = SharedCounters(path, row=row)
-            pool = Pool(default_cap=1)
-            ep = ready_endpoint("e")
-            ep.slot = SharedSlot(sh, 0)
-            pool.add(ep)
-            sides.append(Admission(pool, queue_timeout=5.0, shared=sh))
-        a0, a1 = sides
+        (_, a0), (_, a1) = two_workers(tmp_path, 1)
         e, n, _ = await taken(a0, "x")
         lights = [await pending(a1, "light") for _ in range(3)]  # tags 0, 1, 2
         heavy = [await pending(a0, "heavy") for _ in range(2)]  # tags 0, 1
