@@ -190,6 +190,7 @@ def gateway(
     args: tuple[str, ...] = (),
     wait_ready: int | None = None,
     name: str = "gateway",
+    env: dict[str, str] | None = None,
 ) -> Proc:
     port, admin = free_port(), free_port()
     argv = [
@@ -211,7 +212,7 @@ def gateway(
         argv,
         port,
         tmp / f"{name}-{port}.log",
-        env={"UNBROKEN_ADMIN_TOKEN": TOKEN},
+        env={**(env or {}), "UNBROKEN_ADMIN_TOKEN": TOKEN},
         admin_port=admin,
     ).start()
     want = len(endpoints) if wait_ready is None else wait_ready

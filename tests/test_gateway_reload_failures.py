@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from helpers import MODEL, TOKEN, Proc, admin, engine, metric, wait_endpoints, wait_for
-from unbroken.wire.http import free_port
+from helpers import MODEL, Proc, admin, engine, gateway, metric, wait_for
+from test_gateway_workers import workers_of
 
 SITECUSTOMIZE = """
 import os, sys
@@ -37,37 +36,14 @@ def broken_gateway(tmp: Path, endpoint: str, cfg: Path) -> tuple[Proc, Path]:
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(flag=str(flag)))
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    port, admin_port = free_port(), free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "unbroken",
-        "gateway",
-        "--port",
-        str(port),
-        "--admin-port",
-        str(admin_port),
-        "--workers",
-        "2",
-        "--config",
-        str(cfg),
-        "--endpoint",
+    g = gateway(
+        tmp,
         endpoint,
-    ]
-    g = Proc(
-        argv,
-        port,
-        tmp / f"gateway-{port}.log",
-        env={"UNBROKEN_ADMIN_TOKEN": TOKEN, "PYTHONPATH": path},
-        admin_port=admin_port,
-    ).start()
-    wait_endpoints(g, lambda eps: sum(e["state"] == "ready" for e in eps) == 1)
-    wait_for(lambda: workers(g)["serving"] == 2, timeout=30, what="both workers serving")
+        args=("--workers", "2", "--config", str(cfg)),
+        env={"PYTHONPATH": path},
+    )
+    wait_for(lambda: workers_of(g)["serving"] == 2, timeout=30, what="both workers serving")
     return g, flag
-
-
-def workers(g: Proc) -> dict:
-    return admin(g, "GET", "/admin/status").json()["workers"]
 
 
 def cap(g: Proc) -> int:
@@ -89,17 +65,17 @@ def test_a_refused_reload_changes_nothing_and_the_next_one_starts_afresh(tmp_pat
     cfg.write_text("default_cap: 5\n")
     g, flag = broken_gateway(tmp_path, e.url, cfg)
     try:
-        before = workers(g)
+        before = workers_of(g)
         assert before["serving"] == 2 and before["generation"] == 0 and cap(g) == 5
         assert "x-unbroken-endpoint" in ask(g).headers
 
         cfg.write_text("default_cap: 3\nendpoint_header: false\n")
         flag.touch()
         g.signal(signal.SIGHUP)
-        wait_for(lambda: workers(g)["last_reload_error"], timeout=40, what=lambda: g.tail())
-        assert "did not start serving" in workers(g)["last_reload_error"]
+        wait_for(lambda: workers_of(g)["last_reload_error"], timeout=40, what=lambda: g.tail())
+        assert "did not start serving" in workers_of(g)["last_reload_error"]
         time.sleep(3.0)  # a crash loop shows within this
-        ws = workers(g)
+        ws = workers_of(g)
         assert ws["generation"] == 0 and ws["pids"] == before["pids"], ws
         assert ws["serving"] == 2 and ws["starting"] == 0, ws
         log = g.tail(400)
@@ -115,7 +91,7 @@ def test_a_refused_reload_changes_nothing_and_the_next_one_starts_afresh(tmp_pat
         cfg.write_text("default_cap: 4\n")
         g.signal(signal.SIGHUP)
         ws = wait_for(
-            lambda: (w := workers(g))["generation"] == 1 and w["draining"] == 0 and w,
+            lambda: (w := workers_of(g))["generation"] == 1 and w["draining"] == 0 and w,
             timeout=40,
             what=lambda: g.tail(),
         )
@@ -138,7 +114,7 @@ def test_workers_that_die_at_start_are_replaced_with_a_back_off(tmp_path: Path) 
     cfg.write_text("queue_timeout_s: 10\n")
     g, flag = broken_gateway(tmp_path, e.url, cfg)
     try:
-        victim = workers(g)["pids"][0]
+        victim = workers_of(g)["pids"][0]
         flag.touch()
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
@@ -148,13 +124,13 @@ def test_workers_that_die_at_start_are_replaced_with_a_back_off(tmp_path: Path) 
         started = metric(g.url, "unbroken_gateway_worker_restarts_total", kind="replaced")
         assert 3 <= started <= 6, log
         assert log.count("crash-looping") == 1, log
-        ws = workers(g)
+        ws = workers_of(g)
         assert ws["serving"] == 1 and victim not in ws["pids"], ws
         assert ask(g).status_code == 200  # the other worker serves meanwhile
 
         flag.unlink()
         ws = wait_for(
-            lambda: (w := workers(g))["serving"] == 2 and w,
+            lambda: (w := workers_of(g))["serving"] == 2 and w,
             timeout=40,
             what=lambda: g.tail(),
         )
