@@ -108,16 +108,18 @@ def _priority_mix(text: str) -> dict[str, float]:
     mix: dict[str, float] = {}
     for part in text.split(","):
         k, _, v = part.partition("=")
+        name = k.strip()
         try:
-            mix[k.strip()] = float(v)
+            share = float(v)
         except ValueError:
             raise BenchOptionError(f"--priority-mix: bad entry {part!r}") from None
-        if k.strip() not in PRIORITIES:
+        if name not in PRIORITIES:
             raise BenchOptionError(
-                f"--priority-mix: unknown priority {k.strip()!r} (one of {', '.join(PRIORITIES)})"
+                f"--priority-mix: unknown priority {name!r} (one of {', '.join(PRIORITIES)})"
             )
-        if not mix[k.strip()] >= 0:
+        if not share >= 0:
             raise BenchOptionError(f"--priority-mix: {part!r}: a share is a number >= 0")
+        mix[name] = share
     if not sum(mix.values()) > 0:
         raise BenchOptionError("--priority-mix: the shares add up to 0")
     return mix
