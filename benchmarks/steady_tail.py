@@ -37,6 +37,7 @@ from typing import Any
 
 from rich.console import Console
 
+from _common import cpu_seconds, process_tree
 from unbroken.bench.baseline import StandardDeployment
 from unbroken.bench.demo import PRIORITIES, _spec
 from unbroken.bench.load import LoadConfig, LoadRun
@@ -45,8 +46,6 @@ from unbroken.bench.priority import measuring_priority
 from unbroken.bench.stats import percentile
 from unbroken.config.spec import PipelineSpec
 from unbroken.pipeline.supervisor import Supervisor
-
-CLK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -95,24 +94,14 @@ def _role(pid: int) -> str | None:
 def _children_cpu() -> dict[int, tuple[str, float]]:
     """CPU seconds (utime + stime) of every descendant of this process, with its role."""
     me = os.getpid()
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-                parent[int(d)] = int(f[1])
     out: dict[int, tuple[str, float]] = {}
-    for pid in parent:
-        p, seen = pid, 0
-        while p in parent and p != me and seen < 64:
-            p, seen = parent[p], seen + 1
-        if p != me or pid == me:
+    for pid in process_tree(me):
+        if pid == me:
             continue
         with contextlib.suppress(OSError, IndexError, ValueError):
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             role = _role(pid)
             if role is not None:
-                out[pid] = (role, (int(f[11]) + int(f[12])) / CLK)
+                out[pid] = (role, cpu_seconds(pid))
     return out
 
 
