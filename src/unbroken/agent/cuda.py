@@ -107,22 +107,26 @@ class CudaTracer:
             return rep
         for probe in probes:
             name = probe.function
+            pair: list[libbpf.Link] = []
             try:
                 # The return probe first: one attached after the entry probe let a call that
                 # entered in between open a per-thread record no return would close, and the
                 # thread's calls all counted as nested in it from then on (an engine with no
                 # CUDA signal for its whole life, 1 run in ~20).
                 for ret in (True, False):
-                    lk = self.obj.attach_uprobe(
-                        "cuda_exit" if ret else "cuda_enter",
-                        path,
-                        probe.offset,
-                        cookie=FN_ID[name],
-                        retprobe=ret,
+                    pair.append(
+                        self.obj.attach_uprobe(
+                            "cuda_exit" if ret else "cuda_enter",
+                            path,
+                            probe.offset,
+                            cookie=FN_ID[name],
+                            retprobe=ret,
+                        )
                     )
-                    rep.links.append(lk)
+                rep.links.extend(pair)
                 rep.attached.append(probe)
             except libbpf.BpfError as e:
+                self.obj.destroy(pair)  # a return probe without its entry counts nothing
                 rep.error = str(e)
                 log.warning("attach %s:%s failed: %s", path, name, e)
         log.info("%s: %d function(s) traced, %d skipped", path, len(rep.attached), len(rep.skipped))
@@ -152,7 +156,7 @@ class CudaTracer:
                 log.info("no multi-uprobe links here (%s): one link per probe", e)
                 self.multi = False
                 return False
-            rep.error = str(e)
+            # Not rep.error: the probes attached one by one next decide whether it failed.
             log.warning("attach %s failed: %s; trying probe by probe", rep.path, e)
             return False
         rep.links.extend(links)
