@@ -304,8 +304,9 @@ async def run_bench(
             )
     failures = verdict(records, max_error_rate)
     if "HTTP 404" in error_counts(records):
-        said = " ".join(r.detail or "" for r in records if (r.detail or "").startswith("HTTP 404"))
-        if "model" in said.lower():  # the server answered: it does not serve --model
+        details = (r.detail or "" for r in records)
+        # The server answered that it does not serve --model (its error names the model).
+        if any(d.startswith("HTTP 404") and "model" in d.lower() for d in details):
             failures.append(
                 f"404 from {base_url(cfg.url)}: --model {cfg.model} is not served there "
                 "(GET /v1/models lists what is)"
