@@ -306,7 +306,6 @@ class Handlers(EngineRoutes):
             ep, n = await self.legs.admit(
                 model, priority, exclude, size=len(body), tenant=tenant, leg=False, hint=hint
             )
-            learnt = False
             try:
                 limit = self.health.ttfb_limit(ep) if stream else deadline - time.monotonic()
                 try:
@@ -317,9 +316,9 @@ class Handlers(EngineRoutes):
                             data=body or None,
                             headers=self.headers.upstream(headers, ep),
                         )
-                        if hint is not None and not learnt:
-                            # On the socket now: the policy records where its prompt went.
-                            learnt = True
+                        if hint is not None:
+                            # Sent (its answer's head is here): the policy records where its
+                            # prompt went, once per attempt.
                             self.pool.admitted(ep, model, priority, hint)
                         sse = up.content_type == "text/event-stream"
                         if up.status != 200 or not sse:
