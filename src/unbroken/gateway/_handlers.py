@@ -235,7 +235,7 @@ class Handlers(EngineRoutes):
             lease = await self.tenancy.admit(tenant, headers)
             hint = None
             if home is None and request.path == "/v1/responses" and isinstance(obj, dict):
-                hint = self._hint(request, responses_as_chat(obj), True, model)
+                hint = self._hint(request, obj, True, model, responses=True)
             resp, pool_label = await self._pass(
                 request,
                 model,
@@ -532,11 +532,21 @@ class Handlers(EngineRoutes):
                 self.tenancy.done(tenant, lease, status)
 
     def _hint(
-        self, request: web.Request, raw: dict[str, Any], chat: bool, model: str
+        self,
+        request: web.Request,
+        raw: dict[str, Any],
+        chat: bool,
+        model: str,
+        *,
+        responses: bool = False,
     ) -> RouteHint | None:
-        """What a cache- or session-aware policy needs of this request (None for others)."""
+        """What a cache- or session-aware policy needs of this request (None for others).
+        `responses`: `raw` is a Responses API request, named as its conversation in chat's
+        messages (`responses_as_chat`, only for a policy that wants it)."""
         if not getattr(self.pool.policy, "wants_hint", False):
             return None
+        if responses:
+            raw = responses_as_chat(raw)
         return hint_of(
             raw,
             chat,
