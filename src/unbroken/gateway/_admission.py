@@ -328,13 +328,15 @@ class Admission:
         self.depth[priority] += 1
         tagged: tuple[int, float] | None = None
         low: int | None = None
-        if self.shared is not None and tenant is not None:
-            # Its tag on the workers' shared clock (`_fairshare`): its depth published first,
-            # so that the table never counts a waiter of a row that shows none.
+        if tenant is not None and (self.shared is not None or want is not None):
             with self._lock():
-                self._publish()
                 fair = self.fair()
-                tagged = fair.enqueue(rank, tenant, share)
+                if self.shared is not None:
+                    # Its tag on the workers' shared clock (`_fairshare`): its depth
+                    # published first, so that the table never counts a waiter of a row that
+                    # shows none.
+                    self._publish()
+                    tagged = fair.enqueue(rank, tenant, share)
                 if want is not None:
                     if tagged is not None:
                         low = fair.low_group(rank, want)
@@ -372,13 +374,8 @@ class Admission:
             heapq.heappush(lows, w)
             if lows[0] is w:
                 self.fair().publish_low(low, start)
-        if w.want is not None:
-            self.waiting[w.want] = self.waiting.get(w.want, 0) + 1
-            if tenant is not None and self.shared is None:  # active there (the reserve)
-                with self._lock():
-                    i = self.fair().flow(rank, tenant, w.want, share)
-                    if i is not None:
-                        self._fair.mark(i, time.monotonic())  # type: ignore[union-attr]
+        if want is not None:
+            self.waiting[want] = self.waiting.get(want, 0) + 1
         self.queued_bytes += size
         self._publish()
         if self.shared is not None and (self._poller is None or self._poller.done()):
