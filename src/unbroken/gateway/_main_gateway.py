@@ -209,12 +209,10 @@ class MainGateway(WorkerProcesses):
                 # Serving: said it serves, and not draining; starting: not yet (at start, a
                 # reload's new workers, a replacement). `pids`: both.
                 "serving": sum(w.serving for w in self.workers),
-                "starting": sum(not w.draining and not w.up.is_set() for w in self.workers),
+                "starting": sum(w.starting for w in self.workers),
                 "draining": sum(w.draining for w in self.workers),
                 "pids": [w.proc.pid for w in self.workers if not w.draining],
-                "starting_pids": [
-                    w.proc.pid for w in self.workers if not w.draining and not w.up.is_set()
-                ],
+                "starting_pids": [w.proc.pid for w in self.workers if w.starting],
                 "draining_pids": [w.proc.pid for w in self.workers if w.draining],
                 "main_pid": os.getpid(),
                 "generation": self.generation,

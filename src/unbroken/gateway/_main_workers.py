@@ -83,6 +83,11 @@ class Worker:
         """Said it serves (`up`), and not told to drain."""
         return self.up.is_set() and not self.draining
 
+    @property
+    def starting(self) -> bool:
+        """Not yet said it serves, and not told to drain."""
+        return not self.up.is_set() and not self.draining
+
     def send(self, msg: ToWorker) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg))
@@ -114,7 +119,7 @@ class WorkerGauge(Collector):
         ws = main.workers if main is not None else []
         serving = sum(w.serving for w in ws) if main is not None else 1
         g.add_metric(["serving"], serving)
-        g.add_metric(["starting"], sum(not w.draining and not w.up.is_set() for w in ws))
+        g.add_metric(["starting"], sum(w.starting for w in ws))
         g.add_metric(["draining"], sum(w.draining for w in ws))
         r = CounterMetricFamily(
             "unbroken_gateway_worker_restarts",
