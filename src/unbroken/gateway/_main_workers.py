@@ -99,6 +99,17 @@ class Worker:
         task.add_done_callback(self.tasks.remove)
 
 
+async def _up_or_exit(w: Worker, timeout: float | None = None) -> bool:
+    """Wait until `w` says it serves, exits, or `timeout` passes: whether it said it serves
+    first."""
+    up = asyncio.ensure_future(w.up.wait())
+    ended = asyncio.ensure_future(w.proc.wait())
+    done, _ = await asyncio.wait([up, ended], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    up.cancel()
+    ended.cancel()
+    return up in done
+
+
 class WorkerGauge(Collector):
     """The workers by state, and their restarts. `main` None: a gateway of one process
     (`--workers 1`), which serves itself and is never restarted or reloaded, exports the
@@ -308,12 +319,7 @@ class WorkerProcesses(Gateway):
 
     async def _settled(self, w: Worker) -> None:
         """A crash loop ends when a replacement has served QUICK_DEATH_S."""
-        up = asyncio.ensure_future(w.up.wait())
-        ended = asyncio.ensure_future(w.proc.wait())
-        await asyncio.wait([up, ended], return_when=asyncio.FIRST_COMPLETED)
-        up.cancel()
-        ended.cancel()
-        if not w.up.is_set():
+        if not await _up_or_exit(w):
             return  # it died first: its death counts
         await asyncio.sleep(QUICK_DEATH_S)
         if w.proc.returncode is None and self._quick_deaths:
@@ -331,14 +337,7 @@ class WorkerProcesses(Gateway):
 
     async def _wait_up(self, ws: list[Worker]) -> None:
         async def one(w: Worker) -> None:
-            up = asyncio.create_task(w.up.wait())
-            done, _ = await asyncio.wait(
-                [up, asyncio.create_task(w.proc.wait())],
-                timeout=START_TIMEOUT_S,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if up not in done:
-                up.cancel()
+            if not await _up_or_exit(w, START_TIMEOUT_S):
                 raise RuntimeError(f"worker pid {w.proc.pid} did not start serving")
 
         await asyncio.gather(*(one(w) for w in ws))
