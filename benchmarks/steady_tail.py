@@ -10,7 +10,8 @@ round, and the CPU each role used in the window (cores): the load generator (thi
 gateway or round-robin proxy, engines, controller, agent.
 
 Variants of unbroken (`--variant NAME:key=value,...`, spec paths under the pipeline spec,
-e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`, `w1:gateway.workers=1`) run as
+e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`, `w1:gateway.workers=1`; a
+key `env.NAME` sets an environment variable of the pipeline's processes instead) run as
 extra targets in each round. `--burn FRACTION` runs a busy loop using that share of a core
 beside the standard deployment, as a second standard target ("standard+burn"): whether a
 gateway's CPU alone makes the round-robin's tail what unbroken's is.
@@ -160,7 +161,10 @@ async def _one(
     t: Target, rnd: int, root: Path, args: argparse.Namespace, console: Console
 ) -> Result:
     state, token, token_file = _state(root, f"{t.name}-{rnd}")
-    spec = _apply(_spec(args.weights_size), t.sets)
+    env = {k[4:]: v for k, v in t.sets.items() if k.startswith("env.")}
+    spec = _apply(
+        _spec(args.weights_size), {k: v for k, v in t.sets.items() if not k.startswith("env.")}
+    )
     target: Any
     if t.kind == "standard":
         dep = StandardDeployment(spec, state=state, token=token, token_file=token_file)
@@ -176,7 +180,16 @@ async def _one(
     )
     stop_burn = multiprocessing.Event()
     burner: multiprocessing.Process | None = None
-    await target.start(console)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the pipeline's processes inherit it
+    try:
+        await target.start(console)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         if t.burn > 0:
             burner = multiprocessing.Process(target=_burner, args=(t.burn, stop_burn), daemon=True)

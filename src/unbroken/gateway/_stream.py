@@ -23,6 +23,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from unbroken.gateway import _late_writes as late_writes
 from unbroken.gateway._messages import SNAPSHOT_VERSION
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._relay import ClientGone, SlowClient
@@ -219,6 +220,8 @@ class StreamRelay(HandoverRelay):
             self._wake.set_result(None)
 
     def _end_leg(self, verdict: str) -> None:
+        if self._held:
+            self._late.flush()  # what the client was counted as sent goes out first
         if self._verdict is None:
             self._verdict = verdict
             if self.up is not None:
@@ -245,14 +248,7 @@ class StreamRelay(HandoverRelay):
                     if n > 1:
                         self._itl.observe_zeros(n - 1)
                     self._last_token = t
-                sink = self.sink
-                try:
-                    if self._outq or sink is None or not sink.send_nowait(raw):
-                        self._outq.append(raw)
-                        self._wake_up()
-                except (ClientGone, SlowClient) as e:
-                    self._exc = e
-                    self._end_leg("client")
+                self._write_later(raw)
                 return
         try:
             events = dec.feed(chunk)
@@ -262,6 +258,31 @@ class StreamRelay(HandoverRelay):
             return
         if events:
             self._events(events)
+
+    def _write(self, raw: bytes) -> None:
+        sink = self.sink
+        try:
+            if self._outq or sink is None or not sink.send_nowait(raw):
+                self._outq.append(raw)
+                self._wake_up()
+        except (ClientGone, SlowClient) as e:
+            self._exc = e
+            self._end_leg("client")
+
+    def _write_later(self, raw: bytes) -> None:
+        """A token after the stream's first: held to the end of this pass of the loop, so
+        that the pass's first tokens go out before it (`_late_writes`)."""
+        if late_writes.ENABLED and not self._outq and self.sink is not None:
+            self._held += 1
+            self._late.hold(self._write_late, raw)
+        else:
+            self._write(raw)
+
+    def _write_late(self, raw: bytes) -> None:
+        """A held token's write (`_late_writes`); dropped once the client is gone."""
+        self._held -= 1
+        if self._exc is None:
+            self._write(raw)
 
     def _on_end(self, exc: BaseException | None) -> None:
         if exc is not None:
@@ -302,6 +323,8 @@ class StreamRelay(HandoverRelay):
             self._rearm_at = now + limit / 4
 
     def _forward(self, events: list[SSEEvent]) -> None:
+        if self._held:
+            self._late.flush()  # this stream's held tokens go first
         try:
             verdict = self._take(events)
         except (ClientGone, SlowClient) as e:
@@ -311,8 +334,12 @@ class StreamRelay(HandoverRelay):
         if verdict is not None:
             self._end_leg(verdict)
 
-    def _emit(self, data: bytes) -> None:
-        """To the client now if its socket takes it, else through the task (in order)."""
+    def _emit(self, data: bytes, later: bool) -> None:
+        """To the client now if its socket takes it, else through the task (in order);
+        `later`: what follows the stream's first token, held to the end of the pass."""
+        if later:
+            self._write_later(data)
+            return
         if not self._outq and self.sink is not None and self.sink.send_nowait(data):
             return
         self._outq.append(data)
@@ -322,6 +349,7 @@ class StreamRelay(HandoverRelay):
         """Forward a batch of events (`Transform.take`), observe the tokens' times, write
         what came out; "done" at a proper end, a reason at a break."""
         out: list[bytes] = []
+        later = self._last_token != 0.0  # the client has had its first token
         tokens, verdict = self.x.take(events, out)
         if out:
             if tokens:
@@ -340,5 +368,5 @@ class StreamRelay(HandoverRelay):
                 # one syscall and one wake-up of the client fewer per request.
                 self._tail = data
             else:
-                self._emit(data)
+                self._emit(data, later)
         return verdict
