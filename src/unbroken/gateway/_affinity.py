@@ -9,7 +9,8 @@ load trade off continuously. What a candidate holds:
   any worker of this gateway (the index's table is shared by them, `_prefix_table.py`).
 - **Session**: a request with a session key (the `session_header`, else the body's `user`)
   credits its whole prompt to the key's home: the candidate with the highest rendezvous
-  hash of (key, endpoint) among those with room. Rendezvous hashing is consistent: adding
+  hash of (key, endpoint), while it has room (in flight under a bound, no request queued in
+  its engine, its KV cache under `session_kv_room` full). Rendezvous hashing is consistent: adding
   or removing a replica moves only the sessions whose home it is, and every gateway worker
   and replica computes the same home without sharing state.
 - **A new prefix** (no candidate holds any of it, no session): its first block's home gets
@@ -59,6 +60,9 @@ class AffinitySettings:
     session_blocks: int | None = None
     balance_abs: float = 8.0  # no credit above min load x (1 + balance_rel) + balance_abs
     balance_rel: float = 0.25
+    # A session's home has room only while its engine queues nothing and its KV cache
+    # (vllm:kv_cache_usage_perc, the blocks running requests hold) is below this share.
+    session_kv_room: float = 0.9
 
 
 _M64 = (1 << 64) - 1
@@ -133,8 +137,15 @@ class CacheAware(LatencyAware):
             # Consistent hashing with bounded loads (Mirrokni et al.): a home already running
             # more than (1 + balance_rel) x the mean in-flight of the candidates (counting
             # this request) gets no credit, so hashing's uneven share of sessions does not
-            # become one replica's queue; the overflow goes where it costs least.
-            if h is not None and h.inflight < self._session_bound(candidates):
+            # become one replica's queue; the overflow goes where it costs least. Nor does a
+            # home without room in its KV cache: long conversations fill it well before
+            # their count reaches the bound, and then the engine queues or preempts.
+            if (
+                h is not None
+                and h.inflight < self._session_bound(candidates)
+                and h.waiting <= 0
+                and h.kv_usage < self.a.session_kv_room
+            ):
                 i = candidates.index(h)
                 sb = self.a.session_blocks
                 credit = hint.chars if sb is None else min(hint.chars, sb * bc)
