@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 from rich.console import Console
 
 from _common import cpu_seconds, process_tree
@@ -209,6 +210,15 @@ async def _one(
             burner.join(timeout=2)
         await target.stop()
     window = [r for r in load.records if t0 <= r.start < t1]
+    if args.dump:
+        # Each first token on the host's monotonic clock, to set beside the pipeline's logs.
+        out = Path(args.dump) / f"{t.name}-{rnd}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(
+            orjson.dumps(
+                [[load.t0 + r.start, r.ttft, r.endpoint or r.profile, r.priority] for r in window]
+            )
+        )
     cpu = _cpu_delta(c0, c1, t1 - t0)
     cpu["loadgen"] = round((s1 - s0) / (t1 - t0), 3)
     # The engine's own X-Unbroken-Profile through the L4 proxy; the gateway's endpoint name
@@ -319,6 +329,9 @@ def main() -> None:
     p.add_argument("--weights-size", default="1GiB")
     p.add_argument("--burn", type=float, default=0.0, help="also: standard + a busy loop")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,...")
+    p.add_argument(
+        "--dump", default="", help="DIR: each target's first tokens (monotonic start, TTFT)"
+    )
     args = p.parse_args()
     import uvloop
 

@@ -171,7 +171,7 @@ async def test_a_streams_handover_state_round_trips() -> None:
     r.migrations = 1
     r.sink = _Sink()  # type: ignore[assignment]
     for i in range(4):
-        r._on_body(_chunk(i))
+        r._take_chunk(_chunk(i))  # as the read callback takes it (`_on_body` may hold it)
     state = r.snapshot()
     assert state["sent"] == 4 and state["gen_ids"] == [100, 101, 102, 103]
     assert state["tracker"]["texts"] == {"0": " w0 w1 w2 w3"} and state["failed"] == ["gone"]

@@ -1,87 +1,108 @@
-"""First tokens before later ones (`gateway/_late_writes.py`): when one pass of the
-gateway's event loop reads a new stream's first event and another stream's later tokens, the
-new stream's first bytes reach its client before the other's.
+"""New work before later tokens (`gateway/_later.py`): when one pass of the gateway's event
+loop reads a new stream's first event and another stream's later tokens, the new stream's
+first event is written to its client before the other stream's tokens are taken in.
 
-Real processes and sockets: a simulator engine, `unbroken gateway`, two raw HTTP clients.
-The gateway is stopped (SIGSTOP) while the engine produces the new stream's first token and
-the old stream's next ones, so that both are waiting when it runs again (SIGCONT) and one
-poll reports both sockets. The clients' kernel receive timestamps (SO_TIMESTAMPNS) of the
-first byte after that say which write came first. Before the change, the old stream's tokens
-were written inside the read callback, and the new stream's first event (written by its task,
+A real simulator engine in its own process; the gateway in this process on uvloop (as
+`unbroken gateway` runs it), so that its event loop can be held: while it is held (a
+blocking sleep in the loop's thread) the engine produces the new stream's first token and
+the old stream's next ones, and when it runs again one poll reports both sockets. Which
+client each write went to is recorded by wrapping the gateway's two write paths to clients
+(`ClientSink.send_nowait`, `SSEResponse.write`): an observation of real writes on real
+sockets, nothing replaced. Before the change, the old stream's tokens were decoded and
+written inside the read callback, and the new stream's first event (written by its task,
 with the response headers) after all of them.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import struct
+import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
-from tests.helpers import MODEL, engine, gateway, metric
+import uvloop
 
-# Linux's SO_TIMESTAMPNS (= SCM_TIMESTAMPNS, a struct timespec per read); Python 3.11's socket
-# module does not name it.
-SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+from helpers import MODEL, engine
+from unbroken.config.spec import GatewaySettings
+from unbroken.gateway._pool import State
+from unbroken.gateway._relay import ClientSink, SSEResponse
+from unbroken.gateway._server import Gateway, StaticEndpoint
+from unbroken.wire.http import free_port
 
 
-def _open(port: int, body: dict[str, object]) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+async def _client(port: int, body: dict[str, Any]) -> tuple[int, asyncio.Task[bytes]]:
+    """A raw HTTP client: its local port (the gateway's peer) and a task reading all."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = orjson.dumps(body)
-    s.sendall(
+    writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%b" % (len(data), data)
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data)
     )
-    s.setblocking(False)
-    return s
 
-
-def _drain(s: socket.socket) -> bytes:
-    got = []
-    while True:
+    async def read() -> bytes:
         try:
-            data = s.recv(65536)
-        except BlockingIOError:
-            return b"".join(got)
-        if not data:
-            return b"".join(got)
-        got.append(data)
+            return await reader.read()
+        finally:
+            writer.close()
+
+    return writer.get_extra_info("sockname")[1], asyncio.create_task(read())
 
 
-def _first_byte_ns(s: socket.socket, timeout: float = 5.0) -> int:
-    """The kernel's receive time of the next byte (one byte read: TCP reports the time of
-    the last segment a read copies from)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            data, anc, _, _ = s.recvmsg(1, socket.CMSG_SPACE(16))
-        except BlockingIOError:
-            assert time.monotonic() < deadline, "no byte came"
-            time.sleep(0.005)
-            continue
-        assert data, "connection closed"
-        for level, kind, d in anc:
-            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
-                sec, ns = struct.unpack("qq", d[:16])
-                return sec * 1_000_000_000 + ns
-        raise AssertionError("no receive timestamp")
+async def _scenario(url: str) -> tuple[list[int], int, int, bytes, bytes]:
+    writes: list[int] = []  # the client (its port) of each write, in order
 
+    def peer(transport: Any) -> int:
+        return transport.get_extra_info("peername")[1] if transport is not None else -1
 
-def _wait(cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+    send_nowait, write = ClientSink.send_nowait, SSEResponse.write
+
+    def rec_send_nowait(self: ClientSink, data: bytes) -> bool:
+        ok = send_nowait(self, data)
+        if ok:
+            writes.append(peer(self.transport))
+        return ok
+
+    async def rec_write(self: SSEResponse, data: bytes) -> None:
+        req = self._req
+        writes.append(peer(req.transport if req is not None else None))
+        await write(self, data)
+
+    gw = Gateway(GatewaySettings(port=free_port(), admin_port=free_port()), "token")
+    ClientSink.send_nowait = rec_send_nowait  # type: ignore[method-assign]
+    SSEResponse.write = rec_write  # type: ignore[method-assign]
+    try:
+        await gw.start([StaticEndpoint(url)])
+        for _ in range(400):
+            if any(x.state == State.READY for x in gw.pool.endpoints.values()):
+                break
+            await asyncio.sleep(0.025)
+        a_port, a = await _client(
+            gw.port, {"model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True}
+        )
+        while writes.count(a_port) < 5:  # A streams
+            await asyncio.sleep(0.01)
+        prompt = " ".join(f"w{i}" for i in range(300))  # ~0.65 s of prefill
+        b_port, b = await _client(
+            gw.port, {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True}
+        )
+        await asyncio.sleep(0.2)  # B is at the engine, in its prefill
+        assert b_port not in writes, "B's first token came before the hold: prefill too short"
+        mark = len(writes)
+        # The loop held: B's first token and A's next ones wait for it.
+        time.sleep(1.0)  # noqa: ASYNC251
+        got_a, got_b = await asyncio.wait_for(asyncio.gather(a, b), 20)
+        return writes[mark:], a_port, b_port, got_a, got_b
+    finally:
+        ClientSink.send_nowait = send_nowait  # type: ignore[method-assign]
+        SSEResponse.write = write  # type: ignore[method-assign]
+        await gw.stop()
 
 
 def test_a_first_token_is_written_before_later_tokens_read_in_the_same_pass(
     tmp_path: Path,
 ) -> None:
-    # Steps of 20 ms; a prompt of ~300 tokens prefills in ~0.6 s.
+    # Steps of 20 ms; B's prompt of ~300 tokens prefills in ~0.65 s.
     e = engine(
         tmp_path,
         "--decode-base-s",
@@ -92,46 +113,14 @@ def test_a_first_token_is_written_before_later_tokens_read_in_the_same_pass(
         "0.002",
         fast=False,
     )
-    g = gateway(tmp_path, e.url)
-    a = b = None
     try:
-        a = _open(g.port, {"model": MODEL, "prompt": "go", "max_tokens": 400, "stream": True})
-        _wait(lambda: a is not None and b"data:" in _peek(a))
-        ttft0 = metric(e.url, "vllm:time_to_first_token_seconds_count")
-        prompt = " ".join(f"w{i}" for i in range(300))
-        sent = time.monotonic()
-        b = _open(g.port, {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True})
-        # B is at the engine (the gateway forwards it in a few ms), in its prefill (~0.65 s
-        # alone): stop the gateway.
-        time.sleep(max(0.0, sent + 0.2 - time.monotonic()))
-        os.killpg(g.pid, signal.SIGSTOP)
-        try:
-            time.sleep(0.05)
-            _drain(a)  # what A had before the stop
-            assert _drain(b) == b"", "B's answer began before the stop: prefill too short"
-            # B's first token made by the engine; A's later tokens after it.
-            _wait(lambda: metric(e.url, "vllm:time_to_first_token_seconds_count") > ttft0, 5.0)
-            time.sleep(0.1)
-        finally:
-            os.killpg(g.pid, signal.SIGCONT)
-        b_ns, a_ns = _first_byte_ns(b), _first_byte_ns(a)
-        gap_us = (b_ns - a_ns) / 1e3
-        assert b_ns < a_ns, f"A's later tokens went out {gap_us:.0f} us before B's first"
-        # Both streams go on whole.
-        time.sleep(0.3)
-        assert b"[DONE]" in _drain(b)
-        assert b"data:" in _drain(a)
+        after, a_port, b_port, got_a, got_b = uvloop.run(_scenario(e.url))
     finally:
-        for s in (a, b):
-            if s is not None:
-                s.close()
-        g.stop()
         e.stop()
-
-
-_seen: dict[int, bytes] = {}
-
-
-def _peek(s: socket.socket) -> bytes:
-    _seen[s.fileno()] = _seen.get(s.fileno(), b"") + _drain(s)
-    return _seen[s.fileno()]
+    assert after and after[0] == b_port, (
+        f"after the hold, writes went to {['B' if p == b_port else 'A' for p in after[:12]]}"
+    )
+    assert after.count(a_port) >= 5  # A's tokens of the held second came after it
+    # Both streams whole.
+    assert got_b.count(b'"finish_reason":"length"') == 1 and b"data: [DONE]" in got_b
+    assert got_a.count(b'"finish_reason":"length"') == 1 and b"data: [DONE]" in got_a

@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from unbroken.gateway import _late_writes as late_writes
+from unbroken.gateway import _later as later
 from unbroken.gateway._messages import SNAPSHOT_VERSION
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._relay import ClientGone, SlowClient
@@ -220,8 +220,6 @@ class StreamRelay(HandoverRelay):
             self._wake.set_result(None)
 
     def _end_leg(self, verdict: str) -> None:
-        if self._held:
-            self._late.flush()  # what the client was counted as sent goes out first
         if self._verdict is None:
             self._verdict = verdict
             if self.up is not None:
@@ -229,6 +227,20 @@ class StreamRelay(HandoverRelay):
         self._wake_up()
 
     def _on_body(self, chunk: bytes) -> None:
+        if self._held or (self._last_token and later.ENABLED and self._verdict is None):
+            # After the stream's first token: taken once this pass's new work has run.
+            self._held += 1
+            self._later.hold(self._take_later, (self.up, chunk))
+            return
+        self._take_chunk(chunk)
+
+    def _take_later(self, held: tuple[UpstreamResponse | None, bytes]) -> None:
+        self._held -= 1
+        up, chunk = held
+        if up is self.up and self._verdict is None:  # else its leg has ended: dropped
+            self._take_chunk(chunk)
+
+    def _take_chunk(self, chunk: bytes) -> None:
         dec = self._dec
         if self._last_token and self.x.plain_leg and self._verdict is None:
             data = dec.one(chunk)
@@ -248,7 +260,7 @@ class StreamRelay(HandoverRelay):
                     if n > 1:
                         self._itl.observe_zeros(n - 1)
                     self._last_token = t
-                self._write_later(raw)
+                self._write(raw)
                 return
         try:
             events = dec.feed(chunk)
@@ -269,22 +281,18 @@ class StreamRelay(HandoverRelay):
             self._exc = e
             self._end_leg("client")
 
-    def _write_later(self, raw: bytes) -> None:
-        """A token after the stream's first: held to the end of this pass of the loop, so
-        that the pass's first tokens go out before it (`_late_writes`)."""
-        if late_writes.ENABLED and not self._outq and self.sink is not None:
-            self._held += 1
-            self._late.hold(self._write_late, raw)
-        else:
-            self._write(raw)
-
-    def _write_late(self, raw: bytes) -> None:
-        """A held token's write (`_late_writes`); dropped once the client is gone."""
-        self._held -= 1
-        if self._exc is None:
-            self._write(raw)
-
     def _on_end(self, exc: BaseException | None) -> None:
+        if self._held:
+            self._later.hold(self._end_later, (self.up, exc))  # after the chunks held
+            return
+        self._take_end(exc)
+
+    def _end_later(self, held: tuple[UpstreamResponse | None, BaseException | None]) -> None:
+        up, exc = held
+        if up is self.up and self._verdict is None:
+            self._take_end(exc)
+
+    def _take_end(self, exc: BaseException | None) -> None:
         if exc is not None:
             self.x.detail = f"{type(exc).__name__}: {exc}"
             self._end_leg("reset")
@@ -323,8 +331,6 @@ class StreamRelay(HandoverRelay):
             self._rearm_at = now + limit / 4
 
     def _forward(self, events: list[SSEEvent]) -> None:
-        if self._held:
-            self._late.flush()  # this stream's held tokens go first
         try:
             verdict = self._take(events)
         except (ClientGone, SlowClient) as e:
@@ -334,12 +340,8 @@ class StreamRelay(HandoverRelay):
         if verdict is not None:
             self._end_leg(verdict)
 
-    def _emit(self, data: bytes, later: bool) -> None:
-        """To the client now if its socket takes it, else through the task (in order);
-        `later`: what follows the stream's first token, held to the end of the pass."""
-        if later:
-            self._write_later(data)
-            return
+    def _emit(self, data: bytes) -> None:
+        """To the client now if its socket takes it, else through the task (in order)."""
         if not self._outq and self.sink is not None and self.sink.send_nowait(data):
             return
         self._outq.append(data)
@@ -349,7 +351,6 @@ class StreamRelay(HandoverRelay):
         """Forward a batch of events (`Transform.take`), observe the tokens' times, write
         what came out; "done" at a proper end, a reason at a break."""
         out: list[bytes] = []
-        later = self._last_token != 0.0  # the client has had its first token
         tokens, verdict = self.x.take(events, out)
         if out:
             if tokens:
@@ -368,5 +369,5 @@ class StreamRelay(HandoverRelay):
                 # one syscall and one wake-up of the client fewer per request.
                 self._tail = data
             else:
-                self._emit(data, later)
+                self._emit(data)
         return verdict

@@ -14,7 +14,7 @@ from typing import Any, Self
 import orjson
 from aiohttp import web
 
-from unbroken.gateway import _late_writes as late_writes
+from unbroken.gateway import _later as later
 from unbroken.gateway._pool import Endpoint
 from unbroken.gateway._prefix import RouteHint
 from unbroken.gateway._relay import ClientSink, SSEResponse, StreamTracker
@@ -42,7 +42,7 @@ class RelayState:
         "_itl",
         "_last_event",
         "_last_token",
-        "_late",
+        "_later",
         "_loop",
         "_outq",
         "_raw",
@@ -122,8 +122,8 @@ class RelayState:
         # One leg's read-callback state (see `_pump`).
         self._loop = asyncio.get_running_loop()
         self._wake: asyncio.Future[None] = self._loop.create_future()
-        self._late = late_writes.for_loop(self._loop)  # later tokens, held to the pass's end
-        self._held = 0  # of this stream's, how many
+        self._later = later.for_loop(self._loop)  # later tokens wait for new work (`_later`)
+        self._held = 0  # chunks of this stream held there
         self._dec = SSEDecoder()
         self._first = True
         self._started = 0.0
