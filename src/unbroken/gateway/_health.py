@@ -71,6 +71,42 @@ _ANSWER_TOKENS_UNKNOWN = 256
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
+class _Patience:
+    """The watch of `EndpointHealth.patience`. An object rather than a closure that
+    schedules itself: such a closure refers to itself through its cell, a reference cycle
+    that took the request's task, its time limit and their contexts with it (18 objects a
+    request) until the cyclic collector ran; in the gateway workers its collections then
+    took ~2 ms each, twice a second, with the event loop stopped (docs/performance.md)."""
+
+    __slots__ = ("_decide", "_handle", "_loop", "_tmo")
+
+    def __init__(self, tmo: asyncio.Timeout, decide: Callable[[float], float | None]) -> None:
+        self._tmo, self._decide = tmo, decide
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+        first = tmo.when()
+        if first is not None:
+            self._handle = self._loop.call_at(first - _PATIENCE_LEAD_S, self._check)
+
+    def _check(self) -> None:
+        self._handle = None  # fired: the loop no longer holds it
+        tmo = self._tmo
+        when = tmo.when()
+        if when is None or tmo.expired():
+            return
+        now = self._loop.time()
+        if when - now > _PATIENCE_LEAD_S:  # moved since (an event re-armed it)
+            self._handle = self._loop.call_at(when - _PATIENCE_LEAD_S, self._check)
+        elif (new := self._decide(now)) is not None and new > when:
+            tmo.reschedule(new)
+            self._handle = self._loop.call_at(new - _PATIENCE_LEAD_S, self._check)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class EndpointHealth:
     """The records and rules above, for every endpoint of one process's pool."""
 
@@ -203,29 +239,7 @@ class EndpointHealth:
         """Just before the time limit `tmo` fires, ask `decide(now)`: a new deadline pushes
         it back (and is watched the same way), None lets it fire. Returns the function that
         stops watching."""
-        loop = asyncio.get_running_loop()
-        handle: asyncio.TimerHandle | None = None
-
-        def check() -> None:
-            nonlocal handle
-            when = tmo.when()
-            if when is None or tmo.expired():
-                return
-            now = loop.time()
-            if when - now > _PATIENCE_LEAD_S:  # moved since (an event re-armed it)
-                handle = loop.call_at(when - _PATIENCE_LEAD_S, check)
-            elif (new := decide(now)) is not None and new > when:
-                tmo.reschedule(new)
-                handle = loop.call_at(new - _PATIENCE_LEAD_S, check)
-
-        def stop() -> None:
-            if handle is not None:
-                handle.cancel()
-
-        first = tmo.when()
-        if first is not None:
-            handle = loop.call_at(first - _PATIENCE_LEAD_S, check)
-        return stop
+        return _Patience(tmo, decide).stop
 
     def watch_streams(self) -> None:
         """Start the watch over streams on endpoints that leave rotation (once), and the
