@@ -181,3 +181,30 @@ def test_a_request_leaves_no_reference_cycles(tmp_path: Path) -> None:
     finally:
         e.stop()
     assert per_request < 1.0, f"{per_request:.1f} objects a request left to the cyclic collector"
+
+
+def test_held_work_runs_in_order_after_the_pass_and_survives_a_failing_item(
+    caplog: Any,
+) -> None:
+    """`Later` on a real uvloop loop: what is held runs after the callbacks the pass made
+    due, in the order held, and one item that raises is logged without stopping the rest
+    (each is another stream's chunk)."""
+    from unbroken.gateway._later import for_loop
+
+    order: list[str] = []
+
+    def boom(_: object) -> None:
+        raise RuntimeError("one stream's fault")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        later = for_loop(loop)
+        later.hold(order.append, "held 1")
+        later.hold(boom, None)
+        loop.call_soon(order.append, "due in the pass")
+        later.hold(order.append, "held 2")
+        await asyncio.sleep(0.01)
+
+    uvloop.run(main())
+    assert order == ["due in the pass", "held 1", "held 2"]
+    assert "relaying a held chunk failed" in caplog.text

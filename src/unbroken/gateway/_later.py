@@ -22,6 +22,7 @@ client was sent, where a continuation resumes) never included it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import weakref
 from collections import deque
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ENABLED", "Later", "for_loop"]
+
+log = logging.getLogger("unbroken.gateway")
 
 # Off only to measure what it is worth (benchmarks/steady_tail.py --variant).
 ENABLED = os.environ.get("UNBROKEN_FIRST_TOKENS_FIRST", "1") != "0"
@@ -68,7 +71,12 @@ class Later:
         try:
             while items:
                 fn, arg = items.popleft()
-                fn(arg)
+                try:
+                    fn(arg)
+                except Exception:
+                    # One stream's fault must not stop the others' held work (in the read
+                    # callback it would have ended only that connection's read).
+                    log.exception("relaying a held chunk failed")
         finally:
             self._running = False
 
