@@ -53,6 +53,16 @@ async def _client(port: int, body: dict[str, Any]) -> tuple[int, asyncio.Task[by
     return writer.get_extra_info("sockname")[1], asyncio.create_task(read())
 
 
+async def _serve(gw: Gateway, url: str) -> None:
+    """Start `gw` in front of the engine at `url` and wait until it is ready there."""
+    await gw.start([StaticEndpoint(url)])
+    for _ in range(400):
+        if any(x.state == State.READY for x in gw.pool.endpoints.values()):
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError("the engine never became ready behind the gateway")
+
+
 async def _scenario(url: str) -> tuple[list[int], int, int, bytes, bytes]:
     writes: list[int] = []  # the client (its port) of each write, in order
 
@@ -76,11 +86,7 @@ async def _scenario(url: str) -> tuple[list[int], int, int, bytes, bytes]:
     ClientSink.send_nowait = rec_send_nowait  # type: ignore[method-assign]
     SSEResponse.write = rec_write  # type: ignore[method-assign]
     try:
-        await gw.start([StaticEndpoint(url)])
-        for _ in range(400):
-            if any(x.state == State.READY for x in gw.pool.endpoints.values()):
-                break
-            await asyncio.sleep(0.025)
+        await _serve(gw, url)
         a_port, a = await _client(
             gw.port, {"model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True}
         )
@@ -137,11 +143,7 @@ async def _garbage_per_request(url: str, n: int) -> float:
 
     gw = Gateway(GatewaySettings(port=free_port(), admin_port=free_port()), "token")
     try:
-        await gw.start([StaticEndpoint(url)])
-        for _ in range(400):
-            if any(x.state == State.READY for x in gw.pool.endpoints.values()):
-                break
-            await asyncio.sleep(0.025)
+        await _serve(gw, url)
         async with aiohttp.ClientSession() as s:
 
             async def one(i: int) -> None:
