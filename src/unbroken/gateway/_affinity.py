@@ -10,9 +10,9 @@ load trade off continuously. What a candidate holds:
 - **Session**: a request with a session key (the `session_header`, else the body's `user`)
   credits its whole prompt to the key's home: the candidate with the highest rendezvous
   hash of (key, endpoint), while it has room (in flight under a bound, no request queued in
-  its engine, its KV cache under `session_kv_room` full). Rendezvous hashing is consistent: adding
-  or removing a replica moves only the sessions whose home it is, and every gateway worker
-  and replica computes the same home without sharing state.
+  its engine, its KV cache under `session_kv_room` full). Rendezvous hashing is
+  consistent: adding or removing a replica moves only the sessions whose home it is, and
+  every gateway worker and replica computes the same home without sharing state.
 - **A new prefix** (no candidate holds any of it, no session): its first block's home gets
   credit for its first `home_blocks` blocks, a small prior that breaks near-ties the same
   way in every worker and gateway replica, so the first requests of a new system prompt

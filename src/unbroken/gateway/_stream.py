@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from unbroken.gateway import _later as later
 from unbroken.gateway._messages import SNAPSHOT_VERSION
@@ -229,16 +230,22 @@ class StreamRelay(HandoverRelay):
     def _on_body(self, chunk: bytes) -> None:
         if self._held or (self._last_token and later.ENABLED and self._verdict is None):
             # After the stream's first token: taken once this pass's new work has run.
-            self._held += 1
-            self._later.hold(self._take_later, (self.up, chunk))
+            self._hold(self._take_chunk, chunk)
             return
         self._take_chunk(chunk)
 
-    def _take_later(self, held: tuple[UpstreamResponse | None, bytes]) -> None:
+    def _hold(self, take: Callable[[Any], None], arg: object) -> None:
+        """`take(arg)` in `_later`'s turn, behind what this stream holds already."""
+        self._held += 1
+        self._later.hold(self._take_held, (self.up, take, arg))
+
+    def _take_held(
+        self, held: tuple[UpstreamResponse | None, Callable[[Any], None], object]
+    ) -> None:
         self._held -= 1
-        up, chunk = held
+        up, take, arg = held
         if up is self.up and self._verdict is None:  # else its leg has ended: dropped
-            self._take_chunk(chunk)
+            take(arg)
 
     def _take_chunk(self, chunk: bytes) -> None:
         dec = self._dec
@@ -272,25 +279,17 @@ class StreamRelay(HandoverRelay):
             self._events(events)
 
     def _write(self, raw: bytes) -> None:
-        sink = self.sink
         try:
-            if self._outq or sink is None or not sink.send_nowait(raw):
-                self._outq.append(raw)
-                self._wake_up()
+            self._emit(raw)
         except (ClientGone, SlowClient) as e:
             self._exc = e
             self._end_leg("client")
 
     def _on_end(self, exc: BaseException | None) -> None:
         if self._held:
-            self._later.hold(self._end_later, (self.up, exc))  # after the chunks held
+            self._hold(self._take_end, exc)  # after the chunks held
             return
         self._take_end(exc)
-
-    def _end_later(self, held: tuple[UpstreamResponse | None, BaseException | None]) -> None:
-        up, exc = held
-        if up is self.up and self._verdict is None:
-            self._take_end(exc)
 
     def _take_end(self, exc: BaseException | None) -> None:
         if exc is not None:
