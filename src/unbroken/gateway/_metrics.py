@@ -332,7 +332,6 @@ class GatewayMetrics:
                     "/v1/completions, POST /v1/chat/completions, GET /v1/models and vLLM's "
                     "other routes (/v1/embeddings, /v1/responses, /tokenize, ...; a client's "
                     "base URL is http://HOST:PORT/v1)",
-                    type="not_found_error",
                     code="unknown_route",
                 )
             return await handler(request)

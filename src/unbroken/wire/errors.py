@@ -20,7 +20,8 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    # OpenAI answers an unknown model or URL with invalid_request_error (vLLM: NotFoundError).
+    404: "invalid_request_error",
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",

@@ -199,6 +199,9 @@ async def prepare_sse(request: web.Request, status: int = 200) -> web.StreamResp
     return resp
 
 
+MAX_HEADER_LINE = 16 * 1024  # bytes of a request line or one header line
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Connection-level limits aiohttp itself does not offer. `header_timeout_s`: a request's
@@ -382,7 +385,14 @@ async def start_site(
     if not app.frozen:
         app.on_response_prepare.append(_server_header)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+        # uvicorn (vLLM's server) takes a header block of up to 16 KiB; aiohttp's 8 KiB a line
+        # refused a client's long session header or token with 400 where vLLM would answer.
+        max_line_size=MAX_HEADER_LINE,
+        max_field_size=MAX_HEADER_LINE,
     )
     await runner.setup()
     server = runner.server
