@@ -81,6 +81,8 @@ _sig("bpf_prog_test_run_opts", ci, ci, vp)
 _sig("bpf_map_get_next_key", ci, ci, vp, vp)
 _sig("bpf_map_lookup_elem", ci, ci, vp, vp)
 _sig("bpf_map_delete_elem", ci, ci, vp)
+# int bpf_map_lookup_batch(fd, in_batch, out_batch, keys, values, __u32 *count, opts)
+_sig("bpf_map_lookup_batch", ci, ci, vp, vp, vp, vp, ctypes.POINTER(cu32), vp)
 _sig("libbpf_major_version", cu32)
 _sig("libbpf_minor_version", cu32)
 
@@ -309,6 +311,57 @@ def items(
             yield k, val_t.from_buffer_copy(val)
         ctypes.memmove(ctypes.byref(key), ctypes.byref(nxt), ctypes.sizeof(key_t))
         prev = ctypes.byref(key)
+
+
+_ENOTSUPP = 524  # the kernel's own "not supported", which bpf(2) can return as it is
+_batch_ok = True  # cleared once the kernel refuses BPF_MAP_LOOKUP_BATCH (before Linux 5.6)
+
+
+def dump(fd: int, key_size: int, value_size: int, hint: int = 1024) -> tuple[bytes, bytes] | None:
+    """Every key and value of a hash map, packed (`n * key_size`, `n * value_size` bytes), in
+    a few BPF_MAP_LOOKUP_BATCH calls (Linux 5.6+), where `items` makes two bpf(2) calls and
+    two ctypes copies an entry: 6 us a socket in the TCP map, 50 ms a read at 8,000 sockets.
+    A concurrent update may be missed or seen twice, as with `items`. None where the kernel
+    has no batch lookup (the caller iterates with `items` instead)."""
+    global _batch_ok
+    if not _batch_ok:
+        return None
+    cap = max(64, hint)
+    kbuf = ctypes.create_string_buffer(cap * key_size)
+    vbuf = ctypes.create_string_buffer(cap * value_size)
+    # A hash map's batch token is its next bucket (a u32); 8 bytes leave room either way.
+    tok_in, tok_out = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    in_ptr: object = None
+    keys: list[bytes] = []
+    vals: list[bytes] = []
+    while True:
+        count = cu32(cap)
+        rc = _lib.bpf_map_lookup_batch(
+            fd, in_ptr, ctypes.byref(tok_out), kbuf, vbuf, ctypes.byref(count), None
+        )
+        err = _errno(rc) if rc < 0 else 0
+        n = count.value if err in (0, 2) else 0  # ENOENT: the last, possibly partial, batch
+        if n:
+            keys.append(ctypes.string_at(kbuf, n * key_size))
+            vals.append(ctypes.string_at(vbuf, n * value_size))
+        if err == 2:
+            return b"".join(keys), b"".join(vals)
+        if err == 28:  # ENOSPC: one bucket holds more than the buffer; retry it larger
+            cap *= 2
+            kbuf = ctypes.create_string_buffer(cap * key_size)
+            vbuf = ctypes.create_string_buffer(cap * value_size)
+            continue
+        if err in (22, 95, _ENOTSUPP) and in_ptr is None and not keys:
+            _batch_ok = False  # EINVAL / EOPNOTSUPP: no batch ops for this kernel or map
+            log.debug(
+                "BPF_MAP_LOOKUP_BATCH unavailable (%s): reading maps entry by entry",
+                os.strerror(err) if err != _ENOTSUPP else "ENOTSUPP",
+            )
+            return None
+        if err:
+            raise BpfError("bpf_map_lookup_batch", err)
+        tok_in.value = tok_out.value
+        in_ptr = ctypes.byref(tok_in)
 
 
 def delete(fd: int, key: ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint64) -> None:
