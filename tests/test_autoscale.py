@@ -432,7 +432,13 @@ def test_readme_min_0_pool_sleeps_until_its_model_is_asked_for(tmp_path: Path) -
     from unbroken.config.tenants import key_digest
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text(README_SPEC.replace("DIGEST", key_digest("sk-acme")))
+    # ... with an adapter on the sleeping pool: /v1/models lists it under its base while the
+    # pool sleeps, as vLLM lists it once awake (it was a plain entry, with no parent).
+    text = README_SPEC.replace("DIGEST", key_digest("sk-acme")).replace(
+        "    replicas: {min: 0, max: 2}",
+        "    adapters: {py-lora: /adapters/py}\n    replicas: {min: 0, max: 2}",
+    )
+    spec.write_text(text)
     u = Up(tmp_path, spec)
     try:
         ctl = f"http://127.0.0.1:{u.controller_port}"
@@ -447,6 +453,13 @@ def test_readme_min_0_pool_sleeps_until_its_model_is_asked_for(tmp_path: Path) -
         pools = _pools(u)
         assert (pools["primary"]["live"], pools["coder"]["live"]) == (1, 0), pools
         assert not [d for d in _decisions(u) if d["endpoint"] == "coder"], _decisions(u)
+        auth = {"Authorization": "Bearer sk-acme"}
+        cards = {m["id"]: m for m in httpx.get(u.url + "/v1/models", headers=auth).json()["data"]}
+        assert cards["py-lora"]["parent"] == "qwen-coder-7b", cards
+        assert cards["py-lora"]["root"] == "/adapters/py", cards
+        assert cards["qwen-coder-7b"].get("parent") is None, cards
+        ids = list(cards)
+        assert ids.index("py-lora") > ids.index("qwen-coder-7b"), ids  # bases first
         r = httpx.post(
             u.url + "/v1/completions",
             json={"model": "qwen-coder-7b", "prompt": "wake", "max_tokens": 4, "temperature": 0},

@@ -26,7 +26,10 @@ pools:
   - name: alpha
     replicas: 2
     aliases: [alpha-latest]
-    adapters: {sql: /adapters/sql, poet: /adapters/poet}
+    adapters:
+      - {name: sql, path: /adapters/sql}
+      - {name: poet, path: /adapters/poet}
+      - {name: ali, path: /adapters/ali, base: alpha-latest}
     weights_size: 8MiB
     engine: {profile: fp16, seed: 11, overrides: {decode_base_s: 0.01}}
   - name: beta
@@ -81,6 +84,10 @@ def test_models_listing_and_unknown_model(up: Up) -> None:
     assert {"base-a", "alpha-latest", "sql", "poet", "base-b"} <= set(listed)
     for adapter in ("sql", "poet"):
         assert getattr(listed[adapter], "parent", None) == "base-a"
+    # An adapter declared on an alias is that alias's under `unbroken up` as in the rendered
+    # manifests (vLLM's JSON form of --lora-modules; `up` once passed name=path only).
+    assert getattr(listed["ali"], "parent", None) == "alpha-latest"
+    assert getattr(listed["ali"], "root", None) == "/adapters/ali"
     # data[0] is the first pool's model, whichever replica passed its health check first
     ids = [m.id for m in c.models.list().data]
     assert ids[:2] == ["base-a", "alpha-latest"] and ids.index("base-b") < ids.index("sql")

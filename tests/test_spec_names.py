@@ -149,6 +149,40 @@ def test_tenants_are_checked(tenants: list[dict[str, Any]], error: str) -> None:
     assert "sha256" not in msg  # no digest in an error
 
 
+def test_limit_names_and_key_prefix() -> None:
+    """An unknown limit (OpenAI's own `tokens_per_minute`) names the four there are; the
+    digest's prefix is read in any case, as its hex digits are."""
+    msg = refused(
+        {
+            "pools": [{"name": "p"}],
+            "tenants": [{"name": "a", "api_keys": [KA], "limits": {"tokens_per_minute": 9}}],
+        }
+    )
+    assert "tenants.0.limits: unknown limit tokens_per_minute; the limits are " in msg, msg
+    assert "prompt_tokens_per_minute, completion_tokens_per_minute" in msg, msg
+    upper = "SHA256:" + KA.removeprefix("sha256:").upper()
+    spec = parse_spec({"pools": [{"name": "p"}], "tenants": [{"name": "a", "api_keys": [upper]}]})
+    assert spec.tenants is not None and spec.tenants[0].api_keys == [KA]
+
+
+def test_local_shares_of_small_limits_are_warned_of() -> None:
+    from unbroken.config.tenants import local_overruns
+
+    spec = parse_spec(
+        {
+            "pools": [{"name": "p"}],
+            "tenants": [
+                {"name": "a", "api_keys": [KA], "limits": {"concurrent_streams": 1}},
+                {"name": "b", "api_keys": [KB], "limits": {"requests_per_minute": 3}},
+            ],
+        }
+    )
+    assert local_overruns(spec.tenants, 1) == []
+    (one,) = local_overruns(spec.tenants, 2)
+    assert one.startswith("tenant a: concurrent_streams 1 is below the 2 gateway replicas")
+    assert len(local_overruns(spec.tenants, 4)) == 2
+
+
 def test_valid_tenants() -> None:
     spec = parse_spec(
         {

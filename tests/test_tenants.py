@@ -187,6 +187,11 @@ def test_keys_priorities_and_401(tmp_path: Path, eng: Proc) -> None:
             )
             == 4
         )
+        # ... and answered, under tenant none (its HELP says so; none was counted).
+        assert (
+            metric(g.url, "unbroken_gateway_tenant_requests_total", tenant="none", status="401")
+            == 4
+        )
         # Keys never reach the metrics or the log.
         text = httpx.get(g.url + "/metrics").text
         assert all(k not in text for k in KEYS.values()) and "sk-wrong" not in text

@@ -115,6 +115,13 @@ def render_k8s(
     console().print(
         f"wrote {len(paths)} object(s) to {out} (Prometheus Operator: monitoring/{keda})"
     )
+    if pipeline.rate_limit.store == "local":
+        from rich.markup import escape
+
+        from unbroken.config.tenants import local_overruns
+
+        for line in local_overruns(pipeline.tenants, gateway_replicas):
+            console().print(f"[yellow]warning:[/yellow] {escape(line)}")
 
 
 # After `ready`: sub-apps are listed after every command, in the order they are added.

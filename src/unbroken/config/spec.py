@@ -3,6 +3,7 @@ them. Validation errors name the offending field (`pools.0.replicas: ...`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -152,6 +153,9 @@ class GatewaySettings(_Spec):
     # (autoscaled to 0) pool serves waits in the queue for it instead of a 404, and counts
     # as that pool's demand, which wakes it.
     pool_models: dict[str, list[str]] = Field(default_factory=dict)
+    # Each adapter the spec declares: its base (vLLM's `parent`) and path (`root`), so that
+    # /v1/models lists a sleeping pool's adapters as vLLM lists them, under their base.
+    adapter_cards: dict[str, dict[str, str]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _tenants(self) -> GatewaySettings:
@@ -418,6 +422,35 @@ class PoolSpec(_Spec):
         """Every model name this pool answers to: its model, its aliases, its adapters."""
         return [self.model_of(spec), *self.aliases, *(a.name for a in self.adapters)]
 
+    def lora_modules(self, spec: PipelineSpec) -> list[str]:
+        """The `--lora-modules` entries of its adapters, as `unbroken up` and the rendered
+        manifests both pass them (vLLM and the simulator read the same): `name=path` as
+        vLLM's CLI takes it (no path: the name is the path, which vLLM resolves as a Hugging
+        Face repository id); vLLM's JSON form, whose `base_model_name` /v1/models shows as
+        the adapter's parent, for a `base` other than the pool's model and for a name or
+        path with `=` or `,` (vLLM reads `name=path` only without a `,`, split at the first
+        `=`). A `base` must be one of the pool's names (ValueError: the spec's validation
+        says so too, but a spec edited in code after it is rendered as it stands)."""
+        model = self.model_of(spec)
+        served = [model, *self.aliases]
+        out: list[str] = []
+        for i, a in enumerate(self.adapters):
+            if a.base is not None and a.base not in served:
+                raise ValueError(
+                    f"pools.{self.name}.adapters[{i}].base: {a.base!r} is not a name the pool "
+                    f"serves ({', '.join(served)})"
+                )
+            path = a.path or a.name
+            plain = not any(c in a.name + path for c in "=,")
+            if plain and (a.base is None or a.base == model):
+                out.append(f"{a.name}={path}")
+                continue
+            entry = {"name": a.name, "path": path}
+            if a.base is not None and a.base != model:
+                entry["base_model_name"] = a.base
+            out.append(json.dumps(entry))
+        return out
+
 
 class PipelineSpec(_Spec):
     model: str = "unbroken-sim"
@@ -438,6 +471,11 @@ class PipelineSpec(_Spec):
         if "rate_limit" in self.model_fields_set:
             settings.rate_limit = self.rate_limit.model_copy(deep=True)
         settings.pool_models = {p.name: p.served_names(self) for p in self.pools}
+        settings.adapter_cards = {
+            a.name: {"parent": a.base or p.model_of(self), "root": a.path or a.name}
+            for p in self.pools
+            for a in p.adapters
+        }
         return settings
 
     @model_validator(mode="after")

@@ -5,14 +5,21 @@ file, a rendered gateway config and every log hold no secret."""
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from unbroken.config._base import Priority, _Spec
 
-__all__ = ["RateLimitSettings", "TenantLimits", "TenantSpec", "check_tenants", "key_digest"]
+__all__ = [
+    "RateLimitSettings",
+    "TenantLimits",
+    "TenantSpec",
+    "check_tenants",
+    "key_digest",
+    "local_overruns",
+]
 
 # Both are the gateway's too (gateway/_tenants.py: ANONYMOUS, and RESERVED as NONE).
 ANONYMOUS = "anonymous"  # takes the requests whose key matches no tenant
@@ -40,6 +47,20 @@ class TenantLimits(_Spec):
     completion_tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
     concurrent_streams: Annotated[int, Field(ge=1)] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, v: Any) -> Any:
+        """An unknown limit names the four there are (OpenAI's own `tokens_per_minute` is
+        two here: prompt and completion)."""
+        if isinstance(v, dict):
+            unknown = sorted(str(k) for k in v if k not in cls.model_fields)
+            if unknown:
+                raise ValueError(
+                    f"unknown limit {', '.join(unknown)}; the limits are "
+                    f"{', '.join(cls.model_fields)}"
+                )
+        return v
+
 
 class TenantSpec(_Spec):
     name: TenantName
@@ -54,7 +75,7 @@ class TenantSpec(_Spec):
         out = []
         for i, k in enumerate(keys):
             algo, _, hexd = k.partition(":")
-            hexd = hexd.lower()
+            algo, hexd = algo.lower(), hexd.lower()
             if algo != "sha256" or len(hexd) != 64 or hexd.strip("0123456789abcdef"):
                 # Never echo the value: it may be a raw key pasted by mistake.
                 raise ValueError(
@@ -131,9 +152,25 @@ def check_tenants(tenants: list[TenantSpec]) -> None:
                 f"ever be its (only the tenant named {ANONYMOUS} needs none: it takes the "
                 "requests whose key matches no tenant)"
             )
-        for j, k in enumerate(t.api_keys):
+        for j, k in enumerate(t.api_keys):  # twice in one tenant: harmless, accepted
             if owner.setdefault(k, t.name) != t.name:
                 raise ValueError(
                     f"tenants.{i}.api_keys.{j}: also a key of tenant {owner[k]}; a key names "
                     "one tenant"
                 )
+
+
+def local_overruns(tenants: list[TenantSpec] | None, replicas: int) -> list[str]:
+    """With `store: local`, each of `replicas` gateway replicas enforces its share of every
+    limit, at least 1: a limit below the replica count is exceeded (up to `replicas`). One
+    line per such limit, for a warning."""
+    out = []
+    for t in tenants or []:
+        for key, v in t.limits.model_dump().items():
+            if v is not None and v < replicas:
+                out.append(
+                    f"tenant {t.name}: {key} {v} is below the {replicas} gateway replicas; "
+                    f"with rate_limit.store local each replica allows at least 1, so up to "
+                    f"{replicas} in all (rate_limit.store: redis counts it exactly)"
+                )
+    return out

@@ -147,8 +147,12 @@ class Handlers(EngineRoutes):
             )
         if merged:
             # What a sleeping pool (autoscaled to 0) serves is served too: it wakes on demand.
+            # An adapter keeps its base and path, as vLLM lists it (and as it is once awake).
+            cards = self.cfg.adapter_cards
             for m in self.pool.known_models() - live:
                 merged[m] = {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
+                if m in cards:
+                    merged[m].update(root=cards[m]["root"], parent=cards[m]["parent"])
         if not merged:
             # Nothing serves yet (engines starting): a script that waits for a 200 and takes
             # data[0] would fail on an empty list; the openai client retries a 503.

@@ -305,6 +305,7 @@ class GatewayMetrics:
                 self.tenant_rejections.labels(name, reason)
             self.tenant_queue_wait.labels(name)
         self.tenant_rejections.labels("none", "invalid_api_key")
+        self.tenant_requests.labels("none", "401")
 
     def _init_pool(self, pool: str) -> None:
         for reason in BREAK_REASONS:

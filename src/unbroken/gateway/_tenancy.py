@@ -78,6 +78,7 @@ class Tenancy:
             return self.tenants.resolve(request.headers.get("Authorization"))
         except ApiError:
             self.metrics.tenant_rejections.labels(NONE, "invalid_api_key").inc()
+            self.metrics.tenant_requests.labels(NONE, "401").inc()
             raise
 
     def _asked(self, value: str) -> str:

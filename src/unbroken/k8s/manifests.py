@@ -209,29 +209,6 @@ def pool_secret_name(o: RenderOptions, pool: PoolSpec) -> str:
 
 
 # -- engines ---------------------------------------------------------------------------------
-def _lora_module(spec: PipelineSpec, pool: PoolSpec, i: int) -> str:
-    """One `--lora-modules` entry. `name=path` as vLLM's CLI takes it (no path: the name is
-    the path, which vLLM resolves as a Hugging Face repository id); vLLM's JSON form, whose
-    `base_model_name` /v1/models shows, for a `base` other than the pool's model and for a
-    name or path with `=` or `,` (vLLM reads `name=path` only without a `,`, split at the
-    first `=`)."""
-    a = pool.adapters[i]
-    path = a.path or a.name
-    served = [pool.model_of(spec), *pool.aliases]
-    if a.base is not None and a.base not in served:
-        raise ValueError(
-            f"pools.{pool.name}.adapters[{i}].base: {a.base!r} is not a name the pool serves "
-            f"({', '.join(served)})"
-        )
-    plain = not any(c in a.name + path for c in "=,")
-    if plain and (a.base is None or a.base == pool.model_of(spec)):
-        return f"{a.name}={path}"
-    entry = {"name": a.name, "path": path}
-    if a.base is not None and a.base != pool.model_of(spec):
-        entry["base_model_name"] = a.base
-    return json.dumps(entry)
-
-
 def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
     """The names the pool answers to and its LoRA adapters, in vLLM's flags (the simulator
     takes the same ones): the first served name is the one responses carry."""
@@ -241,7 +218,7 @@ def _model_args(spec: PipelineSpec, pool: PoolSpec) -> list[str]:
         # 1 would make requests of different adapters wait for each other); --max-lora-rank
         # stays at vLLM's default (16).
         args += ["--enable-lora", "--max-loras", str(len(pool.adapters)), "--lora-modules"]
-        args += [_lora_module(spec, pool, i) for i in range(len(pool.adapters))]
+        args += pool.lora_modules(spec)
     return args
 
 

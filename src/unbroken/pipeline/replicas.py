@@ -130,7 +130,7 @@ def engine_argv(
     pool's other names and adapters unless the command has them), or the simulator."""
     e = pool.engine
     model = pool.model_of(spec)
-    lora = [f"{a.name}={a.path or a.name}" for a in pool.adapters]
+    lora = pool.lora_modules(spec)
     if e.kind == "command":
         assert e.command is not None
         subst = {"port": str(port), "host": host, "model": model}
