@@ -328,6 +328,11 @@ def test_token_limits_count_usage(tmp_path: Path, eng: Proc) -> None:
         r1 = c.completions.with_raw_response.create(model=MODEL, prompt="a b", max_tokens=60)
         assert r1.headers["x-ratelimit-limit-tokens"] in ("100", "1000")
         assert r1.parse().usage.completion_tokens == 60
+        # The token headers net of this request's estimate, as OpenAI's: max_tokens 60 of
+        # the completion bucket's 100, and its prompt of the prompt bucket's 1,000.
+        assert r1.headers["x-ratelimit-remaining-completion-tokens"] == "40"
+        assert 990 <= int(r1.headers["x-ratelimit-remaining-prompt-tokens"]) < 1000
+        assert r1.headers["x-ratelimit-remaining-tokens"] == "40"  # the scarcer of the two
         # A stream: 60 more (120 in all, past the limit: the stream is whole).
         s = c.completions.create(
             model=MODEL, prompt="a b", max_tokens=60, stream=True,

@@ -25,7 +25,7 @@ from unbroken.gateway._headers import Headers, request_id
 from unbroken.gateway._health import EndpointHealth
 from unbroken.gateway._legs import Legs
 from unbroken.gateway._pool import Endpoint, Pool, State
-from unbroken.gateway._prefix import RouteHint, hint_of, responses_as_chat
+from unbroken.gateway._prefix import CHARS_PER_TOKEN, RouteHint, hint_of, responses_as_chat
 from unbroken.gateway._ratelimit import Lease, RateLimited
 from unbroken.gateway._tenancy import Tenancy
 from unbroken.gateway._upstream import UPSTREAM_ERRORS, Retry
@@ -457,7 +457,8 @@ class Handlers(EngineRoutes):
                     )
                 model = next(iter(known))
             wants = _wants(view.raw) if streaming else None
-            tokens = None if streaming else _max_tokens(view.raw)
+            most = _max_tokens(view.raw)
+            tokens = None if streaming else most
             hint = self._hint(request, view.raw, chat, model)
             # The body asking the engine for what continuation needs (`augment`), made from
             # the dict parsed above.
@@ -496,7 +497,11 @@ class Handlers(EngineRoutes):
                     code="model_not_found",
                 )
             headers = self.headers.of(request, rid)
-            lease = await self.tenancy.admit(tenant, headers)
+            # As OpenAI's headers count it: the prompt, and max_tokens for every sequence.
+            prompt_est = (hint.chars if hint is not None else len(body)) / CHARS_PER_TOKEN
+            lease = await self.tenancy.admit(
+                tenant, headers, (prompt_est, float((most or 0) * weight))
+            )
             c = Completion(
                 path,
                 model,

@@ -125,6 +125,7 @@ class Lease:
     done: bool = False
     counted: bool = False  # holds a stream in the tables
     headers: dict[str, str] | None = None
+    estimate: tuple[float, float] = (0.0, 0.0)  # prompt, completion tokens (headers only)
 
 
 class Limiter:
@@ -166,9 +167,13 @@ class Limiter:
             self.replicas, self.rank = self.peers()
         return cap_share(total, self.replicas, self.rank)
 
-    async def admit(self, name: str) -> Lease:
-        """Take one request (and a stream) of tenant `name`, or raise RateLimited."""
+    async def admit(self, name: str, estimate: tuple[float, float] = (0.0, 0.0)) -> Lease:
+        """Take one request (and a stream) of tenant `name`, or raise RateLimited.
+        `estimate`: the request's prompt and completion tokens as guessed before it runs
+        (prompt length, max_tokens): its x-ratelimit token headers say what is left after
+        it, as OpenAI's do; the buckets take only what the engine reports."""
         lease = Lease(name, self.slots[name])
+        lease.estimate = estimate
         per_min, conc = self.limits(name)
         if all(v is None for v in per_min) and conc is None:
             return lease
@@ -181,8 +186,8 @@ class Limiter:
             self.store_calls += 1
             if res is not None:
                 ok, reason, retry_s, levels = res
-                hdrs = _headers(per_min, levels)
                 if not ok:
+                    hdrs = _headers(per_min, levels)
                     limit = (
                         conc
                         if reason == "concurrent_streams"
@@ -190,7 +195,7 @@ class Limiter:
                     )
                     raise RateLimited(name, reason, limit or 0, retry_s, hdrs)
                 lease.remote = True
-                lease.headers = hdrs
+                lease.headers = _headers(per_min, _after(levels, estimate))
                 self._take_local(lease, shares, force=True)
                 return lease
         self._take_local(lease, shares, conc=self.share(conc))
@@ -231,7 +236,7 @@ class Limiter:
             tb.streams[tb.row, slot] += 1
             lease.counted = True
         if lease.headers is None:
-            lease.headers = _headers(per_min, levels)
+            lease.headers = _headers(per_min, _after(levels, lease.estimate))
 
     def adopt(self, name: str, prompt: int, completion: int, remote: bool) -> Lease | None:
         """A stream of tenant `name` handed over from another worker at a reload (it was
@@ -302,6 +307,11 @@ class Limiter:
 
 def _limited(t: TenantSpec) -> bool:
     return any(getattr(t.limits, k) is not None for k in REASONS)
+
+
+def _after(levels: list[float], estimate: tuple[float, float]) -> list[float]:
+    """The levels once the request's estimated tokens are taken (for its headers only)."""
+    return [levels[0], levels[1] + estimate[0], levels[2] + estimate[1]]
 
 
 def _headers(per_min: list[int | None], levels: list[float]) -> dict[str, str]:

@@ -92,13 +92,19 @@ class Tenancy:
             )
         return value
 
-    async def admit(self, tenant: TenantSpec | None, headers: dict[str, str]) -> Lease | None:
+    async def admit(
+        self,
+        tenant: TenantSpec | None,
+        headers: dict[str, str],
+        estimate: tuple[float, float] = (0.0, 0.0),
+    ) -> Lease | None:
         """Take the request from its tenant's limits (429 when over one); its x-ratelimit
-        headers go on every response it gets (`_headers.Headers.response`)."""
+        headers go on every response it gets (`_headers.Headers.response`), its token
+        headers net of `estimate` (its prompt and completion tokens, guessed)."""
         if tenant is None or self.limiter is None:
             return None
         try:
-            lease = await self.limiter.admit(tenant.name)
+            lease = await self.limiter.admit(tenant.name, estimate)
         except RateLimited as e:
             self.metrics.tenant_rejections.labels(tenant.name, e.reason).inc()
             raise
