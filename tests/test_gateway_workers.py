@@ -5,6 +5,7 @@ workers, one /metrics, one admin API, a dead worker replaced at once. Real engin
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -134,6 +135,29 @@ def test_cap_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
         assert metric(g.url, "unbroken_gateway_inflight") == 0
     finally:
         assert g.stop() == 0
+
+
+@pytest.mark.parametrize("routing", ["round_robin", "least_load", "latency"])
+def test_sequential_requests_take_turns_through_workers(tmp_path: Path, routing: str) -> None:
+    """Two idle engines behind 2 workers, 8 requests one after another on one connection:
+    the replicas take turns, as through one worker. A waiter's room check ran the policy's
+    pick without the lock, then the real pick ran under it: each request moved the turn
+    twice, and every request went to one replica (a review, with all three policies)."""
+    engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
+    g = gateway(tmp_path, *(e.url for e in engs), args=("--workers", "2", "--routing", routing))
+    try:
+        wait_for(lambda: workers_of(g)["serving"] == 2, timeout=30)
+        with httpx.Client(base_url=g.url, timeout=30) as c:
+            body = {"model": MODEL, "prompt": "turns", "max_tokens": 2}
+            got = [
+                c.post("/v1/completions", json=body).headers["x-unbroken-endpoint"]
+                for _ in range(8)
+            ]
+        assert len(set(got)) == 2 and all(a != b for a, b in itertools.pairwise(got)), got
+    finally:
+        g.stop()
+        for e in engs:
+            e.stop()
 
 
 def test_queue_waiters_get_slots_freed_by_other_workers(tmp_path: Path, eng: Proc) -> None:

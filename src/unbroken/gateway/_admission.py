@@ -200,7 +200,7 @@ class Admission:
         `vt`: a waiter's start tag on the workers' shared clock, which its take advances."""
         # Full is known without the lock (waiters poll this often), and without the hint:
         # room does not need a cache-aware policy's arithmetic.
-        if self.shared is not None and self._pick(model, priority, exclude, weight) is None:
+        if self.shared is not None and not self.pool.has_room(model, priority, exclude, weight):
             return None
         with self._lock():
             ep = self._pick(model, priority, exclude, weight, hint)
@@ -504,7 +504,7 @@ class Admission:
             if defer:
                 # Defer only while there is room: the clock runs from when a slot is free (a
                 # waiter a pass did not reach since one found none restarts it).
-                if self._pick(w.model, w.priority, w.exclude, w.weight) is None:
+                if not self.pool.has_room(w.model, w.priority, w.exclude, w.weight):
                     w.deferred = None
                     if not w.exclude:  # nor for the ones like it behind
                         full.add(key)

@@ -356,6 +356,23 @@ class Pool:
                 by_pool.append(candidates)
         return by_pool
 
+    def has_room(
+        self, model: str, priority: str, exclude: Iterable[Endpoint] = (), weight: int = 1
+    ) -> bool:
+        """Has a candidate room for `weight` sequences (at most its whole cap)? What waiters
+        ask many times a second, answered without the policy: a policy's pick moves its
+        turn (`_rr`), and asked first without the lock, then again under it, that made
+        round_robin (and every tie of least_load and latency) land each request of a
+        multi-worker gateway on one replica."""
+        for candidates in self._candidates(model, priority, set(map(id, exclude))):
+            for e in candidates:
+                if weight <= 1:
+                    return True
+                cap = e.effective_cap(self.default_cap)
+                if e.inflight + min(weight, cap) <= cap:
+                    return True
+        return False
+
     def pick(
         self,
         model: str,
