@@ -157,6 +157,21 @@ def test_replacement_retries_until_it_serves_and_rollout_reports_the_gap(tmp_pat
         assert u.stop() == 0
 
 
+def test_gateway_flag_errors_are_one_clear_line() -> None:
+    """`unbroken gateway --routing bogus` printed pydantic's dump (with its URL)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "gateway", "--routing", "bogus",
+         "--endpoint", "p=http://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert out.strip() == (
+        "error: routing: Input should be 'prefix', 'session', 'latency', 'least_load' or "
+        "'round_robin'"
+    ), out
+
+
 @pytest.mark.parametrize(
     ("args", "spec_text", "expect", "code"),
     [

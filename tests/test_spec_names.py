@@ -183,6 +183,21 @@ def test_local_shares_of_small_limits_are_warned_of() -> None:
     assert len(local_overruns(spec.tenants, 4)) == 2
 
 
+@pytest.mark.parametrize(
+    ("header", "error"),
+    [
+        ("", "'' is not an HTTP header name"),
+        ("bad header", "'bad header' is not an HTTP header name"),
+        ("Authorization", "Authorization carries something else"),
+    ],
+)
+def test_session_header_is_a_header_of_its_own(header: str, error: str) -> None:
+    """A name no request can carry switched session routing off without a word, and
+    `authorization` made every API key a conversation."""
+    msg = refused({"pools": [{"name": "p"}], "gateway": {"session_header": header}})
+    assert f"gateway.session_header: {error}" in msg, msg
+
+
 def test_valid_tenants() -> None:
     spec = parse_spec(
         {

@@ -4,11 +4,12 @@ them. Validation errors name the offending field (`pools.0.replicas: ...`)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from unbroken.config._base import Priority, _Spec
 from unbroken.config.tenants import RateLimitSettings, TenantSpec, check_tenants
@@ -92,6 +93,18 @@ class GatewaySettings(_Spec):
         default="x-session-id",
         description="header naming a conversation (else the body's `user`): session affinity",
     )
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, v: str) -> str:
+        """A header a client can send (an HTTP token), and not one that carries something
+        else: a name no request can carry turned session routing off without a word, and
+        `authorization` made every API key a conversation."""
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v):
+            raise ValueError(f"{v!r} is not an HTTP header name (letters, digits, -, ...)")
+        if v.lower() in ("authorization", "cookie", "host", "content-type", "content-length"):
+            raise ValueError(f"{v} carries something else; name a header of its own")
+        return v
     ttft_target_ms: dict[Priority, Annotated[float, Field(gt=0)] | None] = Field(
         default_factory=dict,
         description="first-token target per priority: standard and sheddable work spills to a "

@@ -67,7 +67,9 @@ def prepare(
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"cannot read {config}: {e}") from e
     except ValidationError as e:
-        raise ValueError(str(e)) from e
+        from unbroken.config.spec import format_errors
+
+        raise ValueError(format_errors(e)) from e
     k8s = None
     if k8s_service or k8s_peers:
         from unbroken.k8s.discovery import gateway_settings

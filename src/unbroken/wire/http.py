@@ -8,6 +8,7 @@ import contextlib
 import hmac
 import logging
 import random
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,7 +18,7 @@ from typing import Any, cast
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestHandler
 
 from unbroken.wire.errors import ApiError, error_body, error_response
@@ -348,11 +349,19 @@ class _Handler(RequestHandler):
             text = "internal error"
             code = "internal_error"
         else:
-            detail = str(message or exc or "bad request").strip().splitlines()[0][:200]
+            detail = str(message or exc or "bad request").strip().splitlines()[0]
+            # aiohttp's parser quotes what it read (`... when reading: b'...'`): a header's
+            # value, which may be a bearer token. Say what was wrong, not what was sent.
+            detail = re.split(r":? b['\"]", detail, maxsplit=1)[0].rstrip(": ")[:200]
             text = f"malformed HTTP request: {detail}"
             code = "bad_http_request"
         resp = error_response(status, text, code=code, headers={"Server": "unbroken"})
         resp.force_close()
+        # The parser failed before it read the version, so aiohttp would answer HTTP/1.0;
+        # answer in 1.1, as uvicorn does and as the client spoke.
+        if hasattr(request, "_version"):
+            request._version = HttpVersion11
+            getattr(request, "_cache", {}).pop("version", None)  # `version` is a reify
         return resp
 
 
