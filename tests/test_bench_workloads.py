@@ -243,7 +243,9 @@ def test_bench_cli_workloads(sim: Proc, tmp_path: Path) -> None:
         argv += ["--duration", "1.5", "--spawn-rate", "0", "--out", str(tmp_path), *args]
         return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
-    r = bench("--workload", "multi-turn", "--output-len", "6", "--engine-metrics", sim.url)
+    # The engine's /metrics page given for its URL reads as the engine (it read 404).
+    metrics_page = sim.url + "/metrics"
+    r = bench("--workload", "multi-turn", "--output-len", "6", "--engine-metrics", metrics_page)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "load spread (busiest/least-busy requests served)" in r.stderr
     assert "prefix-cache hit rate" in r.stderr

@@ -234,6 +234,12 @@ def run(o: BenchOptions, console: Console) -> int:
     for u in o.engine_metrics or ():
         if not u.startswith(("http://", "https://")):
             raise BenchOptionError(f"--engine-metrics {u!r}: expected http(s)://HOST:PORT")
+    # The engine's base URL, as --url takes it: its /metrics page or its /v1 base is read
+    # as the engine's (/metrics was appended again, and every engine read 404).
+    o.engine_metrics = [
+        u.rstrip("/").removesuffix("/metrics").removesuffix("/v1").rstrip("/")
+        for u in o.engine_metrics or ()
+    ] or None
     mix = _priority_mix(o.priority_mix)
     if o.url is not None and not o.url.startswith(("http://", "https://")):
         raise BenchOptionError(
