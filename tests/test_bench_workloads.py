@@ -117,6 +117,12 @@ def test_metrics_parsing_and_the_spread() -> None:
     assert res["hit_rate"] == 0.5 and res["spread"] == 2.0
     assert "50.0%" in describe(res)[0] and "2.00x" in describe(res)[1]
     assert "not measured" in describe(None)[0]
+    # Every engine unreadable (a wrong URL): said so, not "no engine exports" the counters.
+    gone = {"hit_rate": None, "cache_counters": False, "spread": None,
+            "engines": {"http://a": {"error": "HTTP 404"}}}  # fmt: skip
+    assert (
+        describe(gone)[0] == "prefix-cache hit rate: unknown (no engine's /metrics could be read)"
+    )
 
 
 def _run(

@@ -393,6 +393,8 @@ def describe(res: dict[str, Any] | None) -> list[str]:
         )
     elif res["cache_counters"]:
         lines.append("prefix-cache hit rate: no prompt tokens queried during the run")
+    elif res["engines"] and all("error" in e for e in res["engines"].values()):
+        lines.append("prefix-cache hit rate: unknown (no engine's /metrics could be read)")
     else:
         lines.append(f"prefix-cache hit rate: unknown (no engine exports {QUERIES} / {HITS})")
     parts = []
