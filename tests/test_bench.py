@@ -308,6 +308,10 @@ def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
         chaos = data["windows"]["chaos"]
         assert chaos["open"]["streams"] > 0 and chaos["open"]["dropped"] == 0
         assert chaos["open"]["corrupted"] == 0
+        # No --engine-metrics: the pipeline's own engines are read (the hit rate and the
+        # spread were "not measured" against the very pipeline whose engines it knows).
+        assert "(the running pipeline's; --engine-metrics to name others)" in r.stderr
+        assert len(data["engines"]["engines"]) == 2, data["engines"]
     finally:
         u.stop()
 

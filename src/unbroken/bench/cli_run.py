@@ -202,6 +202,22 @@ def _same_port(a: str, b: str) -> bool:
         return False
 
 
+def _pipeline_engines(url: str, control: PipelineControl) -> list[str] | None:
+    """The engines of the running `unbroken up` whose gateway `url` loads (their /metrics
+    give the hit rate and the load spread): None for another URL or an unreadable status."""
+    import asyncio
+
+    from unbroken.clients import SupervisorError
+
+    try:
+        st = asyncio.run(control.status())
+    except SupervisorError:
+        return None
+    if not _same_port(url, str(st.get("gateway_url") or "")):
+        return None
+    return [str(r["url"]) for r in st.get("replicas", []) if r.get("url")] or None
+
+
 def _check_pool(o: BenchOptions, control: PipelineControl) -> None:
     """A scenario's --pool must be one of the pipeline's: found out before the load, not as
     a rollout refused (or a kill with no replica) halfway through it."""
@@ -255,6 +271,14 @@ def run(o: BenchOptions, console: Console) -> int:
 
     if o.scenario != "steady" and isinstance(control, PipelineControl):
         _check_pool(o, control)
+    if o.engine_metrics is None and isinstance(control, PipelineControl):
+        o.engine_metrics = _pipeline_engines(url, control)
+        if o.engine_metrics:
+            console.print(
+                f"engines: {', '.join(o.engine_metrics)} (the running pipeline's; "
+                "--engine-metrics to name others)",
+                highlight=False,
+            )
     if o.reference_url is not None and not o.reference_url.startswith(("http://", "https://")):
         raise BenchOptionError(f"--reference-url {o.reference_url!r}: expected http(s)://HOST:PORT")
     cfg = LoadConfig(
