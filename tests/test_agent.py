@@ -472,7 +472,7 @@ def test_the_socket_map_is_read_in_batches_as_entry_by_entry(
             s.sendall(b"y")
             conns += [c, s]
         agent.tcp.obj.run("collect")
-        got = libbpf.dump(agent.tcp._socks, 8, ctypes.sizeof(maps.SockState), hint=64)
+        got = libbpf._lookup_batch(agent.tcp._socks, 8, ctypes.sizeof(maps.SockState), 64)
         assert got is not None, "this kernel (5.6+) has batch lookups"
         keys, vals = got
         n = len(keys) // 8

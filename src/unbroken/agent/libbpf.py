@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["BpfError", "Link", "Object", "libbpf_version"]
 
@@ -317,16 +317,24 @@ _ENOTSUPP = 524  # the kernel's own "not supported", which bpf(2) can return as 
 _batch_ok = True  # cleared once the kernel refuses BPF_MAP_LOOKUP_BATCH (before Linux 5.6)
 
 
-def dump(fd: int, key_size: int, value_size: int, hint: int = 1024) -> tuple[bytes, bytes] | None:
-    """Every key and value of a hash map, packed (`n * key_size`, `n * value_size` bytes), in
-    a few BPF_MAP_LOOKUP_BATCH calls (Linux 5.6+), where `items` makes two bpf(2) calls and
-    two ctypes copies an entry: 6 us a socket in the TCP map, 50 ms a read at 8,000 sockets.
-    A concurrent update may be missed or seen twice, as with `items`. None where the kernel
-    has no batch lookup (the caller iterates with `items` instead)."""
+def dump(fd: int, key_t: type[Any], val_t: type[Any], hint: int = 1024) -> tuple[bytes, bytes]:
+    """Every key and value of a hash map, packed (n keys, then n values, as the C structs
+    lay them out), in a few BPF_MAP_LOOKUP_BATCH calls (Linux 5.6+) where `items` makes two
+    bpf(2) calls and two ctypes copies an entry: 6 us a socket in the TCP map, 50 ms a read
+    at 8,000 sockets. Entry by entry where the kernel has no batch lookup. A concurrent
+    update may be missed or seen twice, as with `items`. `hint`: entries expected."""
     global _batch_ok
-    if not _batch_ok:
-        return None
-    cap = max(64, hint)
+    if _batch_ok:
+        got = _lookup_batch(fd, ctypes.sizeof(key_t), ctypes.sizeof(val_t), max(64, hint))
+        if got is not None:
+            return got
+        _batch_ok = False
+    pairs = list(items(fd, key_t, val_t))
+    return b"".join(bytes(k) for k, _ in pairs), b"".join(bytes(v) for _, v in pairs)
+
+
+def _lookup_batch(fd: int, key_size: int, value_size: int, cap: int) -> tuple[bytes, bytes] | None:
+    """`dump` by BPF_MAP_LOOKUP_BATCH; None when the kernel refuses it for this map."""
     kbuf = ctypes.create_string_buffer(cap * key_size)
     vbuf = ctypes.create_string_buffer(cap * value_size)
     # A hash map's batch token is its next bucket (a u32); 8 bytes leave room either way.
@@ -352,7 +360,7 @@ def dump(fd: int, key_size: int, value_size: int, hint: int = 1024) -> tuple[byt
             vbuf = ctypes.create_string_buffer(cap * value_size)
             continue
         if err in (22, 95, _ENOTSUPP) and in_ptr is None and not keys:
-            _batch_ok = False  # EINVAL / EOPNOTSUPP: no batch ops for this kernel or map
+            # EINVAL / EOPNOTSUPP: no batch ops for this kernel or map
             log.debug(
                 "BPF_MAP_LOOKUP_BATCH unavailable (%s): reading maps entry by entry",
                 os.strerror(err) if err != _ENOTSUPP else "ENOTSUPP",

@@ -128,32 +128,18 @@ class TcpTracer:
             out[pid] = self._last[pid] = t
         return out
 
-    def _socks_now(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The open sockets' keys and states, in a few batch reads of the map (None where
-        the kernel has none). A node runs thousands of sockets and the controller reads
-        five times a second: entry by entry that was 6 us a socket (50 ms a read at
-        8,000), most of the agent's CPU."""
-        got = libbpf.dump(self._socks, 8, _SOCK.itemsize, hint=self._hint)
-        if got is None:
-            return None
-        keys = np.frombuffer(got[0], dtype=np.uint64)
-        self._hint = len(keys) + 1024
-        return keys, np.frombuffer(got[1], dtype=_SOCK)
+    def _socks_now(self) -> tuple[np.ndarray, np.ndarray]:
+        """The open sockets' keys and states (`libbpf.dump`: a few batch reads). A node runs
+        thousands of sockets and the controller reads five times a second: entry by entry
+        that was 6 us a socket (50 ms a read at 8,000), most of the agent's CPU."""
+        keys, vals = libbpf.dump(self._socks, ctypes.c_uint64, SockState, hint=self._hint)
+        self._hint = len(keys) // 8 + 1024
+        return np.frombuffer(keys, dtype=np.uint64), np.frombuffer(vals, dtype=_SOCK)
 
     def _live(self) -> dict[int, tuple[int, int, int]]:
         """Per pid: its open sockets' receive-window and send-buffer limited jiffies since
         first sight, summed, and their highest fill (permille)."""
-        now = self._socks_now()
-        if now is None:
-            live: dict[int, list[int]] = {}  # pid -> [rwnd, sndbuf, max permille]
-            for _, st in libbpf.items(self._socks, ctypes.c_uint64, SockState):
-                assert isinstance(st, SockState)
-                acc = live.setdefault(int(st.pid), [0, 0, 0])
-                acc[0] += st.rwnd
-                acc[1] += st.sndbuf
-                acc[2] = max(acc[2], st.permille)
-            return {pid: (a[0], a[1], a[2]) for pid, a in live.items()}
-        a = now[1]
+        a = self._socks_now()[1]
         if not len(a):
             return {}
         pids, at = np.unique(a["pid"], return_inverse=True)
@@ -188,16 +174,10 @@ class TcpTracer:
                 self._final[pid] = replace(snap[pid], fill_ratio=0.0)
             self._last.pop(pid, None)
             libbpf.delete(self._fd, ctypes.c_uint32(pid))
-        now = self._socks_now()
-        if now is None:
-            for k, st in list(libbpf.items(self._socks, ctypes.c_uint64, SockState)):
-                assert isinstance(st, SockState)
-                if st.pid in pids:
-                    libbpf.delete(self._socks, k)
-        else:
-            gone = np.isin(now[1]["pid"], np.fromiter(pids, dtype=np.uint32, count=len(pids)))
-            for k in now[0][gone].tolist():
-                libbpf.delete(self._socks, ctypes.c_uint64(k))
+        keys, states = self._socks_now()
+        gone = np.isin(states["pid"], np.fromiter(pids, dtype=np.uint32, count=len(pids)))
+        for k in keys[gone].tolist():
+            libbpf.delete(self._socks, ctypes.c_uint64(k))
         while len(self._final) > FINAL_KEEP:
             del self._final[next(iter(self._final))]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from unbroken.config._base import Priority
 
@@ -202,33 +202,31 @@ def _same_port(a: str, b: str) -> bool:
         return False
 
 
-def _pipeline_engines(url: str, control: PipelineControl) -> list[str] | None:
-    """The engines of the running `unbroken up` whose gateway `url` loads (their /metrics
-    give the hit rate and the load spread): None for another URL or an unreadable status."""
+def _status(control: PipelineControl) -> dict[str, Any] | str:
+    """The running pipeline's status (one read for every check below), or why not."""
     import asyncio
 
     from unbroken.clients import SupervisorError
 
     try:
-        st = asyncio.run(control.status())
-    except SupervisorError:
-        return None
-    if not _same_port(url, str(st.get("gateway_url") or "")):
+        return asyncio.run(control.status())
+    except SupervisorError as e:
+        return str(e)
+
+
+def _pipeline_engines(url: str, st: dict[str, Any] | str) -> list[str] | None:
+    """The engines of the running `unbroken up` whose gateway `url` loads (their /metrics
+    give the hit rate and the load spread): None for another URL or an unreadable status."""
+    if isinstance(st, str) or not _same_port(url, str(st.get("gateway_url") or "")):
         return None
     return [str(r["url"]) for r in st.get("replicas", []) if r.get("url")] or None
 
 
-def _check_pool(o: BenchOptions, control: PipelineControl) -> None:
+def _check_pool(o: BenchOptions, st: dict[str, Any] | str) -> None:
     """A scenario's --pool must be one of the pipeline's: found out before the load, not as
     a rollout refused (or a kill with no replica) halfway through it."""
-    import asyncio
-
-    from unbroken.clients import SupervisorError
-
-    try:
-        st = asyncio.run(control.status())
-    except SupervisorError as e:
-        raise BenchOptionError(f"cannot read the pipeline's pools: {e}") from None
+    if isinstance(st, str):
+        raise BenchOptionError(f"cannot read the pipeline's pools: {st}")
     pools = sorted(st.get("pools") or {r.get("pool") for r in st.get("replicas", [])})
     if o.pool not in pools:
         raise BenchOptionError(
@@ -269,10 +267,12 @@ def run(o: BenchOptions, console: Console) -> int:
     style = "yellow" if url == DEFAULT_URL and o.url is None else "bold"
     console.print(f"target: [{style}]{escape(url)} ({escape(source)})[/]", highlight=False)
 
-    if o.scenario != "steady" and isinstance(control, PipelineControl):
-        _check_pool(o, control)
-    if o.engine_metrics is None and isinstance(control, PipelineControl):
-        o.engine_metrics = _pipeline_engines(url, control)
+    needs_status = o.scenario != "steady" or o.engine_metrics is None
+    st = _status(control) if needs_status and isinstance(control, PipelineControl) else None
+    if o.scenario != "steady" and st is not None:
+        _check_pool(o, st)
+    if o.engine_metrics is None and st is not None:
+        o.engine_metrics = _pipeline_engines(url, st)
         if o.engine_metrics:
             console.print(
                 f"engines: {', '.join(o.engine_metrics)} (the running pipeline's; "

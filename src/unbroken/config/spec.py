@@ -105,6 +105,7 @@ class GatewaySettings(_Spec):
         if v.lower() in ("authorization", "cookie", "host", "content-type", "content-length"):
             raise ValueError(f"{v} carries something else; name a header of its own")
         return v
+
     ttft_target_ms: dict[Priority, Annotated[float, Field(gt=0)] | None] = Field(
         default_factory=dict,
         description="first-token target per priority: standard and sheddable work spills to a "

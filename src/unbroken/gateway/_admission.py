@@ -259,14 +259,13 @@ class Admission:
         weight: int,
         hint: RouteHint | None = None,
     ) -> Endpoint | None:
-        """The pool's pick, among endpoints with room for `weight` sequences (at most their
-        whole cap: a request heavier than a cap needs the endpoint to itself)."""
+        """The pool's pick, among endpoints with room for `weight` sequences
+        (`Endpoint.has_room`)."""
         if weight <= 1:
             return self.pool.pick(model, priority, exclude, hint)
         skip = list(exclude)
         while (ep := self.pool.pick(model, priority, skip, hint)) is not None:
-            cap = ep.effective_cap(self.pool.default_cap)
-            if ep.inflight + min(weight, cap) <= cap:
+            if ep.has_room(self.pool.default_cap, weight):
                 return ep
             skip.append(ep)
         return None

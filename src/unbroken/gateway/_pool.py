@@ -180,8 +180,11 @@ class Endpoint:
         cap = default_cap if self.cap is None else self.cap
         return cap if self.cap_override is None else min(cap, self.cap_override)
 
-    def has_room(self, default_cap: int) -> bool:
-        return self.inflight < self.effective_cap(default_cap)
+    def has_room(self, default_cap: int, weight: int = 1) -> bool:
+        """Room for `weight` sequences, at most its whole cap (a request heavier than a cap
+        needs the endpoint to itself)."""
+        cap = self.effective_cap(default_cap)
+        return self.inflight + max(1, min(weight, cap)) <= cap
 
     def set_condition(self, condition: str) -> None:
         if condition != self.condition:
@@ -359,19 +362,13 @@ class Pool:
     def has_room(
         self, model: str, priority: str, exclude: Iterable[Endpoint] = (), weight: int = 1
     ) -> bool:
-        """Has a candidate room for `weight` sequences (at most its whole cap)? What waiters
+        """Has a candidate room for `weight` sequences (`Endpoint.has_room`)? What waiters
         ask many times a second, answered without the policy: a policy's pick moves its
         turn (`_rr`), and asked first without the lock, then again under it, that made
         round_robin (and every tie of least_load and latency) land each request of a
         multi-worker gateway on one replica."""
-        for candidates in self._candidates(model, priority, set(map(id, exclude))):
-            for e in candidates:
-                if weight <= 1:
-                    return True
-                cap = e.effective_cap(self.default_cap)
-                if e.inflight + min(weight, cap) <= cap:
-                    return True
-        return False
+        by_pool = self._candidates(model, priority, set(map(id, exclude)))
+        return any(e.has_room(self.default_cap, weight) for c in by_pool for e in c)
 
     def pick(
         self,

@@ -125,7 +125,6 @@ class Lease:
     done: bool = False
     counted: bool = False  # holds a stream in the tables
     headers: dict[str, str] | None = None
-    estimate: tuple[float, float] = (0.0, 0.0)  # prompt, completion tokens (headers only)
 
 
 class Limiter:
@@ -173,7 +172,6 @@ class Limiter:
         (prompt length, max_tokens): its x-ratelimit token headers say what is left after
         it, as OpenAI's do; the buckets take only what the engine reports."""
         lease = Lease(name, self.slots[name])
-        lease.estimate = estimate
         per_min, conc = self.limits(name)
         if all(v is None for v in per_min) and conc is None:
             return lease
@@ -198,7 +196,7 @@ class Limiter:
                 lease.headers = _headers(per_min, _after(levels, estimate))
                 self._take_local(lease, shares, force=True)
                 return lease
-        self._take_local(lease, shares, conc=self.share(conc))
+        self._take_local(lease, shares, conc=self.share(conc), estimate=estimate)
         return lease
 
     def _take_local(
@@ -207,10 +205,11 @@ class Limiter:
         per_min: list[int | None],
         conc: int | None = None,
         force: bool = False,
+        estimate: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """Check and take in the shared table; `force`: take without checking (the shared
         store decided), so that a fallback to local shares starts from this replica's own
-        usage."""
+        usage. `estimate`: as `admit`'s, for the headers it sets."""
         tb, slot = self.table, lease.slot
         with tb.lock():
             now = self.clock()
@@ -236,7 +235,7 @@ class Limiter:
             tb.streams[tb.row, slot] += 1
             lease.counted = True
         if lease.headers is None:
-            lease.headers = _headers(per_min, _after(levels, lease.estimate))
+            lease.headers = _headers(per_min, _after(levels, estimate))
 
     def adopt(self, name: str, prompt: int, completion: int, remote: bool) -> Lease | None:
         """A stream of tenant `name` handed over from another worker at a reload (it was
