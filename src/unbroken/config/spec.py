@@ -94,18 +94,6 @@ class GatewaySettings(_Spec):
         description="header naming a conversation (else the body's `user`): session affinity",
     )
 
-    @field_validator("session_header")
-    @classmethod
-    def _header_name(cls, v: str) -> str:
-        """A header a client can send (an HTTP token), and not one that carries something
-        else: a name no request can carry turned session routing off without a word, and
-        `authorization` made every API key a conversation."""
-        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v):
-            raise ValueError(f"{v!r} is not an HTTP header name (letters, digits, -, ...)")
-        if v.lower() in ("authorization", "cookie", "host", "content-type", "content-length"):
-            raise ValueError(f"{v} carries something else; name a header of its own")
-        return v
-
     ttft_target_ms: dict[Priority, Annotated[float, Field(gt=0)] | None] = Field(
         default_factory=dict,
         description="first-token target per priority: standard and sheddable work spills to a "
@@ -170,6 +158,18 @@ class GatewaySettings(_Spec):
     # Each adapter the spec declares: its base (vLLM's `parent`) and path (`root`), so that
     # /v1/models lists a sleeping pool's adapters as vLLM lists them, under their base.
     adapter_cards: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, v: str) -> str:
+        """A header a client can send (an HTTP token), and not one that carries something
+        else: a name no request can carry turned session routing off without a word, and
+        `authorization` made every API key a conversation."""
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v):
+            raise ValueError(f"{v!r} is not an HTTP header name (letters, digits, -, ...)")
+        if v.lower() in ("authorization", "cookie", "host", "content-type", "content-length"):
+            raise ValueError(f"{v} carries something else; name a header of its own")
+        return v
 
     @model_validator(mode="after")
     def _tenants(self) -> GatewaySettings:
