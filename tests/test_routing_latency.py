@@ -254,10 +254,9 @@ def test_a_step_taking_a_long_prefill_is_not_late_until_that_prefill_is_allowed_
 
 def test_a_legs_prefill_is_its_whole_prompt() -> None:
     """`Endpoint.relays` tells the latency what a leg may bring to the step that takes it: its
-    whole prompt (`RouteHint.chars`, 4 characters a token) when a step is judged late, not
-    the part the prefix index credited the endpoint with (the index is approximate: an
-    engine that evicted a credited prefix prefills it all); that part when the next step's
-    prefill is estimated (`step_phase`); nothing without a hint."""
+    whole prompt (`RouteHint.chars`, 4 characters a token), not the part the prefix index
+    credited the endpoint with (the index is approximate: an engine that evicted a credited
+    prefix prefills it all); nothing without a hint."""
     from unbroken.gateway._prefix import RouteHint
 
     e = _ep("e", inflight=1)
@@ -272,7 +271,7 @@ def test_a_legs_prefill_is_its_whole_prompt() -> None:
     e.relays.add(with_hint)
     e.relays.add(without)
     got = e.latency._prefill
-    assert got == {id(with_hint): (4032 / 4, (4032 - 50 * 64) / 4)}
+    assert got == {id(with_hint): 4032 / 4}
     e.relays.discard(with_hint)
     assert got == {}
 
@@ -384,53 +383,6 @@ def test_contended_endpoint_stays_last_within_its_pool() -> None:
         _feed(e, 0.02)
     a.set_condition("contended")
     assert pool.pick("m", "standard") is b
-
-
-def test_step_phase_is_the_wait_for_the_next_step_against_its_average() -> None:
-    """A request reaches the engine `phase_lead_s` after the pick and starts with the next
-    step: sent just after a step began (the endpoint's latest event) it waits almost a whole
-    step, half a step longer than on average; sent just before the next begins, half a step
-    shorter; the prefill of what was sent for that step already lengthens it. Nothing to
-    read without a stream under way, past the step's usual length, or with the knob off."""
-    s = LatencySettings(phase_lead_s=0.003)
-    lat = EndpointLatency(s)
-    _gaps(lat, 0.03, 100.0, 100.2)
-    assert lat.step_phase(100.21, s) == 0.0  # no leg past its first event: not under way
-    lat.leg_started("leg", now=100.0)
-    lat.first_event("leg", 0.05, now=100.2)
-    assert lat.gap_s == pytest.approx(0.03)
-    assert lat.step_phase(100.201, s) == pytest.approx(0.015 - 0.004)
-    assert lat.step_phase(100.222, s) == pytest.approx(0.015 - 0.025)
-    assert lat.step_phase(100.228, s) == 0.0  # past the usual step: `late` decides
-    base = lat.expected(100.201, None, LatencySettings(phase_lead_s=None))
-    early, late = lat.expected(100.201, None, s), lat.expected(100.222, None, s)
-    assert base is not None and early is not None and late is not None
-    assert early - late == pytest.approx(0.021)
-    assert late < base < early
-    assert lat.step_phase(100.201, LatencySettings(phase_lead_s=None)) == 0.0
-    # Legs sent since the step began wait for the same next step, and their prefill will
-    # lengthen it; one sent before it began is in the step in progress.
-    lat.leg_started("inside", now=100.199, prefill_tokens=300)
-    lat.leg_started("next", now=100.205, prefill_tokens=500)
-    assert lat.step_phase(100.206, s) == pytest.approx(0.015 - 0.009 + 500 * s.prefill_s_per_token)
-
-
-def test_equal_loads_go_to_the_replica_whose_next_step_starts_soonest() -> None:
-    """Two replicas alike in load and speed, one a few milliseconds into its step and one
-    near its end: new requests go to the one that takes them sooner (a first token there
-    waits out less of a step), and with the phase off they take turns."""
-    for lead, expect in ((0.003, ["near", "near", "near"]), (None, ["just", "near", "just"])):
-        policy = LatencyAware(LatencySettings(phase_lead_s=lead))
-        just, near = _ep("just", inflight=20), _ep("near", inflight=20)
-        _streaming(just, near)
-        now = time.monotonic()
-        just.latency.last_at, near.latency.last_at = now - 0.002, now - 0.022
-        names = []
-        for _ in range(3):
-            e = policy.pick([just, near], REQ)
-            assert e is not None
-            names.append(e.name)
-        assert names == expect
 
 
 # -- real processes -----------------------------------------------------------------------------

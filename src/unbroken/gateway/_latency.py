@@ -95,11 +95,6 @@ class LatencySettings:
     ttfb_decay_s: float = 0.25  # a peak first-event time decays with this time constant
     stale_s: float = 1.0  # a signal with no new sample for this long fades (this time constant)
     first_steps: float = 2.0  # a first token waits out about this many decode steps
-    # Step phase: a request reaches an engine this long after the pick (the gateway's write,
-    # the engine's parse and tokenisation) and waits there for the next step to start; the
-    # expected time is moved by that wait's difference from its average (half a step). None:
-    # off (`EndpointLatency.step_phase`).
-    phase_lead_s: float | None = 0.003
     floor_s: float = 0.02  # expected times below this are equal (event-loop and network jitter)
     pending_scale: float = 16.0  # this many legs waiting for a first event add one expected TTFT
     spill_backlog: int = 8  # legs waiting for a first event that make a backlog
@@ -165,27 +160,20 @@ class EndpointLatency:
         self.gap_at = 0.0
         self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
         # ... and the prompt tokens each may bring to the step that takes it (`_late_after`)
-        self._prefill: dict[int, tuple[float, float]] = {}  # (whole prompt, uncached)
+        self._prefill: dict[int, float] = {}
         self._live: set[int] = set()  # legs past their first event
         self.last_at = 0.0  # the latest event of any of its streams
 
     # -- fed by the relay -------------------------------------------------------------------
     def leg_started(
-        self,
-        leg: object,
-        now: float | None = None,
-        prefill_tokens: float = 0.0,
-        uncached_tokens: float | None = None,
+        self, leg: object, now: float | None = None, prefill_tokens: float = 0.0
     ) -> None:
         """`prefill_tokens`: the prompt tokens the leg may bring to the engine step that
         takes it (`_pool._Legs`), so that a step made long by that prefill is not taken for
-        a late one (`_late_after`); `uncached_tokens`: of those, the ones the prefix index
-        does not credit the endpoint with (None: all), what the step is expected to take
-        (`step_phase`)."""
+        a late one (`_late_after`)."""
         self.waiting[id(leg)] = time.monotonic() if now is None else now
         if prefill_tokens:
-            fresh = prefill_tokens if uncached_tokens is None else uncached_tokens
-            self._prefill[id(leg)] = (prefill_tokens, fresh)
+            self._prefill[id(leg)] = prefill_tokens
 
     def leg_ended(self, leg: object) -> None:
         self._prefill.pop(id(leg), None)
@@ -254,28 +242,6 @@ class EndpointLatency:
                 out *= 1.0 + (rise**s.rise_power - 1.0) * fade
         return out
 
-    def step_phase(self, now: float, s: LatencySettings) -> float:
-        """How much longer (> 0) or shorter (< 0) than on average a request sent now waits
-        for this endpoint's next step, in seconds, within half a step either way. A
-        continuous-batching engine takes new requests when a step starts, and every stream
-        of the endpoint gets an event when one ends (`last_at`): one sent `phase_lead_s`
-        before the next start waits little, one just after it a whole step. Unknown (0.0)
-        with nothing under way, and once the step in progress has run past its usual length
-        (`late` handles that)."""
-        lead, g = s.phase_lead_s, self.gap_s
-        if lead is None or g is None or not self._live:
-            return 0.0
-        since = now + lead - self.last_at
-        if since < 0.0 or since >= g:
-            return 0.0
-        # The legs sent since the step began wait for the same next step, and their prefill
-        # (what the index does not credit here) lengthens it: without it, every request of a
-        # burst went to the replica about to take new work, and their prefills together made
-        # that step the window's slowest.
-        last, waiting = self.last_at, self.waiting
-        queued = sum(t[1] for k, t in self._prefill.items() if waiting[k] > last)
-        return g * 0.5 - since + queued * s.prefill_s_per_token
-
     def rise(self, s: LatencySettings) -> float:
         """How far the smoothed gap stands above its slow average; 1.0 within `rise_min`."""
         g, slow = self.gap_s, self.gap_slow_s
@@ -321,7 +287,7 @@ class EndpointLatency:
         after = max(s.late_ratio * slow, s.floor_s)
         if self._prefill:
             last, waiting = self.last_at, self.waiting  # every `_prefill` leg is waiting
-            tokens = sum(t[0] for k, t in self._prefill.items() if waiting[k] <= last)
+            tokens = sum(t for k, t in self._prefill.items() if waiting[k] <= last)
             after += tokens * s.prefill_s_per_token
         return after
 
@@ -336,7 +302,6 @@ class EndpointLatency:
             base = oldest if base is None else max(base, oldest)
         if base is None:
             return None
-        base += self.step_phase(now, s)
         return max(base, s.floor_s) * (1.0 + len(self.waiting) / s.pending_scale)
 
     def as_dict(self, now: float, s: LatencySettings | None = None) -> dict[str, Any]:
@@ -349,7 +314,6 @@ class EndpointLatency:
             "late": round(self.late(now, s), 3),
             "awaiting_first": len(self.waiting),
             "expected_ttft_ms": None if exp is None else round(exp * 1e3, 2),
-            "step_phase_ms": round(self.step_phase(now, s) * 1e3, 2),
         }
 
 

@@ -101,29 +101,21 @@ class _Legs(set[Any]):
     """An endpoint's streams being relayed (`Endpoint.relays`); a leg joins when it starts
     and leaves when it ends, which tells the endpoint's latency which legs still wait for
     their first event, and what prefill each may bring to the step that takes it: its whole
-    prompt (`RouteHint.chars`) when a long step is judged late, not the part the prefix
-    index did not credit the endpoint with (the index is approximate, and an engine that
-    evicted a credited prefix prefills it all); that part when a new request's wait for
-    the next step is estimated (`EndpointLatency.step_phase`)."""
+    prompt (`RouteHint.chars`), not the part the prefix index did not credit the endpoint
+    with: the index is approximate, and an engine that evicted a credited prefix prefills
+    it all."""
 
-    __slots__ = ("latency", "name")
+    __slots__ = ("latency",)
 
-    def __init__(self, latency: EndpointLatency, name: str) -> None:
+    def __init__(self, latency: EndpointLatency) -> None:
         super().__init__()
-        self.latency, self.name = latency, name
+        self.latency = latency
 
     def add(self, leg: Any) -> None:
         super().add(leg)
         hint: RouteHint | None = getattr(leg, "hint", None)
-        if hint is None:
-            self.latency.leg_started(leg)
-            return
-        held = hint.cached.get(self.name, 0) * hint.block_chars
-        self.latency.leg_started(
-            leg,
-            prefill_tokens=hint.chars / CHARS_PER_TOKEN,
-            uncached_tokens=max(0, hint.chars - held) / CHARS_PER_TOKEN,
-        )
+        tokens = hint.chars / CHARS_PER_TOKEN if hint is not None else 0.0
+        self.latency.leg_started(leg, prefill_tokens=tokens)
 
     def discard(self, leg: Any) -> None:
         super().discard(leg)
@@ -164,7 +156,7 @@ class Endpoint:
 
     def __post_init__(self) -> None:
         if not isinstance(self.relays, _Legs):
-            legs = _Legs(self.latency, self.name)
+            legs = _Legs(self.latency)
             legs.update(self.relays)
             self.relays = legs
 
