@@ -14,9 +14,14 @@ e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`, `w1:gateway.worke
 key `env.NAME` sets an environment variable of the pipeline's processes instead) run as
 extra targets in each round. `--burn FRACTION` runs a busy loop using that share of a core
 beside the standard deployment, as a second standard target ("standard+burn"): whether a
-gateway's CPU alone makes the round-robin's tail what unbroken's is.
+gateway's CPU alone makes the round-robin's tail what unbroken's is. `--rollout` then rolls
+the primary pool under the same load (the demo's rolling upgrade, without the demo's
+storage cap or contention before it) and reports that window's p99.9 against the steady
+one: a routing change that herds requests while streams move shows there, not in the
+steady window (2026-12-06: the step phase, docs/bench.md).
 
     .venv/bin/python benchmarks/steady_tail.py --rounds 3
+    .venv/bin/python benchmarks/steady_tail.py --rounds 2 --rollout
     .venv/bin/python benchmarks/steady_tail.py --rounds 2 --burn 0.35 \
         --variant noctl:controller.enabled=false
 """
@@ -66,6 +71,10 @@ class Result:
     by_profile: dict[str, list[float]]
     cpu: dict[str, float]  # cores per role over the window
     failed: int
+    # `--rollout`: first-token times of the requests started while the primary pool rolled
+    # (the demo's rolling-upgrade window, right after the steady one), and their failures.
+    rollout: list[float] = field(default_factory=list)
+    rollout_failed: int = 0
 
 
 def _role(pid: int) -> str | None:
@@ -202,6 +211,10 @@ async def _one(
             t0, c0, s0 = load.now(), _children_cpu(), _self_cpu()
             await asyncio.sleep(args.steady)
             t1, c1, s1 = load.now(), _children_cpu(), _self_cpu()
+            r0 = r1 = t1
+            if args.rollout:
+                await target.rollout(args.deadline)
+                r1 = load.now()
             load.stop()
             await runner
     finally:
@@ -229,6 +242,7 @@ async def _one(
         if r.ttft is not None:
             prof = r.profile or precision.get((r.endpoint or "").rsplit("-", 1)[0], "?")
             by.setdefault(prof, []).append(r.ttft)
+    rolled = [r for r in load.records if r0 <= r.start < r1]
     return Result(
         target=t.name,
         round=rnd,
@@ -236,6 +250,8 @@ async def _one(
         by_profile=by,
         cpu=cpu,
         failed=sum(1 for r in window if r.outcome not in ("ok", "pending")),
+        rollout=[r.ttft for r in rolled if r.ttft is not None],
+        rollout_failed=sum(1 for r in rolled if r.outcome not in ("ok", "pending")),
     )
 
 
@@ -244,14 +260,24 @@ def _ms(xs: list[float], q: float) -> float:
     return float("nan") if v is None else v * 1e3
 
 
+def _rolled(r: Result) -> str:
+    """The rollout window's p99.9 and its ratio to the same target's steady p99.9 (the
+    demo's check: <= 1.5x), with its failures."""
+    if not r.rollout:
+        return "-"
+    p = _ms(r.rollout, 99.9)
+    return f"{p:.1f} ({p / _ms(r.ttfts, 99.9):.2f}x), {r.rollout_failed} failed"
+
+
 def _table(results: list[Result]) -> str:
     std = {r.round: r for r in results if r.target == "standard"}
+    rolled = any(r.rollout for r in results)
     head = (
         "| round | target | first tokens | TTFT p50 | p99 | p99.9 | p99.9 vs standard | "
         "fp16 p99 | fp8 p99 | CPU cores: loadgen / gateway / engines / controller / agent | "
-        "failed |"
+        "failed |" + (" rollout p99.9 (x steady) |" if rolled else "")
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * (12 if rolled else 11)]
     for r in results:
         base = std.get(r.round)
         ratio = (
@@ -268,6 +294,7 @@ def _table(results: list[Result]) -> str:
             f"{_ms(r.ttfts, 99):.1f} | {_ms(r.ttfts, 99.9):.1f} | {ratio} | "
             f"{_ms(r.by_profile.get('fp16', []), 99):.1f} | "
             f"{_ms(r.by_profile.get('fp8', []), 99):.1f} | {cpu} | {r.failed} |"
+            + (f" {_rolled(r)} |" if rolled else "")
         )
     names = list(dict.fromkeys(r.target for r in results))
     summary = [
@@ -328,6 +355,13 @@ def main() -> None:
     p.add_argument("--ramp", type=float, default=3.0, help="seconds after the last user starts")
     p.add_argument("--weights-size", default="1GiB")
     p.add_argument("--burn", type=float, default=0.0, help="also: standard + a busy loop")
+    p.add_argument(
+        "--rollout",
+        action="store_true",
+        help="after the steady window, roll the primary pool under the same load and report "
+        "its window's p99.9 against the steady one (the demo's rolling-upgrade check)",
+    )
+    p.add_argument("--deadline", type=float, default=5.0, help="the rollout's drain deadline")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,...")
     p.add_argument(
         "--dump", default="", help="DIR: each target's first tokens (monotonic start, TTFT)"
