@@ -133,7 +133,7 @@ class TcpTracer:
         thousands of sockets and the controller reads five times a second: entry by entry
         that was 6 us a socket (50 ms a read at 8,000), most of the agent's CPU."""
         keys, vals = libbpf.dump(self._socks, ctypes.c_uint64, SockState, hint=self._hint)
-        self._hint = len(keys) // 8 + 1024
+        self._hint = len(keys) // ctypes.sizeof(ctypes.c_uint64) + 1024
         return np.frombuffer(keys, dtype=np.uint64), np.frombuffer(vals, dtype=_SOCK)
 
     def _live(self) -> dict[int, tuple[int, int, int]]:

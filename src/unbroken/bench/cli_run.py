@@ -238,7 +238,7 @@ def _check_pool(o: BenchOptions, st: dict[str, Any] | str) -> None:
 def run(o: BenchOptions, console: Console) -> int:
     """Check the options, run the load and its scenario, write the report; 0 when the run
     passed, 1 when it failed (`run_bench` prints why)."""
-    from unbroken.bench.load import LoadConfig
+    from unbroken.bench.load import LoadConfig, base_url
     from unbroken.bench.runner import run_bench
 
     if o.scenario not in ("steady", "rollout", "chaos"):
@@ -251,8 +251,7 @@ def run(o: BenchOptions, console: Console) -> int:
     # The engine's base URL, as --url takes it: its /metrics page or its /v1 base is read
     # as the engine's (/metrics was appended again, and every engine read 404).
     o.engine_metrics = [
-        u.rstrip("/").removesuffix("/metrics").removesuffix("/v1").rstrip("/")
-        for u in o.engine_metrics or ()
+        base_url(u.strip().rstrip("/").removesuffix("/metrics")) for u in o.engine_metrics or ()
     ] or None
     mix = _priority_mix(o.priority_mix)
     if o.url is not None and not o.url.startswith(("http://", "https://")):

@@ -93,7 +93,6 @@ class GatewaySettings(_Spec):
         default="x-session-id",
         description="header naming a conversation (else the body's `user`): session affinity",
     )
-
     ttft_target_ms: dict[Priority, Annotated[float, Field(gt=0)] | None] = Field(
         default_factory=dict,
         description="first-token target per priority: standard and sheddable work spills to a "
