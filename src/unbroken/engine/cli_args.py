@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from unbroken.engine.kvevents import KVEventsConfig, parse_kv_events_config
 from unbroken.engine.lora import LoRAModule, parse_lora_modules
 
 __all__ = ["add_vllm_args", "build_parser", "main", "vllm_options"]
@@ -49,11 +50,23 @@ def add_vllm_args(p: argparse.ArgumentParser, *, names: bool = True) -> None:
     )
     p.add_argument("--max-lora-rank", type=int, default=16, help="Accepted for vLLM compatibility.")
     p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='KV cache events as vLLM publishes them, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (docs/engine.md).',
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
         help="Tokens one step may compute; longer prefills are chunked (profile: 8192).",
     )
+
+
+def _kv_events(ns: argparse.Namespace) -> KVEventsConfig | None:
+    """ValueError (one line) for a config vLLM would refuse."""
+    return None if ns.kv_events_config is None else parse_kv_events_config(ns.kv_events_config)
 
 
 def _lora_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +104,7 @@ def vllm_options(extra: Sequence[str]) -> dict[str, Any]:
         raise ValueError("--max-num-batched-tokens must be at least 1")
     return {
         "aliases": tuple(ns.aliases),
+        "kv_events": _kv_events(ns),
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         **_lora_kwargs(ns),
     }
@@ -150,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             enable_prefix_caching=ns.enable_prefix_caching,
         )
         lora = _lora_kwargs(ns)
+        kv_events = _kv_events(ns)
     except ValueError as e:
         p.error(str(e))
     if ns.weights is not None and not ns.weights.exists():
@@ -178,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         admin_token=ns.admin_token or None,
         shutdown_timeout=ns.shutdown_timeout,
         use_cuda_stub=not ns.no_cuda_stub,
+        kv_events=kv_events,
         **lora,
     )
     try:

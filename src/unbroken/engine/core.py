@@ -20,11 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from unbroken.engine.cuda import CudaStub, Fn
 from unbroken.engine.faults import Faults
 from unbroken.engine.kvcache import Block, KVCache
+from unbroken.engine.kvevents import KVCacheEvent
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.textmodel import Cursor, StopChecker, piece_id, text_piece_id
 
@@ -60,6 +62,8 @@ class Seq:
     cached_tokens: int = 0  # prompt tokens found in the cache at first admission
     computed: int = 0  # tokens whose KV is computed (cached hit + prefill chunks + decodes)
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_id: int | None = None  # ... and its integer id (vLLM's lora_int_id; KV events)
+    cache_salt: str | None = None  # the request's cache_salt (KV events' extra keys)
     cache_root: int = 0  # the parent hash of its first block (0: the cache's own root)
     n: int = 1  # its request's n: sequences index // n .. share one prompt (metrics)
     preemptions: int = 0  # times preempted (vllm:request_num_preemptions)
@@ -98,8 +102,11 @@ class EngineCore:
         on_step: Callable[[EngineCore, int, int], None] | None = None,
         cache_root: int = 0,
         max_loras: int | None = None,
+        on_events: Callable[[list[KVCacheEvent]], None] | None = None,
     ) -> None:
-        """`max_loras`: distinct adapters that may run at once (None: LoRA disabled)."""
+        """`max_loras`: distinct adapters that may run at once (None: LoRA disabled).
+        `on_events`: called on the engine thread with each step's KV events (vLLM's
+        `--kv-events-config`; None: none recorded)."""
         self.profile = profile
         self.max_num_seqs = profile.max_num_seqs
         self.max_loras = max_loras
@@ -118,7 +125,10 @@ class EngineCore:
             profile.block_size,
             enable_caching=profile.enable_prefix_caching,
             root=cache_root,
+            events=on_events is not None,
         )
+        self._on_events = on_events
+        self._resets: list[tuple[bool, Future[bool]]] = []
         self.steps = 0
         self.preemptions = 0
         self.deferred = 0  # waiting sequences the last step set aside for the LoRA budget
@@ -149,6 +159,16 @@ class EngineCore:
             self._aborts.add(request_id)
             self._cv.notify()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> Future[bool]:
+        """vLLM's reset: done on the engine thread between steps; True once the cache is
+        empty, False while sequences hold blocks (unless `reset_running_requests`, which
+        preempts them first: they are recomputed on re-admission)."""
+        fut: Future[bool] = Future()
+        with self._cv:
+            self._resets.append((reset_running_requests, fut))
+            self._cv.notify()
+        return fut
+
     def set_max_num_seqs(self, n: int) -> None:
         with self._cv:
             self.max_num_seqs = n
@@ -177,7 +197,7 @@ class EngineCore:
             while True:
                 with self._cv:
                     while not self._stop and not (
-                        self._inbox or self._aborts or self.running or self.waiting
+                        self._inbox or self._aborts or self.running or self.waiting or self._resets
                     ):
                         self._cv.wait(timeout=1.0)
                     if self._stop:
@@ -185,8 +205,13 @@ class EngineCore:
                     self.waiting.extend(self._inbox)
                     self._inbox.clear()
                     aborts, self._aborts = self._aborts, set()
+                    resets, self._resets = self._resets, []
                 if aborts:
                     self._drop(aborts)
+                if resets:
+                    self._reset(resets)
+                    if not (self.running or self.waiting):
+                        continue
                 if (hang := self.faults.hang_remaining()) > 0:
                     time.sleep(min(0.02, hang))
                     continue
@@ -194,6 +219,27 @@ class EngineCore:
         except Exception:  # a bug here would silently freeze every stream: make it loud
             log.exception("engine core crashed")
             raise
+
+    def _reset(self, resets: list[tuple[bool, Future[bool]]]) -> None:
+        for preempt, fut in resets:
+            if preempt:
+                while self.running:  # newest first, so they are re-admitted in order
+                    victim = self.running.pop()
+                    self.kv.release(victim)
+                    victim.computed = 0
+                    victim.preemptions += 1
+                    self.preemptions += 1
+                    self.waiting.appendleft(victim)
+            ok = self.kv.reset()
+            if not ok:
+                used = self.kv.num_blocks - self.kv.num_free
+                log.warning("prefix cache not reset: %d blocks are still in use", used)
+            fut.set_result(ok)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._on_events is not None and (events := self.kv.take_events()):
+            self._on_events(events)
 
     def _drop(self, ids: set[str]) -> None:
         keep = []
@@ -293,6 +339,7 @@ class EngineCore:
                 prefill += c
             batch.append(s)
         if not batch:
+            self._publish()
             if outputs:
                 self._deliver(outputs)
             return
@@ -310,6 +357,7 @@ class EngineCore:
             else:
                 still.append(s)
         self.running = still
+        self._publish()
         if self._on_step is not None:
             self._on_step(self, prefill, sum(o.tokens for o in outputs))
         if outputs:

@@ -7,7 +7,10 @@ cached in a free queue in eviction order (least recently freed first; a sequence
 blocks before its head) and are evicted only when an allocation pops them. As in vLLM,
 cached-but-unreferenced blocks count as free: `usage` is what running sequences hold.
 
-Only timing depends on this: the text is a function of the context alone.
+Only timing depends on this: the text is a function of the context alone. With `events`
+on, the cache records vLLM's KV events as it goes (`kvevents.py`: BlockStored when a step's
+full blocks are registered, BlockRemoved when a cached block is evicted, AllBlocksCleared on
+a reset), for the engine to publish once a step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from typing import Protocol
+
+from unbroken.engine.kvevents import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    external_hash,
+)
 
 __all__ = ["Block", "CacheUser", "KVCache", "root_hash", "salted_root"]
 
@@ -56,7 +67,13 @@ class KVCache:
     thread. `queries` / `hits` are in tokens (vLLM's prefix_cache_queries / _hits)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_caching: bool = True, root: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        root: int = 0,
+        events: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
@@ -71,6 +88,10 @@ class KVCache:
         self.queries = 0
         self.hits = 0
         self.evictions = 0
+        # vLLM's KV events since the last `take_events` (None: not recorded).
+        self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] | None = (
+            [] if events else None
+        )
 
     # -- reading --------------------------------------------------------------------------
     @property
@@ -145,6 +166,12 @@ class KVCache:
             if b.hash is not None:  # the least recently freed cached block: evict it
                 if cached.get(b.hash) is b:
                     del cached[b.hash]
+                    if self.events is not None:
+                        self.events.append(
+                            BlockRemoved(
+                                block_hashes=[external_hash(b.hash)], medium=MEDIUM_GPU, group_idx=0
+                            )
+                        )
                 b.hash = None
                 self.evictions += 1
             b.ref = 1
@@ -162,13 +189,60 @@ class KVCache:
             return
         hashes = self._hash_upto(s, full)
         cached = self.cached
-        for i in range(s.num_cached_blocks, full):
+        first = s.num_cached_blocks
+        for i in range(first, full):
             h = hashes[i]
             if h not in cached:
                 b = s.blocks[i]
                 b.hash = h
                 cached[h] = b
         s.num_cached_blocks = full
+        if self.events is not None:
+            self.events.append(self._stored(s, hashes, first, full))
+
+    def _stored(self, s: CacheUser, hashes: list[int], first: int, end: int) -> BlockStored:
+        """vLLM's event for blocks `first`..`end` of `s` (block_pool.cache_full_blocks: every
+        new full block, a copy of content cached elsewhere included, as vLLM stores both).
+        `s.lora`, `s.lora_id` and `s.cache_salt`, where it has them (core.Seq), go into the
+        event as vLLM puts a request's adapter and salt."""
+        bs = self.block_size
+        lora = getattr(s, "lora", None)
+        salt = getattr(s, "cache_salt", None)
+        extra: list[tuple[str, ...] | None] = []
+        for i in range(first, end):
+            keys = ((lora,) if lora else ()) + ((salt,) if salt and i == 0 else ())
+            extra.append(keys or None)
+        return BlockStored(
+            block_hashes=[external_hash(h) for h in hashes[first:end]],
+            parent_block_hash=external_hash(hashes[first - 1]) if first else None,
+            token_ids=s.token_ids[first * bs : end * bs],
+            block_size=bs,
+            lora_id=getattr(s, "lora_id", None) if lora else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora,
+            extra_keys=extra,
+            group_idx=0,
+        )
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The events recorded since the last call (empty when not recording)."""
+        ev = self.events
+        if not ev:
+            return []
+        self.events = []
+        return ev
+
+    def reset(self) -> bool:
+        """vLLM's BlockPool.reset_prefix_cache: forget every cached block, only while no
+        sequence holds one (False otherwise)."""
+        if len(self.free) != self.num_blocks:
+            return False
+        self.cached.clear()
+        for b in self.blocks:
+            b.hash = None
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
     def release(self, s: CacheUser) -> None:
         """Drop `s`'s references (finish, abort or preemption). Blocks nobody holds go to the

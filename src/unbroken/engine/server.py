@@ -31,6 +31,7 @@ from unbroken.engine import structured
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
 from unbroken.engine.kvcache import root_hash, salted_root
+from unbroken.engine.kvevents import KVEventsConfig, ZmqEventPublisher
 from unbroken.engine.lora import LoadedAdapter, LoRAModule, LoRARegistry, runtime_lora_updating
 from unbroken.engine.metrics import EngineMetrics, FinishedSeq, cache_config_info
 from unbroken.engine.profiles import EngineProfile
@@ -94,6 +95,8 @@ class EngineConfig:
     runtime_lora_updating: bool | None = None
     # vLLM's `--max-num-batched-tokens`: overrides the profile's (None: keep it).
     max_num_batched_tokens: int | None = None
+    # vLLM's `--kv-events-config` (kvevents.py; None: no KV events).
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -193,6 +196,7 @@ class Engine:
         self.startup_s: float | None = None
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)  # the core's prefix-cache (queries, hits) last exported
+        self.kv_events: ZmqEventPublisher | None = None  # open_kv_events
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -221,6 +225,23 @@ class Engine:
                 r.seconds,
                 r.gbps,
             )
+
+    def open_kv_events(self) -> None:
+        """The KV events publisher of `--kv-events-config`, opened before the engine serves
+        (vLLM's scheduler opens it at start); ValueError if its sockets cannot be opened."""
+        kv = self.cfg.kv_events
+        if kv is not None and kv.publishes and self.kv_events is None:
+            self.kv_events = ZmqEventPublisher(kv)
+            log.info(
+                "KV events published on %s (topic %r%s)",
+                kv.endpoint,
+                kv.topic,
+                f", replay on {kv.replay_endpoint}" if kv.replay_endpoint else "",
+            )
+
+    def close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def start_core(self, loop: asyncio.AbstractEventLoop) -> None:
         def deliver(outs: list[Output]) -> None:
@@ -254,6 +275,7 @@ class Engine:
             on_step=on_step,
             cache_root=root_hash(self.cfg.model_name),
             max_loras=self.cfg.max_loras if self.cfg.enable_lora else None,
+            on_events=self.kv_events.publish if self.kv_events is not None else None,
         )
         self.core.start()
 
@@ -332,6 +354,13 @@ class Engine:
         app.router.add_post("/ping", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/version", self.version)
+        if os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in ("", "0"):
+            # vLLM's development routes (VLLM_SERVER_DEV_MODE=1); of them, the cache reset.
+            log.warning(
+                "SECURITY WARNING: Development endpoints are enabled! "
+                "This should NOT be used in production!"
+            )
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         if self.cfg.admin_token:
             admin = web.Application(
                 middlewares=[error_middleware, bearer_auth_middleware(self.cfg.admin_token)]
@@ -351,6 +380,17 @@ class Engine:
         if self.draining or not self.ready:
             return web.Response(status=503, text="shutting down" if self.draining else "starting")
         return web.Response(status=200)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: `{"success": false}` while requests hold blocks,
+        unless `?reset_running_requests=true` preempts them first (they are recomputed)."""
+        if self.core is None:
+            raise ApiError(503, "The engine is starting", type="ServiceUnavailableError")
+        preempt = _query_bool(request, "reset_running_requests")
+        _query_bool(request, "reset_external")  # no connector here: nothing external to reset
+        log.info("Resetting prefix cache...")
+        ok = await asyncio.wrap_future(self.core.reset_prefix_cache(preempt))
+        return web.json_response({"success": ok})
 
     async def version(self, request: web.Request) -> web.Response:
         from unbroken import __version__
@@ -566,7 +606,8 @@ class Engine:
         # An adapter's blocks never serve the base or another adapter (vLLM's block hashes
         # carry the LoRA id).
         root = root_hash(adapter.name) if adapter is not None else 0
-        if salt := getattr(req, "cache_salt", None):
+        salt = getattr(req, "cache_salt", None)
+        if salt:
             root = salted_root(root or root_hash(self.cfg.model_name), salt)
         for p, (ctx, ptoks) in enumerate(contexts):
             ids = token_ids(ctx) if caching else []
@@ -591,6 +632,8 @@ class Engine:
                         want_logprobs=bool(req.logprobs is not None and req.logprobs is not False),
                         token_ids=ids if j == 0 else list(ids),  # each grows by its output
                         lora=lora,
+                        lora_id=adapter.int_id if adapter is not None else None,
+                        cache_salt=salt or None,
                         cache_root=root,
                         n=req.n,
                     )
@@ -879,6 +922,15 @@ class Engine:
                 "running": len(core.running),
                 "waiting": len(core.waiting),
                 "kv_usage": core.kv_usage,
+                "kv_events": None
+                if self.kv_events is None
+                else {
+                    "endpoint": self.kv_events.cfg.endpoint,
+                    "replay_endpoint": self.kv_events.cfg.replay_endpoint,
+                    "topic": self.kv_events.cfg.topic,
+                    "published": self.kv_events.published,
+                    "dropped": self.kv_events.dropped,
+                },
                 "kv_cache": {
                     "blocks": core.kv.num_blocks,
                     "block_size": core.kv.block_size,
@@ -926,6 +978,11 @@ async def serve(cfg: EngineConfig) -> None:
     started = _process_start_time()
     engine = Engine(cfg)
     loop = asyncio.get_running_loop()
+    try:
+        engine.open_kv_events()
+    except ValueError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
     # Weights load off the loop thread: the process answers 503 "starting" meanwhile.
     runner = await start_site(engine.app(), cfg.host, cfg.port)
     log.info(
@@ -959,7 +1016,22 @@ async def serve(cfg: EngineConfig) -> None:
     await runner.cleanup()
     if engine.core is not None:
         engine.core.stop()
+    engine.close_kv_events()
     log.info("engine stopped")
+
+
+def _query_bool(request: web.Request, name: str) -> bool:
+    """A FastAPI `bool` query parameter: true/false, 1/0, yes/no, on/off; else a 400 (vLLM:
+    422) naming it."""
+    raw = request.query.get(name)
+    if raw is None:
+        return False
+    v = raw.strip().lower()
+    if v in ("true", "1", "yes", "on", "t", "y"):
+        return True
+    if v in ("false", "0", "no", "off", "f", "n"):
+        return False
+    raise ApiError(400, f"{name}: input should be a valid boolean, got {raw!r}", param=name)
 
 
 def run_engine(cfg: EngineConfig) -> None:
