@@ -167,6 +167,7 @@ def test_stored_events_chain_blocks_as_the_cache_names_them() -> None:
     assert first.token_ids == a.token_ids[:12] and len(first.block_hashes) == 3
     assert first.extra_keys == [None, None, None] and first.medium == "GPU"
     assert first.group_idx == 0 and first.lora_id is None and first.lora_name is None
+    assert first.kv_cache_spec_kind == "full_attention"
     # Every hash is an unsigned 64-bit id, and the cache holds exactly what was announced.
     announced = [h for e in stored for h in e.block_hashes]
     assert all(0 <= h < 2**64 for h in announced)

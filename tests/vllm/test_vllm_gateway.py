@@ -14,13 +14,19 @@ test waits for it after computing its references on `b`); the last leaves it dea
 from __future__ import annotations
 
 import itertools
+import os
 import signal
+import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
+import orjson
 import pytest
+import zmq
 from vllmstack import (
     MODEL,
     Stack,
@@ -33,8 +39,9 @@ from vllmstack import (
     usage_of,
 )
 
-from helpers import TOKEN, admin, gateway, metric, wait_for
+from helpers import TOKEN, admin, engine, gateway, metric, wait_for
 from unbroken.gateway._stream import STALL_LEARN
+from unbroken.wire.http import free_port
 
 # Install, model build and two server starts land in the first test: minutes on 2 cores.
 # serial: the two vLLM servers are pinned one per core; nothing else of the run beside them
@@ -402,6 +409,103 @@ def test_prefix_routing_raises_vllm_prefix_cache_hits(
             g.stop()
     assert gained["round_robin"] > 0, gained  # vLLM caches prefixes at all
     assert gained["prefix"] >= 1.5 * gained["round_robin"], gained
+
+
+def _kv_batches(sock: zmq.Socket[Any], quiet_s: float = 2.0) -> list[tuple[int, bytes]]:
+    """(sequence number, payload) of every message until `quiet_s` passes without one."""
+    out = []
+    while sock.poll(int(quiet_s * 1000)):
+        _topic, seq, payload = sock.recv_multipart()
+        out.append((int.from_bytes(seq, "big"), payload))
+    return out
+
+
+def _stored(batches: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
+    """The BlockStored maps of these batches, read as a plain msgpack consumer reads them."""
+    out = []
+    for _, payload in batches:
+        batch = msgpack.unpackb(payload, strict_map_key=False)
+        assert isinstance(batch, list) and len(batch) == 3 and batch[2] == 0, batch
+        out += [e for e in batch[1] if e["type"] == "BlockStored"]
+    return out
+
+
+def _kv_run(url: str, port: int, prompts: list[str]) -> list[tuple[int, bytes]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # a SUB receives only what is published after it has joined
+        for p in prompts:
+            r = httpx.post(url + "/v1/completions", json=comp(p, 4), timeout=120)
+            assert r.status_code == 200, r.text
+        return _kv_batches(sub)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_kv_events_of_vllm_and_the_simulator_have_one_shape(
+    stack_random: Stack, vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`b` runs with `--kv-events-config` (vllmstack.py); the simulator with the same. Two
+    prompts sharing a long prefix, to each: vLLM 0.32's own events and the simulator's carry
+    the same fields with the same types, the second prompt's first stored block is a child of
+    a block the first stored (its prefix hit), and vLLM's own decoder
+    (`msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)`) reads every batch the
+    simulator published."""
+    s = stack_random
+    assert s.b.kv_events_port is not None
+    # ~240 shared tokens and ~180 of each prompt's own: with vLLM's CPU block of 128 tokens,
+    # the second prompt hits the first block and stores blocks that continue it.
+    shared = " ".join(f"kv{i} line of the shared manual" for i in range(24))
+    prompts = [
+        shared + " " + " ".join(f"question {k} part{i} asks" for i in range(20)) for k in (1, 2)
+    ]
+    real = _kv_run(s.b.url, s.b.kv_events_port, prompts)
+    port = free_port()
+    cfg = orjson.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    ).decode()
+    e = engine(tmp_path_factory.mktemp("kv-sim"), "--model", MODEL, "--kv-events-config", cfg)
+    try:
+        sim = _kv_run(e.url, port, prompts)
+    finally:
+        e.stop()
+    shapes = {}
+    for name, batches in (("vllm", real), ("simulator", sim)):
+        assert [seq for seq, _ in batches] == list(range(len(batches))), name
+        stored = _stored(batches)
+        assert len(stored) >= 2, (name, stored)
+        first_blocks = set(stored[0]["block_hashes"])
+        later = [ev for ev in stored[1:] if ev["parent_block_hash"] in first_blocks]
+        assert later, f"{name}: no stored block continues the shared prefix"
+        assert all(0 <= h < 2**64 for ev in stored for h in ev["block_hashes"]), name
+        assert all(
+            len(ev["token_ids"]) == ev["block_size"] * len(ev["block_hashes"]) for ev in stored
+        ), name
+        shapes[name] = {k: type(v).__name__ for k, v in stored[0].items()}
+    assert shapes["simulator"] == shapes["vllm"], sorted(shapes["vllm"].items() ^ shapes["simulator"].items())
+    payloads = "\n".join(p.hex() for _, p in sim)
+    r = subprocess.run(
+        [
+            str(vllm_venv / "bin" / "python"),
+            "-c",
+            "import sys, msgspec\n"
+            "from vllm.distributed.kv_events import KVEventBatch\n"
+            "d = msgspec.msgpack.Decoder(KVEventBatch)\n"
+            "n = [type(d.decode(bytes.fromhex(l))).__name__ for l in sys.stdin.read().split()]\n"
+            "print(len(n), set(n))",
+        ],
+        input=payloads,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last == f"{len(sim)} {{'KVEventBatch'}}", r.stdout
 
 
 # -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------

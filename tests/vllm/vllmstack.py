@@ -95,10 +95,21 @@ class Vllm:
         self.port = free_port()
         self.popen: subprocess.Popen[bytes] | None = None
         self.args: tuple[str, ...] = ()
+        self.kv_events_port: int | None = None  # with_kv_events
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def with_kv_events(self) -> tuple[str, ...]:
+        """`--kv-events-config` publishing this server's KV cache events on a free port."""
+        self.kv_events_port = free_port()
+        cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.kv_events_port}",
+        }
+        return ("--kv-events-config", json.dumps(cfg))
 
     def start(self, *args: str) -> Vllm:
         self.args = args
@@ -235,9 +246,11 @@ def make_stack(
     model: Path,
     a_args: tuple[str, ...] = (),
     gw_settings: dict[str, Any] | None = None,
+    b_kv_events: bool = False,
 ) -> Stack:
     a = Vllm(venv, model, 0, tmp / "vllm-a.log").start("--shutdown-timeout", "0", *a_args)
-    b = Vllm(venv, model, 1, tmp / "vllm-b.log").start()
+    b = Vllm(venv, model, 1, tmp / "vllm-b.log")
+    b.start(*(b.with_kv_events() if b_kv_events else ()))
     a.wait_ready()
     b.wait_ready()
     cfg = tmp / "gw.json"
@@ -256,8 +269,15 @@ def stack_random(
     tmp_path_factory: pytest.TempPathFactory, vllm_venv: Path, model_dirs: dict[str, Path]
 ) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("vllm-random")
-    # `a` sends several tokens per event (--stream-interval): events are not tokens.
-    s = make_stack(tmp, vllm_venv, model_dirs["random"], a_args=("--stream-interval", "4"))
+    # `a` sends several tokens per event (--stream-interval): events are not tokens. `b`
+    # publishes its KV cache events (test_vllm_gateway.py sets them beside the simulator's).
+    s = make_stack(
+        tmp,
+        vllm_venv,
+        model_dirs["random"],
+        a_args=("--stream-interval", "4"),
+        b_kv_events=True,
+    )
     yield s
     s.g.stop()
     s.a.stop()

@@ -222,6 +222,9 @@ class KVCache:
             lora_name=lora,
             extra_keys=extra,
             group_idx=0,
+            # vLLM's KVCacheManager.take_events annotates every stored event with its
+            # group's kind: one group of plain decoder attention here.
+            kv_cache_spec_kind="full_attention",
         )
 
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
