@@ -485,7 +485,8 @@ def test_kv_events_of_vllm_and_the_simulator_have_one_shape(
             len(ev["token_ids"]) == ev["block_size"] * len(ev["block_hashes"]) for ev in stored
         ), name
         shapes[name] = {k: type(v).__name__ for k, v in stored[0].items()}
-    assert shapes["simulator"] == shapes["vllm"], sorted(shapes["vllm"].items() ^ shapes["simulator"].items())
+    differ = sorted(shapes["vllm"].items() ^ shapes["simulator"].items())
+    assert shapes["simulator"] == shapes["vllm"], differ
     payloads = "\n".join(p.hex() for _, p in sim)
     r = subprocess.run(
         [
