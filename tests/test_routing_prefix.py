@@ -263,6 +263,85 @@ def test_session_homes_are_bounded_to_a_share_of_the_mean_load() -> None:
     assert pol.pick(eps, _req(_hint("a long conversation " * 200, session=other))) is b
 
 
+def test_a_session_home_with_a_stream_open_still_has_room() -> None:
+    """Three replicas, one stream open on a session's home and nothing elsewhere: the next
+    turn goes home (the bound used to be max(1, mean x 1.25), under which that home was
+    "full", and a review saw 10 of 24 turns of 6 users move)."""
+    pol = CacheAware(affinity=AffinitySettings(use_prefix=False))
+    a, b, c = _ep("a"), _ep("b"), _ep("c")
+    eps = [a, b, c]
+    _s1, s2 = [s for s in (f"s{i}" for i in range(1000)) if home(s.encode(), eps) is a][:2]
+    a.slot.add(1)  # the first session's stream runs on
+    for _ in range(3):
+        assert pol.pick(eps, _req(_hint("hi", session=s2))) is a
+
+
+def test_session_home_is_chosen_outright_and_overflow_is_deterministic() -> None:
+    """Under `session` a home with room wins even a short prompt that cost alone would send
+    to a less loaded replica; once it has no room, every turn goes to the key's second
+    rendezvous choice (the same one each time), not wherever load is least."""
+    pol = CacheAware(affinity=AffinitySettings(use_prefix=False))
+    a, b, c = _ep("a"), _ep("b"), _ep("c")
+    eps = [a, b, c]
+    s = next(s for s in (f"s{i}" for i in range(1000)) if home(s.encode(), eps) is a)
+    second = home(s.encode(), [b, c])
+    assert second is not None
+    a.slot.add(2)
+    assert pol.pick(eps, _req(_hint("short", session=s))) is a  # 2 < (3 / 3) x 1.25 + 1
+    a.slot.add(8)  # now far past the bound
+    assert {pol.pick(eps, _req(_hint("short", session=s))).name for _ in range(5)} == {second.name}
+
+
+def test_prompt_cache_key_names_a_session_after_the_header_and_before_user() -> None:
+    """OpenAI's client recommends `prompt_cache_key` in place of `user` "to maintain caching
+    optimizations"; a client following it must keep its affinity."""
+
+    def session(raw: dict[str, object], header: str | None = None) -> str | None:
+        return hint_of(raw, True, "m", block_chars=64, session=header).session
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert session({"messages": msgs, "prompt_cache_key": "k", "user": "u"}) == "k"
+    assert session({"messages": msgs, "user": "u"}) == "u"
+    assert session({"messages": msgs, "prompt_cache_key": "k"}, header="h") == "h"
+    assert session({"messages": msgs, "prompt_cache_key": 5, "user": "u"}) == "u"
+    assert session({"messages": msgs, "prompt_cache_key": ""}) is None
+
+
+def test_tools_and_media_name_blocks_as_the_engine_keys_them() -> None:
+    """vLLM renders `tools` into the prompt (most templates at its top) and keys an image's
+    blocks by the image's hash: requests that differ only there must not look cached, and
+    equal ones must."""
+    msgs = [{"role": "system", "content": _words(120, 3)}, {"role": "user", "content": "go"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+
+    def blocks(raw: dict[str, object]) -> list[int]:
+        return list(hint_of(raw, True, "m", block_chars=64, session=None).blocks)
+
+    plain = blocks({"messages": msgs})
+    with_f = blocks({"messages": msgs, "tools": [tool]})
+    assert with_f != plain and with_f[0] != plain[0]
+    assert blocks({"messages": msgs, "tools": [tool]}) == with_f
+    assert blocks({"messages": msgs, "tools": [other]})[0] != with_f[0]
+    # Key order inside a tool is not content: the same tool, keys reordered, is the same.
+    reordered = {"function": {"parameters": {"type": "object"}, "name": "f"}, "type": "function"}
+    assert blocks({"messages": msgs, "tools": [reordered]}) == with_f
+
+    def image(url: str) -> list[dict[str, object]]:
+        part = {"type": "image_url", "image_url": {"url": url}}
+        return [*msgs[:1], {"role": "user", "content": [part, {"type": "text", "text": "what?"}]}]
+
+    one, two = blocks({"messages": image("data:a")}), blocks({"messages": image("data:b")})
+    assert one == blocks({"messages": image("data:a")})
+    shared = len(_words(120, 3)) // 64  # the system prompt's whole blocks
+    assert one[:shared] == two[:shared] and one[-1] != two[-1]
+    # An assistant turn's tool calls are part of the history the next turn carries.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    t1 = [*msgs, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    t2 = [*msgs, {"role": "assistant", "content": None, "tool_calls": [{**call, "id": "c2"}]}]
+    assert prompt_text({"messages": t1}, True) != prompt_text({"messages": t2}, True)
+
+
 def test_prefix_routing_places_conversations_by_load_and_keeps_them_by_history() -> None:
     """`prefix` (the default): a session key is only a prior. Conversations whose sessions
     all hash to `a` start where load is least, not all on `a` (the hash's uneven share of

@@ -7,12 +7,18 @@ load trade off continuously. What a candidate holds:
 
 - **Prefix** (`PrefixIndex`): the leading blocks of this prompt that were routed there, by
   any worker of this gateway (the index's table is shared by them, `_prefix_table.py`).
-- **Session**: a request with a session key (the `session_header`, else the body's `user`)
-  credits its whole prompt to the key's home: the candidate with the highest rendezvous
-  hash of (key, endpoint), while it has room (in flight under a bound, no request queued in
-  its engine, its KV cache under `session_kv_room` full). Rendezvous hashing is
-  consistent: adding or removing a replica moves only the sessions whose home it is, and
-  every gateway worker and replica computes the same home without sharing state.
+- **Session**: a request with a session key (the `session_header`, else the body's
+  `prompt_cache_key`, else its `user`) has a home: the candidate with the highest
+  rendezvous hash of (key, endpoint). Under `session` the home is chosen outright while it
+  has room (in flight under the bound `mean x (1 + balance_rel) + session_slack`, counting
+  this request, no request queued in its engine, its KV cache under `session_kv_room` full,
+  its step not late), else the key's next rendezvous choice with room, and so on:
+  consistent hashing with bounded loads (Mirrokni et al.), so a conversation stays on one
+  replica and an overflow always lands on the same second one. Under `prefix` the home is
+  only credited with the prompt's first `session_blocks` blocks, a prior. Rendezvous
+  hashing is consistent: adding or removing a replica moves only the sessions whose home
+  it is, and every gateway worker and replica computes the same home without sharing
+  state.
 - **A new prefix** (no candidate holds any of it, no session): its first block's home gets
   credit for its first `home_blocks` blocks, a small prior that breaks near-ties the same
   way in every worker and gateway replica, so the first requests of a new system prompt
@@ -63,6 +69,11 @@ class AffinitySettings:
     # A session's home has room only while its engine queues nothing and its KV cache
     # (vllm:kv_cache_usage_perc, the blocks running requests hold) is below this share.
     session_kv_room: float = 0.9
+    # A session's home has room while its in-flight is under the candidates' mean (counting
+    # this request) x (1 + balance_rel) + this: one stream above its share, so that at low
+    # concurrency a home with a stream open is not "full" (without it, one stream of three
+    # replicas made every home full), and at high concurrency the bound is the share.
+    session_slack: float = 1.0
 
 
 _M64 = (1 << 64) - 1
@@ -163,8 +174,47 @@ class CacheAware(LatencyAware):
         return held
 
     def _session_bound(self, candidates: Sequence[Endpoint]) -> float:
+        """In flight a session's home may carry: the mean with this request, with relative
+        and absolute slack (without the absolute part, one open stream of three replicas
+        made every home full: a conversation moved at almost every turn; a review's)."""
         mean = (sum(e.inflight for e in candidates) + 1) / len(candidates)
-        return max(1.0, mean * (1.0 + self.a.balance_rel))
+        return mean * (1.0 + self.a.balance_rel) + self.a.session_slack
+
+    def _session_home(
+        self, candidates: Sequence[Endpoint], request: PickRequest, now: float
+    ) -> Endpoint | None:
+        """`session`: the key's first rendezvous choice with room (module doc); None without
+        a key, under `prefix`, or when none has room (then cost decides)."""
+        hint = request.hint
+        if hint is None or not hint.session or not self.a.use_session:
+            return None
+        if self.a.session_blocks is not None:
+            return None
+        k = zlib.crc32(hint.session.encode("utf-8", "surrogateescape"))
+        bound = self._session_bound(candidates)
+        ranked = sorted(candidates, key=lambda e: _weight(k, e.name), reverse=True)
+        for e in ranked:
+            if (
+                e.inflight < bound
+                and e.waiting <= 0
+                and e.kv_usage < self.a.session_kv_room
+                and e.latency.late(now, self.s) <= 1.0
+            ):
+                return e
+        return None
+
+    def _best(
+        self,
+        candidates: Sequence[Endpoint],
+        now: float,
+        prior: float | None,
+        request: PickRequest,
+    ) -> tuple[Endpoint | None, float | None, float]:
+        e = self._session_home(candidates, request, now)
+        if e is None:
+            return super()._best(candidates, now, prior, request)
+        exp = e.latency.expected(now, prior, self.s)
+        return e, exp, (e.load + 1.0) * (exp if exp is not None else self.s.floor_s)
 
     def _costs(
         self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest

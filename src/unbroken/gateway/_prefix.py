@@ -35,6 +35,8 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
+import orjson
+
 from unbroken.gateway._prefix_table import MAX_COLUMNS, PrefixTable, table_entries
 
 __all__ = [
@@ -164,18 +166,50 @@ def prompt_text(raw: dict[str, Any], chat: bool) -> str:
     if not isinstance(messages, list):
         return ""  # the engine refuses it; routing must not fail first (any JSON may come)
     parts: list[str] = []
+    # Tools are rendered into the prompt by the chat template (most put them at its top),
+    # so requests that differ only in their tools share no block, and an agent's large
+    # tools array is a shared prefix like a system prompt.
+    tools = raw.get("tools")
+    if isinstance(tools, list) and tools:
+        parts.append(f"tools\n{_canonical(tools)}\x1e")
     for m in messages:
         if not isinstance(m, dict):
             continue
-        content = m.get("content")
-        if isinstance(content, list):  # text parts joined as vLLM's chat utils join them
-            content = "\n".join(
-                str(c.get("text", ""))
-                for c in content
-                if isinstance(c, dict) and c.get("type") == "text"
-            )
-        parts.append(f"{m.get('role', '')}\n{content or ''}\x1e")
+        parts.append(f"{m.get('role', '')}\n{_content_text(m.get('content'))}")
+        if isinstance(calls := m.get("tool_calls"), list) and calls:
+            parts.append(_canonical(calls))
+        parts.append("\x1e")
     return "".join(parts)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the prefix sees it: text parts joined as vLLM's chat utils
+    join them; an image, audio or file part by a digest of what it carries (its URL or
+    data), in its place, as vLLM keys a multimodal block by its media's hash: the same text
+    with other media shares no block past it."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return "" if content is None else str(content)
+    out: list[str] = []
+    for c in content:
+        if not isinstance(c, dict):
+            continue
+        kind = c.get("type")
+        if kind == "text":
+            out.append(str(c.get("text", "")))
+        elif kind is not None:
+            media = _canonical(c)
+            out.append(f"\x1d{kind}:{zlib.crc32(media.encode('utf-8', 'surrogateescape')):08x}")
+    return "\n".join(out)
+
+
+def _canonical(value: Any) -> str:
+    """A JSON value as stable text (keys sorted), for what is hashed and not read."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # not JSON (cannot come from a parsed body): still deterministic
+        return repr(value)
 
 
 def responses_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +239,23 @@ def responses_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
                 msgs.append({"role": "assistant", "content": call})
             elif kind == "function_call_output":
                 msgs.append({"role": "tool", "content": str(item.get("output", ""))})
-    return {"messages": msgs, "user": raw.get("user"), "cache_salt": raw.get("cache_salt")}
+    return {
+        "messages": msgs,
+        "tools": raw.get("tools"),
+        "prompt_cache_key": raw.get("prompt_cache_key"),
+        "user": raw.get("user"),
+        "cache_salt": raw.get("cache_salt"),
+    }
+
+
+def session_of(raw: dict[str, Any]) -> str | None:
+    """A request body's conversation key: OpenAI's `prompt_cache_key` (which its client
+    recommends over `user` "to maintain caching optimizations"), else `user`."""
+    for field in ("prompt_cache_key", "user"):
+        v = raw.get(field)
+        if isinstance(v, str) and v:
+            return v
+    return None
 
 
 def hint_of(
@@ -225,8 +275,7 @@ def hint_of(
         root = zlib.crc32(b"\x00cache_salt\x00" + salt.encode("utf-8", "surrogateescape"), root)
     blocks = BlockNames(data, root, block_chars)
     if session is None:
-        user = raw.get("user")
-        session = user if isinstance(user, str) and user else None
+        session = session_of(raw)
     return RouteHint(blocks, len(data), session, block_chars)
 
 
