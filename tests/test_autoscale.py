@@ -471,3 +471,59 @@ def test_readme_min_0_pool_sleeps_until_its_model_is_asked_for(tmp_path: Path) -
         assert wakes and wakes[0]["reason"].startswith("waking: demand 1"), wakes
     finally:
         u.stop()
+
+
+HAND_SPEC = f"""
+model: {MODEL}
+pools:
+  - name: hand
+    replicas: {{min: 0, max: 3}}
+    scaling: {{drain_deadline_s: 1}}
+    weights_size: 8MiB
+    engine: {{profile: fp16, overrides: {{decode_base_s: 0.02, decode_per_seq_s: 0.0001}}}}
+controller: {{enabled: false}}
+"""
+
+
+def test_scale_by_hand_reaches_its_target_and_a_last_replica_keeps_its_streams(
+    tmp_path: Path,
+) -> None:
+    """`unbroken scale` (no autoscaler here to interfere): 0 -> 3 -> 1 in one command each
+    (a review found 3 -> 1 stopping at 2 and exiting 0); then 1 -> 0 while a stream runs:
+    nothing else serves the model, so the drain waits for the stream to end instead of
+    cutting it at the pool's 1 s drain deadline (the review's stream got `drain_deadline`
+    after 10 s). Asleep, the model answers a sheddable request 503 `model_asleep` with
+    `x-should-retry: false`, not "at capacity" (429, which the openai client retries)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(HAND_SPEC)
+    u = Up(tmp_path, spec)
+    try:
+        r = u.run("scale", "hand", "3")
+        assert r.returncode == 0 and "0 -> 3 replica(s)" in r.stderr, r.stdout + r.stderr
+        r = u.run("scale", "hand", "1")
+        assert r.returncode == 0 and "3 -> 1 replica(s)" in r.stderr, r.stdout + r.stderr
+        assert len(r.stderr.split("removed ")[1].split(",")) == 2, r.stderr
+        assert _pools(u)["hand"]["live"] == 1
+        result: list[tuple[int, str, bool]] = []
+        body = {"model": MODEL, "prompt": "last one", "max_tokens": 150, "temperature": 0}
+        t = threading.Thread(target=lambda: result.append(_stream(u.url, body, threading.Event())))
+        t.start()
+        time.sleep(1.0)  # streaming: ~3 s at 20 ms a token
+        t0 = time.monotonic()
+        r = u.run("scale", "hand", "0")
+        t.join(60)
+        assert r.returncode == 0 and "1 -> 0 replica(s)" in r.stderr, r.stdout + r.stderr
+        assert result and result[0] == (200, expected_completion("last one", 150).text, True)
+        assert time.monotonic() - t0 > 1.0  # it waited for the stream, past the 1 s deadline
+        assert _pools(u)["hand"]["live"] == 0
+        shed = httpx.post(
+            u.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"x-unbroken-priority": "sheddable"},
+            timeout=30,
+        )
+        assert shed.status_code == 503, shed.text
+        assert shed.json()["error"]["code"] == "model_asleep"
+        assert shed.headers["x-should-retry"] == "false"
+    finally:
+        u.stop()

@@ -96,6 +96,13 @@ def test_models_listing_and_unknown_model(up: Up) -> None:
     assert e.value.status_code == 404
     body = e.value.body
     assert isinstance(body, dict) and "base-c" in str(body.get("message"))
+    # OpenAI's retrieve (the gateway serves it; vLLM has no such route): the listed card.
+    for name in ("base-a", "sql", "ali"):
+        got = c.models.retrieve(name)
+        assert got.model_dump() == listed[name].model_dump(), name
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("base-c")
+    assert isinstance(e.value.body, dict) and e.value.body.get("code") == "model_not_found"
 
 
 def test_adapter_stream_continues_on_its_adapter_through_a_rollout(up: Up) -> None:

@@ -287,3 +287,20 @@ def test_reload_applies_changed_tenants_and_limits(tmp_path: Path) -> None:
         assert r.returncode == 0 and "gateway settings: no change" in r.stdout, r.stdout
     finally:
         assert up.stop() == 0
+
+
+def test_a_reload_report_hides_keys_and_says_when_there_are_none() -> None:
+    """A tenant added without keys read `api_keys: (absent) -> (hidden)`, as if keys had
+    been set (a review); a count says what changed without saying the keys."""
+    from unbroken.pipeline.reload import change
+
+    assert change("gateway.tenants.anon.api_keys", "(absent)", [])["new"] == "none"
+    assert change("gateway.tenants.a.api_keys", [], ["sha256:ab", "sha256:cd"])["new"] == (
+        "2 key(s), hidden"
+    )
+    assert change("pools.p.api_key", None, "secret") == {
+        "key": "pools.p.api_key",
+        "old": "none",
+        "new": "(hidden)",
+    }
+    assert change("pools.p.engine.env.TOKEN", "a", "b")["new"] == "(hidden)"

@@ -176,6 +176,15 @@ class Admission:
         # autoscaled to 0, which this request's demand wakes).
         return next((n for n in route if model in self.pool.pool_models.get(n, ())), None)
 
+    def _asleep(self, model: str, priority: str) -> bool:
+        """A pool of `priority`'s route is declared to serve `model` and no replica of it
+        runs in any pool of the route (in any state): autoscaled to zero."""
+        route = self.pool.pools_for(priority)
+        if not any(model in self.pool.pool_models.get(n, ()) for n in route):
+            return False
+        names = set(route)
+        return not any(e.pool in names and model in e.models for e in self.pool.endpoints.values())
+
     def demand(self) -> dict[str, int]:
         """Per pool, the sequences this process runs on it plus the requests it queues for
         it: what an autoscaler sizes the pool for (ceil(demand / target) replicas)."""
@@ -304,6 +313,17 @@ class Admission:
             if isinstance(got, tuple):
                 return *got, 0.0
         if priority == "sheddable":
+            if self._asleep(model, priority):
+                # Not "at capacity" (which invites a retry): nothing will serve it until a
+                # request that may wake the pool comes. `x-should-retry: false` stops the
+                # openai client's automatic retries, each of which a tenant's limit counts.
+                raise ApiError(
+                    503,
+                    f"model {model} is scaled to zero and sheddable requests do not wake it; "
+                    "a standard or critical request does",
+                    code="model_asleep",
+                    headers={"x-should-retry": "false"},
+                )
             raise ApiError(
                 429,
                 "the service is at capacity; sheddable requests are refused until there is room",

@@ -124,6 +124,27 @@ class Handlers(EngineRoutes):
         `max_model_len`, `root`, ...); a model no endpoint listed just now keeps a plain
         entry. With tenants, only for a known key (or the `anonymous` tenant), as vLLM with
         `--api-key` guards every /v1 route: the served names are not for anyone who asks."""
+        data = await self._model_cards(request)
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's `GET /v1/models/{model}` (the openai client's `models.retrieve`; vLLM
+        has no such route): the card `/v1/models` lists for it, else OpenAI's 404."""
+        want = request.match_info["model"]
+        for card in await self._model_cards(request):
+            if card["id"] == want:
+                return web.Response(body=orjson.dumps(card), content_type="application/json")
+        raise ApiError(
+            404,
+            f"The model `{want}` does not exist.",
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def _model_cards(self, request: web.Request) -> list[dict[str, Any]]:
         assert self.session is not None
         if self.tenancy.tenants is not None:
             self.tenancy.resolve(request)
@@ -162,10 +183,7 @@ class Handlers(EngineRoutes):
         # vLLM lists its served model names first, then its adapters (`parent`: the base), and
         # scripts take data[0] as the model: the engines' own order (endpoints in the spec's
         # pool order), bases before adapters; names no engine listed just now after.
-        data = sorted(merged.values(), key=lambda m: m.get("parent") is not None)
-        return web.Response(
-            body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
-        )
+        return sorted(merged.values(), key=lambda m: m.get("parent") is not None)
 
     async def _models_of(self, ep: Endpoint) -> list[dict[str, Any]]:
         assert self.session is not None

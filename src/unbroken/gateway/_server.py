@@ -273,6 +273,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat)
         app.router.add_get("/v1/models", self.proxy.models)
+        app.router.add_get("/v1/models/{model:.+}", self.proxy.model)  # ids may hold a "/"
         for method, route in PASSTHROUGH_ROUTES:  # engine routes forwarded as they are
             app.router.add_route(method, route, self.proxy.passthrough)
         for method, route in RESPONSE_ROUTES:  # asked of the replica holding the response

@@ -88,7 +88,9 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
 def _hidden(v: Any) -> Any:
     if v == _MISSING:
         return v
-    return f"{len(v)} key(s), hidden" if isinstance(v, dict) else "(hidden)"
+    if isinstance(v, dict | list):  # a count says what changed without saying the keys
+        return f"{len(v)} key(s), hidden" if v else "none"
+    return "none" if v is None or v == "" else "(hidden)"
 
 
 def change(key: str, old: Any, new: Any) -> dict[str, Any]:

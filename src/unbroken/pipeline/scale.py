@@ -3,10 +3,13 @@
 Up: `k` replicas brought in together through the surge path (page-cache pre-warm, stage 1
 `/health`, stage 2 a warm-up completion, registered, ready in the gateway), the pool's
 declared size raised as each one serves; a replica that fails its stages is torn down and the
-summary says so. Down: one replica, the one holding the fewest streams in the gateway's view
-(the newest on a tie), leaves through the drain path: the declared size drops first (so the
-supervisor does not replace it), the gateway drains it with a deadline and migrates what is
-left by continuation, then it is stopped. Never outside the pool's [min, max].
+summary says so. Down: as many replicas as asked, those holding the fewest streams in the
+gateway's view (the newest on a tie), leave through the drain path together: the declared
+size drops first (so the supervisor does not replace them), the gateway drains them with a
+deadline and migrates what is left by continuation to the replicas that stay, then they are
+stopped. A pool going to zero whose model no other pool serves has nowhere to continue a
+stream: it waits for its streams to end (`LAST_REPLICA_WAIT_S`) unless the request names a
+deadline. Never outside the pool's [min, max].
 
 The controller's autoscaler (controller/autoscale.py) decides; nothing here knows why.
 """
@@ -49,6 +52,11 @@ class ScaleRequest(BaseModel):
     health_timeout_s: float | None = Field(default=None, gt=0)
     ready_timeout_s: float = Field(default=30.0, gt=0)
 
+
+# A pool scaled to zero whose model nothing else serves waits this long for its streams to
+# end (under the 600 s a `unbroken scale` waits for its answer), instead of the drain
+# deadline, past which they could be continued nowhere.
+LAST_REPLICA_WAIT_S = 570.0
 
 # Memory a machine keeps free after a scale-up: the page cache that pre-warm relies on, the
 # gateway's buffers, the kernel's own.
@@ -95,18 +103,26 @@ def fits(sup: Backend, pool: str, want: int) -> tuple[int, str | None]:
     return int(room), why
 
 
-async def _victim(sup: Backend, pool: str) -> ReplicaHandle | None:
-    """The replica that costs least to retire: fewest streams in the gateway, newest on a
-    tie (its page cache and prefix cache are the coldest)."""
+async def _victims(sup: Backend, pool: str, k: int) -> list[ReplicaHandle]:
+    """The `k` replicas that cost least to retire: fewest streams in the gateway, newest on
+    a tie (their page cache and prefix cache are the coldest)."""
     live = [r for r in sup.replicas_of(pool) if r.serving]
-    if not live:
-        return None
     try:
         inflight = {e["name"]: int(e.get("inflight", 0)) for e in await sup.admin.endpoints()}
     except AdminError:
         inflight = {}
     order = {r.name: i for i, r in enumerate(live)}  # replicas_of is oldest first
-    return min(live, key=lambda r: (inflight.get(r.name, 0), -order[r.name]))
+    return sorted(live, key=lambda r: (inflight.get(r.name, 0), -order[r.name]))[:k]
+
+
+def _served_elsewhere(sup: Backend, pool: str, model: str) -> bool:
+    """Does a serving replica of another pool serve `model` (a continuation target)?"""
+    return any(
+        p.name != pool
+        and p.model_of(sup.spec) == model
+        and any(r.serving for r in sup.replicas_of(p.name))
+        for p in sup.spec.pools
+    )
 
 
 async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict[str, Any]:
@@ -151,11 +167,26 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
             if req.drain_deadline_s is not None
             else pool.scaling.drain_deadline_s
         )
-        old = await _victim(sup, pool.name)
-        if old is None:
-            sup.set_pool(pool.model_copy(update={"replicas": before - 1}))
-        else:
-            sup.set_pool(pool.model_copy(update={"replicas": before - 1}))
+        model = pool.model_of(sup.spec)
+        if (
+            req.replicas == 0
+            and req.drain_deadline_s is None
+            and not _served_elsewhere(sup, pool.name, model)
+        ):
+            # Nothing else serves this model: a stream left at the deadline could be
+            # continued nowhere and would be cut. Its streams are waited for instead.
+            deadline = LAST_REPLICA_WAIT_S
+            await say(
+                "waiting",
+                reason=f"no other pool serves {model}: its streams end first",
+                deadline_s=deadline,
+            )
+        victims = await _victims(sup, pool.name, before - req.replicas)
+        # The declared size first, so the supervisor does not replace what leaves; then every
+        # leaving replica drains at once, so none is chosen to continue another's streams.
+        sup.set_pool(pool.model_copy(update={"replicas": req.replicas}))
+
+        async def retire(old: ReplicaHandle) -> None:
             t0 = time.monotonic()
             try:
                 await _retire(sup, old, deadline)
@@ -170,6 +201,8 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
             await say(
                 "removed", old=old.name, drain_s=round(time.monotonic() - t0, 3), exit_code=code
             )
+
+        await asyncio.gather(*(retire(v) for v in victims))
     now = find_pool(sup, pool.name)
     summary = {
         "ok": not errors,

@@ -463,6 +463,12 @@ def scale_cli(pool: str, replicas: int, *, console: Console) -> int:
     if not res.get("ok"):
         console.print(f"[red]error:[/red] {escape('; '.join(res.get('errors') or []))}")
         return 1
+    if res.get("replicas") != replicas:
+        console.print(
+            f"[red]error:[/red] pool {escape(pool)} has {res.get('replicas')} replica(s), "
+            f"not the {replicas} asked for"
+        )
+        return 1
     return 0
 
 
