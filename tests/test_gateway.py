@@ -393,6 +393,7 @@ def test_admin_api(shared_gateway: tuple[Proc, Proc, Proc], tmp_path: Path) -> N
         assert admin(g, "GET", "/admin/endpoints/c").status_code == 404
         status = admin(g, "GET", "/admin/status").json()
         assert {"endpoints", "queue", "routes"} <= set(status)
+        assert status["routing"] == "prefix"  # the default policy, by name
     finally:
         c.stop()
 

@@ -188,6 +188,7 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
                 "endpoints": [dump(e) for e in pool.endpoints.values()],
                 "queue": gw.admission.queue_depth(),
                 "routes": {p: pool.pools_for(p) for p in PRIORITIES},
+                "routing": gw.cfg.routing,  # the policy by name (docs/gateway.md, "Routing")
                 **gw.process_status(),
             }
         )

@@ -8,17 +8,13 @@ load trade off continuously. What a candidate holds:
 - **Prefix** (`PrefixIndex`): the leading blocks of this prompt that were routed there, by
   any worker of this gateway (the index's table is shared by them, `_prefix_table.py`).
 - **Session**: a request with a session key (the `session_header`, else the body's
-  `prompt_cache_key`, else its `user`) has a home: the candidate with the highest
-  rendezvous hash of (key, endpoint). Under `session` the home is chosen outright while it
-  has room (in flight under the bound `mean x (1 + balance_rel) + session_slack`, counting
-  this request, no request queued in its engine, its KV cache under `session_kv_room` full,
-  its step not late), else the key's next rendezvous choice with room, and so on:
-  consistent hashing with bounded loads (Mirrokni et al.), so a conversation stays on one
-  replica and an overflow always lands on the same second one. Under `prefix` the home is
-  only credited with the prompt's first `session_blocks` blocks, a prior. Rendezvous
-  hashing is consistent: adding or removing a replica moves only the sessions whose home
-  it is, and every gateway worker and replica computes the same home without sharing
-  state.
+  `prompt_cache_key`, else its `user`) credits its whole prompt (`session`; under `prefix`
+  its first `session_blocks` blocks, a prior) to the key's home: the candidate with the
+  highest rendezvous hash of (key, endpoint), while it has room (in flight under the bound
+  `mean x (1 + balance_rel) + session_slack`, counting this request; no request queued in
+  its engine; its KV cache under `session_kv_room` full). Rendezvous hashing is
+  consistent: adding or removing a replica moves only the sessions whose home it is, and
+  every gateway worker and replica computes the same home without sharing state.
 - **A new prefix** (no candidate holds any of it, no session): its first block's home gets
   credit for its first `home_blocks` blocks, a small prior that breaks near-ties the same
   way in every worker and gateway replica, so the first requests of a new system prompt
@@ -74,6 +70,11 @@ class AffinitySettings:
     # concurrency a home with a stream open is not "full" (without it, one stream of three
     # replicas made every home full), and at high concurrency the bound is the share.
     session_slack: float = 1.0
+    # `session`: a home with room is chosen while its expected first token (queue, decode
+    # and the prefill of what it does not hold) is within this many times the soonest
+    # candidate's, however loads compare: `(load + 1) x expected` alone sent short turns
+    # from a home with one more stream than its neighbours elsewhere. None: cost decides.
+    session_time_ratio: float | None = 1.5
 
 
 _M64 = (1 << 64) - 1
@@ -142,6 +143,7 @@ class CacheAware(LatencyAware):
             held = [k * bc for k in found]
         else:
             held = [0] * n
+        home_i: int | None = None
         if self.a.use_session and hint.session:
             # A header's undecodable bytes arrive as surrogates: hash the bytes as sent.
             h = home(hint.session.encode("utf-8", "surrogateescape"), candidates)
@@ -157,7 +159,7 @@ class CacheAware(LatencyAware):
                 and h.waiting <= 0
                 and h.kv_usage < self.a.session_kv_room
             ):
-                i = candidates.index(h)
+                i = home_i = candidates.index(h)
                 sb = self.a.session_blocks
                 credit = hint.chars if sb is None else min(hint.chars, sb * bc)
                 held[i] = max(held[i], credit)  # the conversation lives there
@@ -171,6 +173,8 @@ class CacheAware(LatencyAware):
             for i, e in enumerate(candidates):
                 if held[i] and e.load > limit:
                     held[i] = 0
+        # The session's home, where it still has credit (`_best` may choose it outright).
+        hint.home = candidates[home_i] if home_i is not None and held[home_i] else None
         return held
 
     def _session_bound(self, candidates: Sequence[Endpoint]) -> float:
@@ -180,29 +184,6 @@ class CacheAware(LatencyAware):
         mean = (sum(e.inflight for e in candidates) + 1) / len(candidates)
         return mean * (1.0 + self.a.balance_rel) + self.a.session_slack
 
-    def _session_home(
-        self, candidates: Sequence[Endpoint], request: PickRequest, now: float
-    ) -> Endpoint | None:
-        """`session`: the key's first rendezvous choice with room (module doc); None without
-        a key, under `prefix`, or when none has room (then cost decides)."""
-        hint = request.hint
-        if hint is None or not hint.session or not self.a.use_session:
-            return None
-        if self.a.session_blocks is not None:
-            return None
-        k = zlib.crc32(hint.session.encode("utf-8", "surrogateescape"))
-        bound = self._session_bound(candidates)
-        ranked = sorted(candidates, key=lambda e: _weight(k, e.name), reverse=True)
-        for e in ranked:
-            if (
-                e.inflight < bound
-                and e.waiting <= 0
-                and e.kv_usage < self.a.session_kv_room
-                and e.latency.late(now, self.s) <= 1.0
-            ):
-                return e
-        return None
-
     def _best(
         self,
         candidates: Sequence[Endpoint],
@@ -210,11 +191,29 @@ class CacheAware(LatencyAware):
         prior: float | None,
         request: PickRequest,
     ) -> tuple[Endpoint | None, float | None, float]:
-        e = self._session_home(candidates, request, now)
-        if e is None:
+        """`session`: the key's home while it has room and expects a first token within
+        `session_time_ratio` x the soonest candidate's, whatever the loads (module doc);
+        otherwise, and under `prefix`, the lowest `(load + 1) x expected`."""
+        hint = request.hint
+        ratio = self.a.session_time_ratio
+        if (
+            hint is None
+            or not hint.session
+            or not self.a.use_session
+            or self.a.session_blocks is not None
+            or ratio is None
+        ):
             return super()._best(candidates, now, prior, request)
-        exp = e.latency.expected(now, prior, self.s)
-        return e, exp, (e.load + 1.0) * (exp if exp is not None else self.s.floor_s)
+        costs = self._costs(candidates, now, prior, request)
+        best_i = min(range(len(candidates)), key=lambda i: (costs[i][1], candidates[i]._rr))
+        held = hint.home  # the home `_held` credited (None: no home with room)
+        if held is not None and held is not candidates[best_i]:
+            hi = candidates.index(held)
+            t_home, t_best = costs[hi][0], costs[best_i][0]
+            if t_home is not None and t_best is not None and t_home <= ratio * t_best:
+                best_i = hi
+        exp, key = costs[best_i]
+        return candidates[best_i], exp, key
 
     def _costs(
         self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest
