@@ -12,9 +12,13 @@ load trade off continuously. What a candidate holds:
   its first `session_blocks` blocks, a prior) to the key's home: the candidate with the
   highest rendezvous hash of (key, endpoint), while it has room (in flight under the bound
   `mean x (1 + balance_rel) + session_slack`, counting this request; no request queued in
-  its engine; its KV cache under `session_kv_room` full). Rendezvous hashing is
-  consistent: adding or removing a replica moves only the sessions whose home it is, and
-  every gateway worker and replica computes the same home without sharing state.
+  its engine; its KV cache under `session_kv_room` full). Under `session` such a home is
+  chosen while its expected first token is within `session_time_ratio` x the soonest
+  candidate's, however the loads compare (the score's `(load + 1)` factor alone sent short
+  turns away from a home with a stream or two more than its neighbours). Rendezvous
+  hashing is consistent: adding or removing a replica moves only the sessions whose home
+  it is, and every gateway worker and replica computes the same home without sharing
+  state.
 - **A new prefix** (no candidate holds any of it, no session): its first block's home gets
   credit for its first `home_blocks` blocks, a small prior that breaks near-ties the same
   way in every worker and gateway replica, so the first requests of a new system prompt
