@@ -475,35 +475,8 @@ def test_kv_events_of_vllm_and_the_simulator_have_one_shape(
     prompts = [
         shared + " " + " ".join(f"question {k} part{i} asks" for i in range(20)) for k in (1, 2)
     ]
-    real = _kv_run(s.b.url, s.b.kv_events_port, prompts)
-    port = free_port()
-    cfg = orjson.dumps(
-        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    ).decode()
-    e = engine(tmp_path_factory.mktemp("kv-sim"), "--model", MODEL, "--kv-events-config", cfg)
-    try:
-        sim = _kv_run(e.url, port, prompts)
-    finally:
-        e.stop()
-    shapes = {}
-    for name, batches in (("vllm", real), ("simulator", sim)):
-        assert batches, f"{name}: no KV events"
-        seqs = [seq for seq, _ in batches]
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), (name, seqs)  # no gap
-        stored = _stored(batches)
-        assert len(stored) >= 2, (name, stored)
-        first_blocks = set(stored[0]["block_hashes"])
-        later = [ev for ev in stored[1:] if ev["parent_block_hash"] in first_blocks]
-        assert later, f"{name}: no stored block continues the shared prefix"
-        assert all(0 <= h < 2**64 for ev in stored for h in ev["block_hashes"]), name
-        assert all(
-            len(ev["token_ids"]) == ev["block_size"] * len(ev["block_hashes"]) for ev in stored
-        ), name
-        shapes[name] = {k: type(v).__name__ for k, v in stored[0].items()}
-    differ = sorted(shapes["vllm"].items() ^ shapes["simulator"].items())
-    assert shapes["simulator"] == shapes["vllm"], differ
-    payloads = "\n".join(p.hex() for _, p in sim)
-    r = subprocess.run(
+    # vLLM's own decoder, started first: its import (~9 s) overlaps the requests below.
+    decoder = subprocess.Popen(
         [
             str(vllm_venv / "bin" / "python"),
             "-c",
@@ -513,15 +486,47 @@ def test_kv_events_of_vllm_and_the_simulator_have_one_shape(
             "n = [type(d.decode(bytes.fromhex(l))).__name__ for l in sys.stdin.read().split()]\n"
             "print(len(n), set(n))",
         ],
-        input=payloads,
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"},
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert last == f"{len(sim)} {{'KVEventBatch'}}", r.stdout
+    try:
+        real = _kv_run(s.b.url, s.b.kv_events_port, prompts)
+        port = free_port()
+        cfg = orjson.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+        ).decode()
+        e = engine(tmp_path_factory.mktemp("kv-sim"), "--model", MODEL, "--kv-events-config", cfg)
+        try:
+            sim = _kv_run(e.url, port, prompts)
+        finally:
+            e.stop()
+        shapes = {}
+        for name, batches in (("vllm", real), ("simulator", sim)):
+            assert batches, f"{name}: no KV events"
+            seqs = [seq for seq, _ in batches]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), (name, seqs)  # no gap
+            stored = _stored(batches)
+            assert len(stored) >= 2, (name, stored)
+            first_blocks = set(stored[0]["block_hashes"])
+            later = [ev for ev in stored[1:] if ev["parent_block_hash"] in first_blocks]
+            assert later, f"{name}: no stored block continues the shared prefix"
+            assert all(0 <= h < 2**64 for ev in stored for h in ev["block_hashes"]), name
+            assert all(
+                len(ev["token_ids"]) == ev["block_size"] * len(ev["block_hashes"]) for ev in stored
+            ), name
+            shapes[name] = {k: type(v).__name__ for k, v in stored[0].items()}
+        differ = sorted(shapes["vllm"].items() ^ shapes["simulator"].items())
+        assert shapes["simulator"] == shapes["vllm"], differ
+        payloads = "\n".join(p.hex() for _, p in sim)
+        out, err = decoder.communicate(payloads, timeout=300)
+        assert decoder.returncode == 0, err[-3000:]
+        last = out.strip().splitlines()[-1]
+        assert last == f"{len(sim)} {{'KVEventBatch'}}", out
+    finally:
+        decoder.kill()  # done already unless something above failed
 
 
 # -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
