@@ -133,12 +133,15 @@ class CacheAware(LatencyAware):
         gives it to another."""
         return getattr(e.slot, "col", None) if self.index.shared else None
 
-    def _held(self, candidates: Sequence[Endpoint], request: PickRequest) -> list[int]:
-        """Per candidate, the characters of the prompt credited to it."""
+    def _held(
+        self, candidates: Sequence[Endpoint], request: PickRequest
+    ) -> tuple[list[int], int | None]:
+        """Per candidate, the characters of the prompt credited to it; and which of them is
+        the session's home, while it keeps its credit (None: no such home)."""
         hint = request.hint
         n = len(candidates)
         if hint is None:
-            return [0] * n
+            return [0] * n, None
         blocks, bc = hint.blocks, hint.block_chars
         if self.a.use_prefix:
             cached, col = self.index.cached, self._col
@@ -177,9 +180,7 @@ class CacheAware(LatencyAware):
             for i, e in enumerate(candidates):
                 if held[i] and e.load > limit:
                     held[i] = 0
-        # The session's home, where it still has credit (`_best` may choose it outright).
-        hint.home = candidates[home_i] if home_i is not None and held[home_i] else None
-        return held
+        return held, (home_i if home_i is not None and held[home_i] else None)
 
     def _session_bound(self, candidates: Sequence[Endpoint]) -> float:
         """In flight a session's home may carry: the mean with this request, with relative
@@ -201,41 +202,44 @@ class CacheAware(LatencyAware):
         hint = request.hint
         ratio = self.a.session_time_ratio
         if (
-            hint is None
+            not candidates
+            or hint is None
             or not hint.session
             or not self.a.use_session
             or self.a.session_blocks is not None
             or ratio is None
         ):
             return super()._best(candidates, now, prior, request)
-        costs = self._costs(candidates, now, prior, request)
-        best_i = min(range(len(candidates)), key=lambda i: (costs[i][1], candidates[i]._rr))
-        held = hint.home  # the home `_held` credited (None: no home with room)
-        if held is not None and held is not candidates[best_i]:
-            hi = candidates.index(held)
-            t_home, t_best = costs[hi][0], costs[best_i][0]
+        costs, home_i = self._scored(candidates, now, prior, request)
+        i = self._lowest(candidates, costs)
+        if home_i is not None and home_i != i:
+            t_home, t_best = costs[home_i][0], costs[i][0]
             if t_home is not None and t_best is not None and t_home <= ratio * t_best:
-                best_i = hi
-        exp, key = costs[best_i]
-        return candidates[best_i], exp, key
+                i = home_i
+        return candidates[i], costs[i][0], costs[i][1]
 
     def _costs(
         self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest
     ) -> list[tuple[float | None, float]]:
+        return self._scored(candidates, now, prior, request)[0]
+
+    def _scored(
+        self, candidates: Sequence[Endpoint], now: float, prior: float | None, request: PickRequest
+    ) -> tuple[list[tuple[float | None, float]], int | None]:
+        """`_costs`, and the index of the session's home with credit (`_held`)."""
         hint = request.hint
         if hint is None:
-            return super()._costs(candidates, now, prior, request)
+            return super()._costs(candidates, now, prior, request), None
         # A floor of one token: a credited candidate wins an exact tie even for a short prompt.
         per_token = self.a.prefill_s_per_token
         out: list[tuple[float | None, float]] = []
-        for e, held in zip(candidates, self._held(candidates, request), strict=True):
+        held, home_i = self._held(candidates, request)
+        for e, h in zip(candidates, held, strict=True):
             exp = e.latency.expected(now, prior, self.s)
-            uncached = (
-                max(0, hint.chars - held) + (0 if held else CHARS_PER_TOKEN)
-            ) / CHARS_PER_TOKEN
+            uncached = (max(0, hint.chars - h) + (0 if h else CHARS_PER_TOKEN)) / CHARS_PER_TOKEN
             total = (exp if exp is not None else self.s.floor_s) + uncached * per_token
             out.append((total, (e.load + 1.0) * total))
-        return out
+        return out, home_i
 
     def on_admit(self, ep: Endpoint, request: PickRequest) -> None:
         hint = request.hint

@@ -358,15 +358,16 @@ class LatencyAware:
         request: PickRequest,
     ) -> tuple[Endpoint | None, float | None, float]:
         """The candidate with the lowest key, its expected time and its key."""
-        best: Endpoint | None = None
-        best_key = (0.0, 0)
-        best_exp: float | None = None
+        if not candidates:
+            return None, None, 0.0
         costs = self._costs(candidates, now, prior, request)
-        for e, (exp, key) in zip(candidates, costs, strict=True):
-            k = (key, e._rr)
-            if best is None or k < best_key:
-                best, best_key, best_exp = e, k, exp
-        return best, best_exp, best_key[0]
+        i = self._lowest(candidates, costs)
+        return candidates[i], costs[i][0], costs[i][1]
+
+    @staticmethod
+    def _lowest(candidates: Sequence[Endpoint], costs: Sequence[tuple[float | None, float]]) -> int:
+        """Index of the lowest key; a tie goes to the candidate picked longest ago."""
+        return min(range(len(candidates)), key=lambda i: (costs[i][1], candidates[i]._rr))
 
     def _chose(self, ep: Endpoint, candidates: Sequence[Endpoint]) -> Endpoint:
         if min(candidates, key=lambda e: (e.load, e._rr)) is not ep:

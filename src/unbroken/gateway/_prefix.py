@@ -135,7 +135,7 @@ class RouteHint:
     """A request's prompt as block names, its length, and its session key, computed once per
     request; continuations of a stream carry their original's."""
 
-    __slots__ = ("block_chars", "blocks", "cached", "chars", "home", "session")
+    __slots__ = ("block_chars", "blocks", "cached", "chars", "session")
 
     def __init__(
         self, blocks: Sequence[int], chars: int, session: str | None, block_chars: int
@@ -147,7 +147,6 @@ class RouteHint:
         # Leading blocks the index credited to each candidate at the last pick (by name):
         # what the chosen one held is counted when the leg is admitted.
         self.cached: dict[str, int] = {}
-        self.home: object | None = None  # the session's home with credit at the last pick
 
 
 def prompt_text(raw: dict[str, Any], chat: bool) -> str:
