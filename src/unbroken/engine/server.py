@@ -57,6 +57,7 @@ from unbroken.wire.http import (
 from unbroken.wire.openai import (
     ChatRequest,
     CompletionRequest,
+    lax_bool,
     parse_request,
     validation_message,
 )
@@ -1021,17 +1022,15 @@ async def serve(cfg: EngineConfig) -> None:
 
 
 def _query_bool(request: web.Request, name: str) -> bool:
-    """A FastAPI `bool` query parameter: true/false, 1/0, yes/no, on/off; else a 400 (vLLM:
-    422) naming it."""
+    """A FastAPI `bool` query parameter (absent: false), read as pydantic's lax mode reads
+    one; else a 400 (vLLM: 422) naming it."""
     raw = request.query.get(name)
     if raw is None:
         return False
-    v = raw.strip().lower()
-    if v in ("true", "1", "yes", "on", "t", "y"):
-        return True
-    if v in ("false", "0", "no", "off", "f", "n"):
-        return False
-    raise ApiError(400, f"{name}: input should be a valid boolean, got {raw!r}", param=name)
+    v = lax_bool(raw)
+    if v is None:
+        raise ApiError(400, f"{name}: input should be a valid boolean, got {raw!r}", param=name)
+    return v
 
 
 def run_engine(cfg: EngineConfig) -> None:
