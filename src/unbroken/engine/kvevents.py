@@ -155,10 +155,9 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
         ok = isinstance(v, kinds[k]) and not (isinstance(v, bool) and bool not in kinds[k])
         if not ok:
             raise ValueError(f"--kv-events-config: {k} has the wrong type ({v!r})")
+    if data.get("publisher") is None:  # vLLM's __post_init__
+        data["publisher"] = "zmq" if data.get("enable_kv_cache_events") else "null"
     cfg = KVEventsConfig(**data)
-    if cfg.publisher is None:
-        data["publisher"] = "zmq" if cfg.enable_kv_cache_events else "null"
-        cfg = KVEventsConfig(**data)
     if cfg.publisher not in ("zmq", "null"):
         raise ValueError(f"--kv-events-config: unknown event publisher {cfg.publisher!r}")
     for k in ("buffer_steps", "hwm", "max_queue_size"):
