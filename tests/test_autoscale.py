@@ -319,8 +319,19 @@ def test_a_model_only_a_sleeping_pool_serves_wakes_it(up: Up) -> None:
     assert waited < 20, waited  # the wake: a decision, a pre-warmed start, readiness
     wakes = [d for d in _decisions(up) if d["endpoint"] == "sleepy" and "up to 1" in d["action"]]
     assert wakes and "waking" in wakes[0]["reason"]
+
+    def card() -> dict[str, Any]:
+        data = httpx.get(up.url + "/v1/models", timeout=10).json()["data"]
+        return next(m for m in data if m["id"] == "sleepy-model")
+
+    awake = card()
+    assert awake["max_model_len"] > 0 and awake["root"], awake  # the engine's own card
     wait_for(lambda: _pools(up)["sleepy"]["live"] == 0, timeout=60, interval=0.2,
              what=lambda: f"sleepy back to 0: {json.dumps(_pools(up))}")  # fmt: skip
+    # Asleep again, it is listed as its engine listed it (a client sizing its prompts by
+    # `max_model_len` must not see the field come and go with the autoscaler).
+    asleep = card()
+    assert {**asleep, "created": 0} == {**awake, "created": 0}, (asleep, awake)
 
 
 def test_scale_up_is_bounded_by_the_machines_memory() -> None:

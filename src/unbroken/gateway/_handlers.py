@@ -78,6 +78,9 @@ class Handlers(EngineRoutes):
     legs: Legs
     forwarder: Forwarder
     homes: ResponseHomes
+    # Each model's card as an engine last listed it (`max_model_len`, `root`, `permission`):
+    # what a sleeping pool's model is listed with until it wakes.
+    cards_seen: dict[str, dict[str, Any]]
     # Reads every ready engine's /v1/models now: the prober's (one process) or the main
     # process's through the control socket (a worker); None: no such reader.
     read_models: Callable[[], Awaitable[None]] | None = None
@@ -160,6 +163,8 @@ class Handlers(EngineRoutes):
         for data in lists:
             for m in data:
                 merged.setdefault(m["id"], m)
+        seen = self.cards_seen
+        seen.update(merged)
         now = int(time.time())
         live = {m for e in self.pool.endpoints.values() for m in e.models}
         for m in live:
@@ -168,9 +173,13 @@ class Handlers(EngineRoutes):
             )
         if merged:
             # What a sleeping pool (autoscaled to 0) serves is served too: it wakes on demand.
-            # An adapter keeps its base and path, as vLLM lists it (and as it is once awake).
+            # Its card is the one its engine last listed; never awake since this gateway
+            # started: a plain card, an adapter with its base and path as vLLM lists it.
             cards = self.cfg.adapter_cards
             for m in self.pool.known_models() - live:
+                if (last := seen.get(m)) is not None:
+                    merged[m] = {**last, "created": now}  # as its engine listed it
+                    continue
                 merged[m] = {"id": m, "object": "model", "created": now, "owned_by": "unbroken"}
                 if m in cards:
                     merged[m].update(root=cards[m]["root"], parent=cards[m]["parent"])

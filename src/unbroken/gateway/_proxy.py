@@ -61,6 +61,7 @@ class Proxy(Handlers):
         self.health = EndpointHealth(cfg, pool, metrics)
         self.tenancy = Tenancy(cfg, self.headers, metrics)
         self.homes = ResponseHomes()
+        self.cards_seen = {}
         self.legs = Legs(
             pool, admission, self.health, self.headers, self.upstream, metrics, on_release
         )
