@@ -18,6 +18,7 @@ from aiohttp import web
 
 from helpers import Proc, engine
 from unbroken.bench.load import LoadConfig, LoadRun
+from unbroken.bench.report import results_json
 from unbroken.bench.workloads import (
     EngineWatch,
     MultiTurn,
@@ -117,6 +118,15 @@ def test_metrics_parsing_and_the_spread() -> None:
     assert res["hit_rate"] == 0.5 and res["spread"] == 2.0
     assert "50.0%" in describe(res)[0] and "2.00x" in describe(res)[1]
     assert "not measured" in describe(None)[0]
+    # An engine that served nothing: said in words, and results.json stays strict JSON
+    # (Python's json writes `Infinity`, which jq and JavaScript refuse).
+    w.after["http://b"]["vllm:request_success_total"] = 0.0
+    idle = w.result()
+    assert "inf (an engine served none)" in describe(idle)[1]
+    text = results_json({"engines": idle, "nan": float("nan"), "rows": [(1.5, float("-inf"))]})
+    back = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert back["engines"]["spread"] is None and back["nan"] is None
+    assert back["rows"] == [[1.5, None]] and back["engines"]["hit_rate"] == 0.5
     # Every engine unreadable (a wrong URL): said so, not "no engine exports" the counters.
     gone = {"hit_rate": None, "cache_counters": False, "spread": None,
             "engines": {"http://a": {"error": "HTTP 404"}}}  # fmt: skip

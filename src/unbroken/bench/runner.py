@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from unbroken.bench.control import PipelineControl, Sampler
 from unbroken.bench.load import LoadConfig, LoadRun, Record, base_url, error_key
-from unbroken.bench.report import Marker, Span, fmt_ms, run_metadata, write_report
+from unbroken.bench.report import Marker, Span, fmt_ms, results_json, run_metadata, write_report
 from unbroken.bench.stats import summarize
 from unbroken.bench.workloads import EngineWatch, describe
 
@@ -364,7 +364,7 @@ async def run_bench(
         path = out / "results.json"
         raw = json.loads(path.read_text())
         raw["engines"] = engines
-        path.write_text(json.dumps(raw, default=str))
+        path.write_text(results_json(raw))
     console.print(md, markup=False, highlight=False)
     for line in engine_lines:
         console.print(line, markup=False, highlight=False)

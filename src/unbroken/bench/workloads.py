@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -405,6 +406,8 @@ def describe(res: dict[str, Any] | None) -> list[str]:
             rate = f", hit rate {e['hits'] / e['queries']:.0%}" if e["queries"] else ""
             parts.append(f"{u}: {e['requests']} requests, max {e['max_running']} running{rate}")
     s = res["spread"]
-    ratio = "n/a" if s is None else f"{s:.2f}x"
+    ratio = (
+        "n/a" if s is None else f"{s:.2f}x" if math.isfinite(s) else "inf (an engine served none)"
+    )
     lines.append(f"load spread (busiest/least-busy requests served): {ratio}; " + "; ".join(parts))
     return lines

@@ -28,6 +28,6 @@ The package, one concern per module: `metadata` (Span, Marker, run_metadata, fmt
 """
 
 from unbroken.bench.report.metadata import Marker, Span, fmt_ms, run_metadata
-from unbroken.bench.report.writer import write_report
+from unbroken.bench.report.writer import results_json, write_report
 
-__all__ = ["Marker", "Span", "fmt_ms", "run_metadata", "write_report"]
+__all__ = ["Marker", "Span", "fmt_ms", "results_json", "run_metadata", "write_report"]

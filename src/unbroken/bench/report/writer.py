@@ -6,6 +6,7 @@ metadata to this run's."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,24 @@ from unbroken.bench.report.markdown_render import markdown_html
 from unbroken.bench.report.metadata import Marker, Span, as_marker, as_span, run_metadata
 from unbroken.bench.report.plots import plots
 
-__all__ = ["write_report"]
+__all__ = ["results_json", "write_report"]
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
+
+
+def results_json(raw: Any) -> str:
+    """results.json's text: strict JSON (RFC 8259), a non-finite number as null. Python's
+    `json` writes `Infinity` and `NaN` (a spread over an engine that served nothing, a ratio
+    over an empty window), which jq, JavaScript and most JSON readers refuse."""
+    return json.dumps(_finite(raw), default=str, allow_nan=False)
 
 
 def write_report(
@@ -66,7 +84,7 @@ def write_report(
         "samples": samples,
         "records": [_compact(r) for r in records],
     }
-    (out / "results.json").write_text(json.dumps(raw, default=str))
+    (out / "results.json").write_text(results_json(raw))
     (out / "summary.md").write_text(markdown)
     images = plots(out, records, samples, span_list, marker_list)
 
