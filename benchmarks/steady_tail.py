@@ -75,6 +75,10 @@ class Result:
     # (the demo's rolling-upgrade window, right after the steady one), and their failures.
     rollout: list[float] = field(default_factory=list)
     rollout_failed: int = 0
+    # Per engine class, the window's completed requests: how many, their time per output
+    # token and end-to-end time (p50, ms), and how long the response went on after its last
+    # token (p50 / p99, ms: the usage chunk, [DONE], the end of the chunked body).
+    flow: dict[str, str] = field(default_factory=dict)
 
 
 def _role(pid: int) -> str | None:
@@ -240,9 +244,19 @@ async def _one(
     by: dict[str, list[float]] = {}
     for r in window:
         if r.ttft is not None:
-            prof = r.profile or precision.get((r.endpoint or "").rsplit("-", 1)[0], "?")
-            by.setdefault(prof, []).append(r.ttft)
+            by.setdefault(_profile(r, precision), []).append(r.ttft)
     rolled = [r for r in load.records if r0 <= r.start < r1]
+    flow: dict[str, str] = {}
+    done = [r for r in window if r.outcome == "ok" and r.ttft is not None and r.end is not None]
+    for prof in sorted({_profile(r, precision) for r in done}):
+        rs = [r for r in done if _profile(r, precision) == prof]
+        tpot = [x for r in rs if (x := r.tpot) is not None]
+        after = [r.end - r.start - r.ttft - sum(r.gaps) for r in rs]  # type: ignore[operator]
+        flow[prof] = (
+            f"{len(rs)} done, TPOT p50 {_ms(tpot, 50):.1f}, e2e p50 "
+            f"{_ms([r.e2e for r in rs if r.e2e is not None], 50):.0f}, after the last token "
+            f"p50 {_ms(after, 50):.2f} / p99 {_ms(after, 99):.2f}"
+        )
     return Result(
         target=t.name,
         round=rnd,
@@ -252,7 +266,12 @@ async def _one(
         failed=sum(1 for r in window if r.outcome not in ("ok", "pending")),
         rollout=[r.ttft for r in rolled if r.ttft is not None],
         rollout_failed=sum(1 for r in rolled if r.outcome not in ("ok", "pending")),
+        flow=flow,
     )
+
+
+def _profile(r: Any, precision: dict[str, str]) -> str:
+    return r.profile or precision.get((r.endpoint or "").rsplit("-", 1)[0], "?")
 
 
 def _ms(xs: list[float], q: float) -> float:
@@ -342,6 +361,8 @@ async def _main(args: argparse.Namespace) -> None:
                     f"  p50 {_ms(res.ttfts, 50):.1f}  p99 {_ms(res.ttfts, 99):.1f}  "
                     f"p99.9 {_ms(res.ttfts, 99.9):.1f} ms over {len(res.ttfts)}; cpu {res.cpu}"
                 )
+                for prof, line in res.flow.items():
+                    console.print(f"  {prof}: {line}")
                 results.append(res)
     results.sort(key=lambda r: (r.round, [t.name for t in targets].index(r.target)))
     print(_table(results))
