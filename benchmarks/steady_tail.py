@@ -7,7 +7,9 @@ runs only that window: the demo's spec, engines, 200 users and priority mix, a r
 (~50 s a target). Per target: TTFT p50 / p99 / p99.9 over the window (and per engine class,
 from the simulator's X-Unbroken-Profile), its ratio to the standard deployment of the same
 round, and the CPU each role used in the window (cores): the load generator (this process),
-gateway or round-robin proxy, engines, controller, agent.
+gateway or round-robin proxy, engines, controller, agent; and per engine class the window's
+completed requests with their time per output token, end-to-end time and time after the
+last token (printed after each target).
 
 Variants of unbroken (`--variant NAME:key=value,...`, spec paths under the pipeline spec,
 e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`, `w1:gateway.workers=1`; a
