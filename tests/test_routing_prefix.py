@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, engine, gateway, ready_endpoint
+from helpers import MODEL, Proc, admin, engine, gateway, ready_endpoint
 from unbroken.config.spec import GatewaySettings
 from unbroken.engine.textmodel import VOCAB
 from unbroken.gateway._affinity import AffinitySettings, CacheAware, home
 from unbroken.gateway._latency import LatencyAware, LatencySettings
 from unbroken.gateway._pool import PickRequest, Pool
 from unbroken.gateway._prefix import PrefixIndex, RouteHint, hint_of, prompt_text
-from unbroken.gateway._routing import POLICIES, RoundRobin, make_policy
+from unbroken.gateway._routing import POLICIES, PowerOfTwo, Random, RoundRobin, make_policy
 
 _ep = ready_endpoint
 
@@ -409,14 +409,48 @@ def test_slo_spill_sends_standard_work_to_a_clearly_faster_tier_and_keeps_critic
 
 
 def test_registry_and_settings() -> None:
-    assert set(POLICIES) == {"prefix", "session", "latency", "least_load", "round_robin"}
+    assert set(POLICIES) == {
+        "prefix", "session", "latency", "least_load", "power_of_two", "round_robin", "random"
+    }  # fmt: skip
     assert isinstance(make_policy(GatewaySettings()), CacheAware)  # the default
     assert isinstance(make_policy(GatewaySettings(routing="round_robin")), RoundRobin)
     with pytest.raises(ValueError, match="routing"):
         GatewaySettings(routing="nope")  # type: ignore[arg-type]
+    # The peers' names, as a user's existing configuration writes them.
+    for peer, ours in (("cache_aware", "prefix"), ("consistent_hash", "session"),
+                       ("roundrobin", "round_robin"), ("prefixaware", "prefix")):  # fmt: skip
+        assert GatewaySettings(routing=peer).routing == ours  # type: ignore[arg-type]
     rr = RoundRobin()
     a, b = _ep("a", inflight=50), _ep("b")
     assert [rr.pick([a, b], _req(None)) for _ in range(4)] == [a, b, a, b]
+
+
+@pytest.mark.parametrize(
+    ("loads", "share_of_least", "never"),
+    [
+        ((0, 5), 1.0, 5),  # two candidates: always the less loaded
+        ((0, 5, 10), 2 / 3, 10),  # the least is in 2 of the 3 pairs; the most loaded never wins
+        ((3, 3, 3, 9), None, 9),  # equal loads share; the outlier is never chosen over them
+    ],
+)
+def test_power_of_two_takes_the_less_loaded_of_two_draws(
+    loads: tuple[int, ...], share_of_least: float | None, never: int
+) -> None:
+    eps = [_ep(f"e{i}", inflight=n) for i, n in enumerate(loads)]
+    p2c = PowerOfTwo(random.Random(7))
+    picks = Counter(p2c.pick(eps, _req(None)).load for _ in range(3000))  # type: ignore[union-attr]
+    assert picks[never] == 0, picks
+    if share_of_least is not None:
+        assert abs(picks[min(loads)] / 3000 - share_of_least) < 0.04, picks
+    assert p2c.pick(eps[:1], _req(None)) is eps[0] and p2c.pick([], _req(None)) is None
+
+
+def test_random_spreads_evenly_whatever_the_load() -> None:
+    eps = [_ep("a", inflight=100), _ep("b"), _ep("c")]
+    rnd = Random(random.Random(7))
+    picks = Counter(rnd.pick(eps, _req(None)).name for _ in range(3000))  # type: ignore[union-attr]
+    assert all(abs(picks[n] / 3000 - 1 / 3) < 0.04 for n in "abc"), picks
+    assert rnd.pick([], _req(None)) is None
 
 
 # -- real processes -----------------------------------------------------------------------------
@@ -434,11 +468,13 @@ def test_conversations_and_shared_prompts_stay_put_across_two_workers(
     """Two gateway workers, two engines, fresh connections (the kernel spreads them over the
     workers): every turn of a conversation (session header) lands on one engine, and every
     request with the same long system prompt lands on one engine, though no worker saw all
-    of them: the homes are the same in every worker."""
+    of them: the homes are the same in every worker. The policy is named as vllm-router
+    names it (`cache_aware`): a user's existing flag keeps working."""
     urls = [e.url for e in two_engines]
     spread = ("--accept-pack-cpu", "0")  # both workers serve (no packing under light load)
-    g = gateway(tmp_path, *urls, args=("--workers", "2", "--routing", "prefix", *spread))
+    g = gateway(tmp_path, *urls, args=("--workers", "2", "--routing", "cache_aware", *spread))
     try:
+        assert admin(g, "GET", "/admin/status").json()["routing"] == "prefix"
         where: dict[str, set[str]] = {}
         for turn in range(4):
             for conv in range(6):

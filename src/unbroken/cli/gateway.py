@@ -82,7 +82,8 @@ def gateway(
         str | None,
         typer.Option(
             help="Routing policy: prefix (cache- and session-aware) [default], session, "
-            "latency, least_load, round_robin."
+            "latency, least_load, power_of_two, round_robin, random (vllm-router's "
+            "cache_aware and consistent_hash: prefix and session)."
         ),
     ] = None,
     max_body_bytes: Annotated[

@@ -39,6 +39,18 @@ class SpecError(ValueError):
     """A spec that cannot be used; the message names the field."""
 
 
+# Routing policies by the names of the peers users come from: vllm-router's and SGLang's
+# `--policy` (`cache_aware`, `consistent_hash`; `round_robin`, `power_of_two` and `random`
+# are ours too) and production-stack's `--routing-logic` (`roundrobin`, `prefixaware`;
+# `session` is ours).
+ROUTING_ALIASES = {
+    "cache_aware": "prefix",
+    "consistent_hash": "session",
+    "roundrobin": "round_robin",
+    "prefixaware": "prefix",
+}
+
+
 class GatewaySettings(_Spec):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
@@ -84,10 +96,14 @@ class GatewaySettings(_Spec):
         default_factory=dict, description="pool → env var holding its upstream API key"
     )
     # Routing (docs/gateway.md, "Routing"): the policy by name, and its knobs.
-    routing: Literal["prefix", "session", "latency", "least_load", "round_robin"] = Field(
+    routing: Literal[
+        "prefix", "session", "latency", "least_load", "power_of_two", "round_robin", "random"
+    ] = Field(
         default="prefix",
         description="routing policy: prefix (cache- and session-aware, the default), session, "
-        "latency, least_load, round_robin",
+        "latency, least_load, power_of_two, round_robin, random; the peers' cache_aware, "
+        "consistent_hash, roundrobin and prefixaware are read as prefix, session, round_robin "
+        "and prefix",
     )
     session_header: str = Field(
         default="x-session-id",
@@ -158,6 +174,12 @@ class GatewaySettings(_Spec):
     # Each adapter the spec declares: its base (vLLM's `parent`) and path (`root`), so that
     # /v1/models lists a sleeping pool's adapters as vLLM lists them, under their base.
     adapter_cards: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+    @field_validator("routing", mode="before")
+    @classmethod
+    def _routing_alias(cls, v: Any) -> Any:
+        """A policy by the name a user brings from a peer router (`ROUTING_ALIASES`)."""
+        return ROUTING_ALIASES.get(v, v) if isinstance(v, str) else v
 
     @field_validator("session_header")
     @classmethod

@@ -11,7 +11,14 @@ endpoint is gone). A new policy is one class, one line in `POLICIES` and its tes
 - `session`: `CacheAware` without the prefix index (session affinity only);
 - `latency`: `LatencyAware`, least load weighted by the measured expected first-token time;
 - `least_load`: `LeastLoad`, in-flight + engine queue + KV;
-- `round_robin`: `RoundRobin`, each candidate in turn (what a plain L4 balancer does).
+- `power_of_two`: `PowerOfTwo`, the less loaded of two candidates drawn at random;
+- `round_robin`: `RoundRobin`, each candidate in turn (what a plain L4 balancer does);
+- `random`: `Random`, any candidate, uniformly.
+
+The peers' names are read as ours (`config.spec.ROUTING_ALIASES`, applied by the
+settings): vllm-router's and SGLang's `cache_aware` is `prefix` and `consistent_hash` is
+`session`; production-stack's `--routing-logic` `roundrobin` and `prefixaware` are
+`round_robin` and `prefix`.
 
 Whichever is configured, the pool wraps it in `AdapterAffinity` (`_adapters.py`): a request
 for a LoRA adapter is first narrowed to the candidates that have it loaded, or else have a
@@ -21,6 +28,7 @@ free adapter slot, within a load bound; the configured policy then chooses among
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,7 +40,7 @@ if TYPE_CHECKING:
     from unbroken.config.spec import GatewaySettings
     from unbroken.gateway._prefix_table import PrefixTable
 
-__all__ = ["POLICIES", "RoundRobin", "make_policy"]
+__all__ = ["POLICIES", "PowerOfTwo", "Random", "RoundRobin", "make_policy"]
 
 
 class RoundRobin:
@@ -47,6 +55,31 @@ class RoundRobin:
         best = min(candidates, key=lambda e: e._rr)
         best._rr = next(self._tick)
         return best
+
+
+class PowerOfTwo:
+    """The less loaded (in-flight + engine queue + KV) of two candidates drawn at random
+    (vllm-router's and SGLang's `power_of_two`): near least-load's balance without every
+    worker and gateway replica herding to the same least-loaded replica between updates."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
+        a, b = self._rng.sample(candidates, 2)
+        return b if b.load < a.load else a
+
+
+class Random:
+    """Any candidate, uniformly (vllm-router's `random`): a baseline, blind to load."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
+        return self._rng.choice(candidates) if candidates else None
 
 
 def _latency(cfg: GatewaySettings) -> LatencySettings:
@@ -76,7 +109,9 @@ POLICIES: dict[str, Callable[[GatewaySettings, PrefixTable | None], RoutingPolic
     "session": lambda c, _t: CacheAware(_latency(c), _affinity(c, prefix=False)),
     "latency": lambda c, _t: LatencyAware(_latency(c)),
     "least_load": lambda _c, _t: LeastLoad(),
+    "power_of_two": lambda _c, _t: PowerOfTwo(),
     "round_robin": lambda _c, _t: RoundRobin(),
+    "random": lambda _c, _t: Random(),
 }
 
 
