@@ -476,6 +476,75 @@ def test_no_endpoints_answers_503(tmp_path: Path, path: str) -> None:
         g.stop()
 
 
+def test_a_dead_fleet_answers_503_at_once_not_a_queue_timeout(tmp_path: Path) -> None:
+    """Every engine of the model killed after it served (a review: each request waited the
+    30 s queue timeout and got 429 "at capacity", which the openai client retried to 92 s
+    and dashboards counted as load shedding): the first request waits out the grace (a
+    replica may come back within a probe or two), then 503 `no_endpoint` without naming the
+    internal endpoints; later ones at once. A replica back serves again."""
+    engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
+    g = gateway(tmp_path, *(e.url for e in engs), args=("--cap", "4"))
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    try:
+        assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        for e in engs:
+            e.signal(signal.SIGKILL)
+        wait_endpoints(g, lambda eps: not any(e["healthy"] for e in eps), timeout=30)
+        health = httpx.get(g.url + "/health", timeout=10).text
+        assert health.count(" down (/health") == 2 and " ready (" not in health, health
+        for first in (True, False):
+            t0 = time.monotonic()
+            r = httpx.post(g.url + "/v1/completions", json=body, timeout=60)
+            took = time.monotonic() - t0
+            assert r.status_code == 503, (r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "no_endpoint" and "down" in err["message"], err
+            assert "127.0.0.1" not in err["message"] and r.headers["retry-after"] == "1"
+            assert took < (6.0 if first else 1.0), took  # the queue timeout is 30 s
+        engs[0].start()  # the same port: the prober brings the endpoint back
+        wait_endpoints(g, lambda eps: any(e["healthy"] for e in eps), timeout=30)
+        assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        g.stop()
+        for e in engs:
+            e.stop()
+
+
+@pytest.mark.parametrize(
+    ("states", "starting_too", "dead"),
+    [
+        (["down", "down"], False, True),
+        (["down", "hung"], False, False),  # held out after a hang: tried again, may serve
+        (["down", "ready"], False, False),
+        (["down", "down"], True, False),  # a replica starting (a replacement, a new pod)
+        (["down", "draining"], False, True),
+    ],
+)
+def test_what_counts_as_nothing_to_serve(states: list[str], starting_too: bool, dead: bool) -> None:
+    """`Admission._unserved`, the rule behind the dead fleet's 503: only endpoints whose
+    health probes fail, or that are leaving, make a model unserved; an endpoint held out for
+    a hang is not (a request waiting for it was moved back to it in a second: answering 503
+    there broke test_routing_latency's move-back case), nor is a fleet with a replica
+    starting (its model is not known yet)."""
+    from unbroken.gateway._admission import Admission
+    from unbroken.gateway._pool import Endpoint, Pool, State
+
+    pool = Pool(default_cap=4)
+    for i, kind in enumerate(states):
+        e = Endpoint(name=f"e{i}", url=f"http://e{i}", pool="default")
+        e.models = {"m"}
+        e.set_state(State.DRAINING if kind == "draining" else State.READY)
+        e.healthy = kind == "ready"
+        e.down = kind == "down"
+        pool.add(e)
+    if starting_too:
+        pool.add(Endpoint(name="new", url="http://new", pool="default"))  # starting, no models
+    why = Admission(pool, queue_timeout=1)._unserved("m", "standard", starting=True)
+    assert (why is not None) == dead, why
+    if dead:
+        assert "e0" not in why and "http" not in why, why  # no internal names to clients
+
+
 def test_priority_from_api_key(tmp_path: Path) -> None:
     a = engine(tmp_path, name="a")
     cfg = tmp_path / "gw.json"

@@ -72,6 +72,10 @@ POLL_S = 0.005
 DEFER_S = 0.2
 # Start tags closer than this (relative) are a tie: sums of 1 / weight round differently.
 TAG_EPS = 1e-9
+# Every endpoint that serves a model down (its /health probes fail) and none starting: a
+# request waits this long after that was first seen (a replica that recovers in a probe or
+# two serves it), then the answer is 503 `no_endpoint` at once, not a queue timeout's 429.
+DEAD_GRACE_S = 3.0
 
 
 class _Slots(int):
@@ -133,6 +137,9 @@ class Admission:
         # When a pass last found no room for requests like these (model, priority, weight):
         # a deferring waiter's clock set before it is stale.
         self._full_at: dict[tuple[str, str, int], float] = {}
+        # Per (model, priority): since when nothing could serve it (`_unserved`), and when
+        # that was last seen.
+        self._dead_at: dict[tuple[str, str], tuple[float, float]] = {}
         self._excluding = 0
         self._lapse: asyncio.TimerHandle | None = None
 
@@ -184,6 +191,44 @@ class Admission:
             return False
         names = set(route)
         return not any(e.pool in names and model in e.models for e in self.pool.endpoints.values())
+
+    def _unserved(self, model: str, priority: str, *, starting: bool) -> str | None:
+        """Why nothing of `priority`'s route can serve `model` now, or None: the endpoints
+        that serve it are all down (their /health probes fail) or leaving, and, with `starting`,
+        no endpoint of the route is starting (a replacement that may serve it soon). None
+        too when no endpoint serves it at all (asleep or unknown: said elsewhere). Said to
+        clients without names or errors (the endpoints are internal; the log has them)."""
+        route = set(self.pool.pools_for(priority))
+        eps = [e for e in self.pool.endpoints.values() if e.pool in route and model in e.models]
+        # Ready and not down: in rotation, or held out after a hang (tried again soon).
+        if not eps or any(e.state == State.READY and not e.down for e in eps):
+            return None
+        if starting and any(
+            e.pool in route and e.state in (State.STARTING, State.WARMING)
+            for e in self.pool.endpoints.values()
+        ):
+            return None
+        down = sum(e.state == State.READY for e in eps)
+        parts = [f"{down} down (not answering their health checks)"] if down else []
+        if len(eps) > down:
+            parts.append(f"{len(eps) - down} draining or gone")
+        return f"its {len(eps)} replica(s) are " + " and ".join(parts)
+
+    def _dead(self, model: str, priority: str) -> None:
+        """503 when nothing has served `model` for DEAD_GRACE_S (`_unserved`): a client of
+        a dead fleet learns it at once, not after the queue timeout as "at capacity"."""
+        key = (model, priority)
+        why = self._unserved(model, priority, starting=True)
+        if why is None:
+            self._dead_at.pop(key, None)
+            return
+        now = time.monotonic()
+        since, seen = self._dead_at.get(key, (now, now))
+        if now - seen > 3 * DEAD_GRACE_S:
+            since = now  # not seen for a while (it may have served since): a new episode
+        self._dead_at[key] = (since, now)
+        if now - since >= DEAD_GRACE_S:
+            raise _no_endpoint(model, why, self.retry_after)
 
     def demand(self) -> dict[str, int]:
         """Per pool, the sequences this process runs on it plus the requests it queues for
@@ -312,6 +357,7 @@ class Admission:
             got = self._pick_take(model, priority, exclude, weight, hint, tenant, share)
             if isinstance(got, tuple):
                 return *got, 0.0
+        self._dead(model, priority)
         if priority == "sheddable":
             if self._asleep(model, priority):
                 # Not "at capacity" (which invites a retry): nothing will serve it until a
@@ -403,10 +449,12 @@ class Admission:
         granted = False
         try:
             self.wake()
-            ep, n = await asyncio.wait_for(asyncio.shield(w.future), self.queue_timeout)
+            ep, n = await self._wait(w, t0 + self.queue_timeout)
             granted = True
             return ep, n, time.monotonic() - t0
         except TimeoutError:
+            if (why := self._unserved(model, priority, starting=False)) is not None:
+                raise _no_endpoint(model, why, self.retry_after) from None
             raise ApiError(
                 429,
                 f"no capacity within the queue timeout ({self.queue_timeout:g} s)",
@@ -419,6 +467,23 @@ class Admission:
             elif not granted and not w.future.cancelled():
                 self.release(*w.future.result())  # a slot arrived as we were cancelled
             self._forget(w)
+
+    async def _wait(self, w: _Waiter, deadline: float) -> tuple[Endpoint, int]:
+        """A waiter's slots by `deadline` (TimeoutError past it); while nothing can serve its
+        model (`_dead`'s grace is running) it is checked again when the grace ends, so that
+        it too gets the 503 then rather than at the queue timeout."""
+        key = (w.model, w.priority)
+        while True:
+            now = time.monotonic()
+            step = deadline - now
+            if (dead := self._dead_at.get(key)) is not None:
+                step = min(step, max(0.05, dead[0] + DEAD_GRACE_S - now))
+            try:
+                return await asyncio.wait_for(asyncio.shield(w.future), max(0.0, step))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                self._dead(w.model, w.priority)
 
     def _forget(self, w: _Waiter) -> None:
         if not remove(self._heap, w):
@@ -560,3 +625,12 @@ class Admission:
             served.append(w)
         for w in served:
             self._forget(w)
+
+
+def _no_endpoint(model: str, why: str, retry_after: int) -> ApiError:
+    return ApiError(
+        503,
+        f"no endpoint can serve model {model} now: {why}",
+        code="no_endpoint",
+        headers={"Retry-After": str(retry_after)},
+    )

@@ -75,6 +75,7 @@ class EndpointState(TypedDict):
     condition_since: float
     state: str
     healthy: bool
+    down: bool
     models: list[str]
     error: str | None
     waiting: float
@@ -200,6 +201,7 @@ def endpoint_state(ep: Endpoint, now: float) -> EndpointState:
         "condition_since": ep.condition_since,
         "state": str(ep.state),
         "healthy": ep.healthy,
+        "down": ep.down,
         "models": sorted(ep.models),
         "error": ep.last_error,
         "waiting": ep.waiting,
@@ -220,6 +222,7 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
     ep.url, ep.pool, ep.cap, ep.cap_override = d["url"], d["pool"], d["cap"], d["cap_ov"]
     ep.condition, ep.condition_since = d["condition"], d["condition_since"]
     ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
+    ep.down = d.get("down", False)  # a main process of an older version sends none
     ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
     ep.adapters = d.get("adapters") or {}
     ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None

@@ -142,6 +142,9 @@ class Endpoint:
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
     healthy: bool = True
     failures: int = 0
+    # Out of rotation because its /health probes fail (unreachable, refusing): the prober's
+    # verdict, which a hang suspicion (held out, and tried again) is not.
+    down: bool = False
     last_error: str | None = None
     drain_deadline: float | None = None  # monotonic
     served: int = 0

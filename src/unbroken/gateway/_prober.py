@@ -185,6 +185,7 @@ class Prober:
             ok, err = False, f"/health: {type(e).__name__}: {e}"
         if not ok:
             ep.failures += 1
+            ep.down = ep.failures >= self.fail_threshold
             ep.last_error = err
             if ep.healthy and ep.failures >= self.fail_threshold and ep.state == State.READY:
                 ep.healthy = False
@@ -192,6 +193,7 @@ class Prober:
                 self.on_change(ep)
             return
         ep.failures = 0
+        ep.down = False
         if ep.state == State.STARTING:
             ep.set_state(State.WARMING)
             log.info("%s: stage 1 passed (/health)", ep.name)

@@ -322,7 +322,8 @@ class Gateway:
         ready = [e for e in eps if e.state == State.READY and e.healthy]
         if not ready:
             return "ok, but no endpoint is ready: " + "; ".join(
-                f"{e.name} {e.state}" + (f" ({e.last_error})" if e.last_error else "") for e in eps
+                f"{e.name} {_health_word(e)}" + (f" ({e.last_error})" if e.last_error else "")
+                for e in eps
             )
         return f"ok: {len(ready)} of {len(eps)} endpoint(s) ready"
 
@@ -481,3 +482,11 @@ def _bound_port(runner: web.AppRunner) -> int | None:
 
 # A draining process closes keep-alive connections that stayed idle this long.
 IDLE_GRACE_S = 1.0
+
+
+def _health_word(e: Endpoint) -> str:
+    """An endpoint's state as /health reports it: a ready one out of rotation is not "ready"
+    (a review read "no endpoint is ready: a ready (...)")."""
+    if e.state != State.READY:
+        return str(e.state)
+    return "down" if e.down else "out of rotation"
