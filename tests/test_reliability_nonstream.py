@@ -131,6 +131,38 @@ def test_sigstopped_engine_does_not_hold_nonstreaming_requests(tmp_path: Path) -
             p.stop()
 
 
+def test_a_long_answer_on_an_idle_engine_is_not_taken_for_a_hang(tmp_path: Path) -> None:
+    """A non-streaming request without `max_tokens` on an engine that answered only short
+    ones: its answer limit assumes 256 tokens, so ~1,400 tokens outran it. The engine was
+    busy with this very request (its `vllm:generation_tokens_total` rising at every scrape)
+    but showed the gateway nothing, so the answer was thrown away, generated again on the
+    other engine, and the first taken out of rotation as hung (a review, 2026-12-07). Now
+    the engine's rising count is a sign of life: the answer comes from where it started,
+    with no retry, and both engines stay in rotation."""
+    args = ("--max-model-len", "1400")  # a chat without max_tokens runs to the model's length
+    engs = [engine(tmp_path, *args, name=f"e{i}") for i in range(2)]
+    g = gateway(tmp_path, *(e.url for e in engs), args=_config(tmp_path, ttfb_min_s=0.5))
+    try:
+        for i in range(4):  # short answers: the limit's samples (~ms each)
+            r, _ = _complete(g, f"short {i}")
+            assert r.status_code == 200, r.text
+        t0 = time.monotonic()
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "long"}]}
+        r = httpx.post(g.url + "/v1/chat/completions", json=chat, timeout=120)
+        took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] > 1000, r.json()["usage"]
+        try:
+            retries = metric(g.url, "unbroken_gateway_retries_total")
+        except KeyError:
+            retries = 0.0  # no retry of any reason: no series yet
+        eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+        assert retries == 0 and all(e["healthy"] for e in eps), (retries, took, eps)
+    finally:
+        for p in (g, *engs):
+            p.stop()
+
+
 def test_engine_hanging_real_requests_is_routed_around_and_held_out(tmp_path: Path) -> None:
     """An engine that answers /health, /v1/models and the warm-up but hangs real requests,
     beside a real one: 10 of 10 parallel non-streaming requests hung until the client gave

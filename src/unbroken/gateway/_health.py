@@ -203,13 +203,24 @@ class EndpointHealth:
             def decide(now: float) -> float | None:
                 if now >= end:
                     return None
-                if self.alive(ep) or not self.pool.could_serve(model, priority, [*exclude, ep]):
+                if self.working(ep) or not self.pool.could_serve(model, priority, [*exclude, ep]):
                     return min(end, now + self.answer_limit(ep, tokens))
                 return None
 
             return decide
 
         return rule
+
+    def working(self, ep: Endpoint) -> bool:
+        """`alive`, or its engine's generated-token count rose at one of the last two
+        scrapes: what a long non-streaming answer on an otherwise idle engine shows. Without
+        it such an answer past its limit was taken for a hang, its work thrown away and the
+        engine taken out of rotation (a review, 2026-12-07). Only for answers and request
+        timeouts: a scrape is up to a probe interval old, and a stream's first byte or stall
+        has its own events to go by (an engine stopped a second ago must not look busy)."""
+        if time.monotonic() - ep.progress_at < max(_ALIVE_S, 2.5 * self.cfg.probe_interval_s):
+            return True
+        return self.alive(ep)
 
     def alive(self, ep: Endpoint) -> bool:
         """Did any stream of `ep` get an event, or a request an answer, in the last
@@ -322,14 +333,15 @@ class EndpointHealth:
         if kind in ("connect", "reset"):
             # Out of rotation until its next health check passes.
             ep.healthy = False
-        elif kind in ("ttfb", "stall", "timeout", "answer") and self.alive(ep):
+        elif kind in ("ttfb", "stall", "timeout", "answer") and (
+            self.working(ep) if kind in ("timeout", "answer") else self.alive(ep)
+        ):
             log.warning(
-                "upstream %s slow (%s: %s), not hung: its other streams got events within "
-                "%.0f s; it stays in rotation",
+                "upstream %s slow (%s: %s), not hung: its streams got events, or its engine "
+                "generated tokens, within the last seconds; it stays in rotation",
                 ep.name,
                 kind,
                 detail,
-                _ALIVE_S,
             )
             return
         elif self.on_hang is not None and (

@@ -81,6 +81,7 @@ class EndpointState(TypedDict):
     waiting: float
     running: float
     kv: float
+    progress_at: float
     adapters: dict[str, str]  # adapter affinity (`_adapters`) needs what the prober learned
     lora: dict[str, Any] | None
     warmup_s: float | None  # seeds the learned non-streaming answer limit
@@ -207,6 +208,7 @@ def endpoint_state(ep: Endpoint, now: float) -> EndpointState:
         "waiting": ep.waiting,
         "running": ep.running,
         "kv": ep.kv_usage,
+        "progress_at": ep.progress_at,
         "adapters": ep.adapters,
         "lora": None if ep.lora is None else ep.lora.as_dict(),
         "warmup_s": ep.warmup_s,
@@ -224,6 +226,7 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
     ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
     ep.down = d.get("down", False)  # a main process of an older version sends none
     ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
+    ep.progress_at = d.get("progress_at", 0.0)
     ep.adapters = d.get("adapters") or {}
     ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None
     ep.warmup_s = d.get("warmup_s")

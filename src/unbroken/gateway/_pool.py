@@ -140,6 +140,10 @@ class Endpoint:
     waiting: float = 0.0  # scraped vllm:num_requests_waiting
     running: float = 0.0  # scraped vllm:num_requests_running
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
+    # Scraped vllm:generation_tokens_total (-1: not read yet), and when (time.monotonic) a
+    # scrape last found it risen: the engine made progress, whatever the gateway sees.
+    generated: float = -1.0
+    progress_at: float = 0.0
     healthy: bool = True
     failures: int = 0
     # Out of rotation because its /health probes fail (unreachable, refusing): the prober's

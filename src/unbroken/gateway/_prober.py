@@ -61,6 +61,11 @@ class _Hold:
         return hold
 
 
+# Counted per engine step by vLLM (and the simulator): rising, the engine makes progress,
+# though a non-streaming answer shows the gateway nothing until it is whole
+# (`Endpoint.progress_at`, `_health.EndpointHealth.alive`).
+GENERATED = "vllm:generation_tokens_total"
+
 # The series the prober reads, asked for by name (`wire.metrics.FilteredReads`): an engine
 # that honours the filter (the simulator) renders these instead of its whole page (~40 KB,
 # ~6 ms of its process here, against ~1 ms). vLLM 0.32 ignores the query and sends the whole
@@ -71,15 +76,18 @@ METRICS_PATH = filtered_path(
         "vllm:num_requests_running",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",
+        GENERATED,
         LORA_METRIC,
     )
 )
 
 
-def parse_load(text: str) -> tuple[float, float, float]:
-    """(waiting, running, kv_usage) from a vLLM /metrics page; sums over label sets."""
+def parse_load(text: str) -> tuple[float, float, float, float | None]:
+    """(waiting, running, kv_usage, tokens generated so far or None) from a vLLM /metrics
+    page; sums over label sets."""
     waiting = running = 0.0
     kv = 0.0
+    generated: float | None = None
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -97,7 +105,9 @@ def parse_load(text: str) -> tuple[float, float, float]:
             running += value
         elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
             kv = max(kv, value)
-    return waiting, running, kv
+        elif name == GENERATED:
+            generated = (generated or 0.0) + value
+    return waiting, running, kv, generated
 
 
 class Prober:
@@ -286,7 +296,11 @@ class Prober:
             return
         if text is None:
             return
-        ep.waiting, ep.running, ep.kv_usage = parse_load(text)
+        ep.waiting, ep.running, ep.kv_usage, generated = parse_load(text)
+        if generated is not None:
+            if generated > ep.generated and ep.generated >= 0:
+                ep.progress_at = time.monotonic()
+            ep.generated = generated
         ep.lora = parse_lora_info(text)
         if ep.lora is not None:
             await self._refresh_models(ep)
