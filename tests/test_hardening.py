@@ -10,6 +10,8 @@ import asyncio
 import gzip
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -221,6 +223,48 @@ def test_no_server_version_header(shared_gateway: tuple[Proc, Proc, Proc]) -> No
 
 
 # -- headers --------------------------------------------------------------------------------
+
+
+class KeyedRecorder(Recorder):
+    """A stand-in that, as vLLM with `--api-key`, answers 401 on /v1 without its key."""
+
+    KEY = "engine-secret"
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {self.KEY}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await super()._models(request)
+
+
+def test_engines_behind_an_api_key_need_the_flag_and_say_so(logdir: Path) -> None:
+    """A review as a vllm-router user: engines run with vLLM's `--api-key` never became
+    ready behind `unbroken gateway` (the client's Authorization is not forwarded, and the
+    key could only be given in a config file), the log repeating "/v1/models answered 401".
+    Now the log says what to do, and `--upstream-key-env VAR` gives every pool the key."""
+    import os
+
+    eng = KeyedRecorder()
+    os.environ["HARDENING_FLAG_KEY"] = KeyedRecorder.KEY
+    bare = gateway(logdir, eng.url, wait_ready=0, name="gw-nokey")
+    keyed = gateway(logdir, eng.url, args=("--upstream-key-env", "HARDENING_FLAG_KEY"))
+    try:
+        r = httpx.post(keyed.url + "/v1/completions", json={"model": MODEL, "prompt": "k"})
+        assert r.status_code == 200, r.text
+        h = {k.lower(): v for k, v in eng.seen[-1]["headers"].items()}
+        assert h["authorization"] == f"Bearer {KeyedRecorder.KEY}"
+        wait_for(lambda: "--upstream-key-env" in bare.tail(), timeout=15, what=bare.tail)
+        assert "answered 401: the engine wants an API key" in bare.tail()
+        for bad in ("=VAR", "pool=", "pool=1BAD"):
+            out = subprocess.run(
+                [sys.executable, "-m", "unbroken", "gateway", "--upstream-key-env", bad],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert out.returncode == 2 and "expected [POOL=]VAR" in out.stderr, out.stderr
+    finally:
+        bare.stop()
+        keyed.stop()
+        eng.close()
+        os.environ.pop("HARDENING_FLAG_KEY", None)
 
 
 def test_upstream_headers_rebuilt(recorded: tuple[Proc, Recorder, Recorder]) -> None:

@@ -3,6 +3,7 @@ discovery), then `run_gateway`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -86,6 +87,14 @@ def gateway(
             "cache_aware and consistent_hash: prefix and session)."
         ),
     ] = None,
+    upstream_key_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="[POOL=]VAR: the engines' API key (vLLM --api-key) is in environment "
+            "variable VAR, sent as their Bearer token (the client's own Authorization is "
+            "never forwarded); without POOL, for every pool without its own. Repeatable.",
+        ),
+    ] = None,
     max_body_bytes: Annotated[
         int | None,
         typer.Option(
@@ -119,6 +128,7 @@ def gateway(
         "default_cap": cap,
         "queue_timeout_s": queue_timeout,
         "routing": routing,
+        "upstream_key_env": None if not upstream_key_env else _key_envs(upstream_key_env),
         "max_body_bytes": max_body_bytes,
         "accept_pack_cpu": accept_pack_cpu,
     }
@@ -150,3 +160,15 @@ def gateway(
         if (msg := bind_error(e)) is None:
             raise
         fail(msg)
+
+
+def _key_envs(items: list[str]) -> dict[str, str]:
+    """`--upstream-key-env [POOL=]VAR` as `upstream_key_env` (`*`: every other pool)."""
+    out: dict[str, str] = {}
+    for item in items:
+        pool, sep, var = item.rpartition("=")
+        pool = pool if sep else "*"
+        if not var or not pool or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+            fail(f"--upstream-key-env {item!r}: expected [POOL=]VAR, VAR an environment variable")
+        out[pool] = var
+    return out

@@ -93,7 +93,9 @@ class GatewaySettings(_Spec):
         default=True, description="send X-Unbroken-Endpoint (names internal endpoints)"
     )
     upstream_key_env: dict[str, str] = Field(
-        default_factory=dict, description="pool → env var holding its upstream API key"
+        default_factory=dict,
+        description="pool → env var holding its engines' API key (vLLM --api-key); `*`: "
+        "every pool without its own",
     )
     # Routing (docs/gateway.md, "Routing"): the policy by name, and its knobs.
     routing: Literal[

@@ -77,7 +77,7 @@ class Headers:
 
     def upstream(self, base: dict[str, str], ep: Endpoint) -> dict[str, str]:
         """`base` plus the credential of `ep`'s pool, if it has one."""
-        key = self.pool_keys.get(ep.pool)
+        key = self.pool_keys.get(ep.pool) or self.pool_keys.get("*")
         return {**base, "Authorization": f"Bearer {key}"} if key else base
 
     def response(self, base: dict[str, str], ep: Endpoint | None) -> dict[str, str]:

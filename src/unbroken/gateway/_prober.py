@@ -231,6 +231,12 @@ class Prober:
 
     async def _models(self, ep: Endpoint) -> None:
         status, body = await self._get(ep, "/v1/models", 5.0)
+        if status in (401, 403):
+            raise RuntimeError(
+                f"/v1/models answered {status}: the engine wants an API key (vLLM --api-key); "
+                "give it with --upstream-key-env VAR or `upstream_key_env` (the client's "
+                "Authorization is never forwarded)"
+            )
         if status != 200:
             raise RuntimeError(f"/v1/models answered {status}")
         data = orjson.loads(body).get("data", [])
