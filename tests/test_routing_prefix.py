@@ -305,8 +305,10 @@ def test_prompt_cache_key_names_a_session_after_the_header_and_before_user() -> 
     """OpenAI's client recommends `prompt_cache_key` in place of `user` "to maintain caching
     optimizations"; a client following it must keep its affinity."""
 
-    def session(raw: dict[str, object], header: str | None = None) -> str | None:
-        return hint_of(raw, True, "m", block_chars=64, session=header).session
+    def session(
+        raw: dict[str, object], header: str | None = None, user: str | None = None
+    ) -> str | None:
+        return hint_of(raw, True, "m", block_chars=64, session=header, user_header=user).session
 
     msgs = [{"role": "user", "content": "hi"}]
     assert session({"messages": msgs, "prompt_cache_key": "k", "user": "u"}) == "k"
@@ -314,6 +316,10 @@ def test_prompt_cache_key_names_a_session_after_the_header_and_before_user() -> 
     assert session({"messages": msgs, "prompt_cache_key": "k"}, header="h") == "h"
     assert session({"messages": msgs, "prompt_cache_key": 5, "user": "u"}) == "u"
     assert session({"messages": msgs, "prompt_cache_key": ""}) is None
+    # vllm-router's X-User-ID: after everything the body names.
+    assert session({"messages": msgs}, user="x") == "x"
+    assert session({"messages": msgs, "user": "u"}, user="x") == "u"
+    assert session({"messages": msgs}, header="h", user="x") == "h"
 
 
 def test_tools_and_media_name_blocks_as_the_engine_keys_them() -> None:
@@ -483,11 +489,13 @@ def test_conversations_and_shared_prompts_stay_put_across_two_workers(
                     "messages": [{"role": "user", "content": f"conversation {conv} turn {turn}"}],
                     "max_tokens": 3,
                 }
+                # Half name their conversation as vllm-router's users do (X-User-ID).
+                key = "x-session-id" if conv % 2 else "X-User-ID"
                 with httpx.Client(timeout=30) as c:
                     r = c.post(
                         g.url + "/v1/chat/completions",
                         json=body,
-                        headers={"x-session-id": f"conv-{conv}"},
+                        headers={key: f"conv-{conv}"},
                     )
                 assert r.status_code == 200, r.text
                 where.setdefault(f"conv-{conv}", set()).add(r.headers["x-unbroken-endpoint"])

@@ -110,7 +110,7 @@ class GatewaySettings(_Spec):
     session_header: str = Field(
         default="x-session-id",
         description="header naming a conversation (else the body's `prompt_cache_key`, else "
-        "its `user`): session affinity",
+        "its `user`, else an `X-User-ID` header): session affinity",
     )
     ttft_target_ms: dict[Priority, Annotated[float, Field(gt=0)] | None] = Field(
         default_factory=dict,

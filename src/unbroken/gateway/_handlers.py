@@ -589,6 +589,7 @@ class Handlers(EngineRoutes):
             model,
             block_chars=self.cfg.prefix_block_chars,
             session=request.headers.get(self.cfg.session_header) or None,
+            user_header=request.headers.get("x-user-id") or None,
         )
 
 

@@ -265,9 +265,12 @@ def hint_of(
     *,
     block_chars: int,
     session: str | None,
+    user_header: str | None = None,
 ) -> RouteHint:
     """Block names of `raw`'s prompt (the model's name is the root: models never share;
-    a `cache_salt` is folded into it, as vLLM keys a salted prompt's first block by it)."""
+    a `cache_salt` is folded into it, as vLLM keys a salted prompt's first block by it).
+    The session: `session` (the session header's), else the body's (`session_of`), else
+    `user_header` (an `X-User-ID`, vllm-router's second key)."""
     data = prompt_text(raw, chat).encode()
     root = zlib.crc32(model.encode())
     salt = raw.get("cache_salt")
@@ -275,7 +278,7 @@ def hint_of(
         root = zlib.crc32(b"\x00cache_salt\x00" + salt.encode("utf-8", "surrogateescape"), root)
     blocks = BlockNames(data, root, block_chars)
     if session is None:
-        session = session_of(raw)
+        session = session_of(raw) or user_header
     return RouteHint(blocks, len(data), session, block_chars)
 
 
