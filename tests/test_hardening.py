@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -265,6 +266,29 @@ def test_engines_behind_an_api_key_need_the_flag_and_say_so(logdir: Path) -> Non
         keyed.stop()
         eng.close()
         os.environ.pop("HARDENING_FLAG_KEY", None)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://a:1,http://b:2", "one URL per --endpoint"),  # vllm-router's list habit
+        ("http://h:8101/v1", "without /v1 (the gateway adds the API paths): http://h:8101"),
+        ("http://h:99999", "not a URL"),
+        ("http://:80", "expected [POOL=]http(s)://HOST:PORT"),
+        ("h:8101", "expected [POOL=]http(s)://HOST:PORT"),
+        ("http://h:1?x=1", "no query"),
+    ],
+)
+def test_an_endpoint_url_that_cannot_work_is_refused_at_start(url: str, says: str) -> None:
+    """A review: `--endpoint http://a:1,http://b:2` and `.../v1` were taken and the endpoint
+    stayed "starting" for ever, its probe failing each second. Refused in one line now; a
+    path prefix (an engine behind a proxy) is kept."""
+    from unbroken.gateway.config import static_endpoints
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        static_endpoints([url])
+    (ok,) = static_endpoints(["fb=http://h:1/proxy/a/"])
+    assert (ok.url, ok.pool) == ("http://h:1/proxy/a", "fb")
 
 
 def test_upstream_headers_rebuilt(recorded: tuple[Proc, Recorder, Recorder]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -180,8 +180,18 @@ class GatewaySettings(_Spec):
     @field_validator("routing", mode="before")
     @classmethod
     def _routing_alias(cls, v: Any) -> Any:
-        """A policy by the name a user brings from a peer router (`ROUTING_ALIASES`)."""
-        return ROUTING_ALIASES.get(v, v) if isinstance(v, str) else v
+        """A policy by the name a user brings from a peer router (`ROUTING_ALIASES`); an
+        unknown name is refused with ours and theirs listed."""
+        if not isinstance(v, str):
+            return v
+        ours = get_args(cls.model_fields["routing"].annotation)
+        if v not in ours and v not in ROUTING_ALIASES:
+            raise ValueError(
+                f"unknown routing policy {v!r}: one of {', '.join(ours)} (also the peers' "
+                + ", ".join(f"{k} = {a}" for k, a in ROUTING_ALIASES.items())
+                + ")"
+            )
+        return ROUTING_ALIASES.get(v, v)
 
     @field_validator("session_header")
     @classmethod

@@ -28,6 +28,28 @@ class Launch:
     load: Callable[[], GatewayConfig]  # the settings on disk now (SIGHUP reload)
 
 
+def _bad_url(url: str) -> str | None:
+    """Why an engine URL cannot work, caught at start (a review: such URLs were taken and
+    the endpoint stayed "starting" for ever, logging the probe's failure each second)."""
+    from urllib.parse import urlsplit
+
+    if "," in url or any(c.isspace() for c in url):
+        return "one URL per --endpoint (repeat the flag for each engine)"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  # raises on a port that is not a number in range
+    except ValueError as e:
+        return f"not a URL: {e}"
+    if not parts.hostname:
+        return "expected [POOL=]http(s)://HOST:PORT"
+    if parts.query or parts.fragment:
+        return "the engine's base URL takes no query or fragment"
+    if parts.path.rstrip("/").endswith("/v1"):
+        base = url[: url.rstrip("/").rfind("/v1")]
+        return f"the engine's base URL, without /v1 (the gateway adds the API paths): {base}"
+    return None
+
+
 def static_endpoints(items: Sequence[str]) -> list[StaticEndpoint]:
     """`--endpoint [POOL=]URL` values as endpoints (pool `default` when not named)."""
     static = []
@@ -35,6 +57,8 @@ def static_endpoints(items: Sequence[str]) -> list[StaticEndpoint]:
         pool, _, url = item.rpartition("=") if "=" in item.split("://", 1)[0] else ("", "", item)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--endpoint {item!r}: expected [POOL=]http(s)://HOST:PORT")
+        if why := _bad_url(url):
+            raise ValueError(f"--endpoint {item!r}: {why}")
         static.append(StaticEndpoint(url=url.rstrip("/"), pool=pool or "default"))
     return static
 
