@@ -487,11 +487,17 @@ def test_a_dead_fleet_answers_503_at_once_not_a_queue_timeout(tmp_path: Path) ->
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     try:
         assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        # vllm-router's probe routes: /readiness follows the fleet, /liveness the process.
+        ready = httpx.get(g.url + "/readiness", timeout=10)
+        assert ready.status_code == 200 and ready.json()["healthy_workers"] == 2, ready.text
         for e in engs:
             e.signal(signal.SIGKILL)
         wait_endpoints(g, lambda eps: not any(e["healthy"] for e in eps), timeout=30)
         health = httpx.get(g.url + "/health", timeout=10).text
         assert health.count(" down (/health") == 2 and " ready (" not in health, health
+        ready = httpx.get(g.url + "/readiness", timeout=10)
+        assert ready.status_code == 503 and ready.json()["status"] == "not ready", ready.text
+        assert httpx.get(g.url + "/liveness", timeout=10).json() == {"status": "alive"}
         for first in (True, False):
             t0 = time.monotonic()
             r = httpx.post(g.url + "/v1/completions", json=body, timeout=60)

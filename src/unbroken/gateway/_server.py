@@ -283,6 +283,9 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)  # vLLM's (SageMaker's) name for /health
         app.router.add_post("/ping", self.health)
+        # vllm-router's probe routes, for a load balancer or kubelet that asks them.
+        app.router.add_get("/liveness", self.liveness)
+        app.router.add_get("/readiness", self.readiness_probe)
         app.router.add_get("/metrics", self.metrics_handler)
         return app
 
@@ -309,6 +312,25 @@ class Gateway:
         if self.closing is not None:  # readiness false first, so a Service stops sending
             return web.Response(status=503, text=f"not ready: {self.closing}\n")
         return web.Response(text=self.readiness() + "\n")
+
+    async def liveness(self, request: web.Request) -> web.Response:
+        """vllm-router's `/liveness`: the process answers."""
+        return web.json_response({"status": "alive"})
+
+    async def readiness_probe(self, request: web.Request) -> web.Response:
+        """vllm-router's `/readiness`: 200 while some endpoint is ready to serve, else 503
+        (`/health` stays 200 then: the gateway itself is up and queues), and 503 while it
+        shuts down."""
+        eps = list(self.pool.endpoints.values())
+        ready = sum(e.state == State.READY and e.healthy for e in eps)
+        body: dict[str, object] = {"healthy_workers": ready, "total_workers": len(eps)}
+        if self.closing is not None:
+            body |= {"status": "not ready", "reason": self.closing}
+        elif not ready:
+            body |= {"status": "not ready", "reason": self.readiness()}
+        else:
+            return web.json_response({"status": "ready", **body})
+        return web.json_response(body, status=503)
 
     def readiness(self) -> str:
         """The gateway is up either way (200); the text says whether it can serve. While it
