@@ -167,8 +167,9 @@ def test_gateway_flag_errors_are_one_clear_line() -> None:
     out = r.stdout + r.stderr
     assert r.returncode == 2, out
     assert out.strip() == (
-        "error: routing: Input should be 'prefix', 'session', 'latency', 'least_load' or "
-        "'round_robin'"
+        "error: routing: unknown routing policy 'bogus': one of prefix, session, latency, "
+        "least_load, power_of_two, round_robin, random (also the peers' cache_aware = prefix, "
+        "consistent_hash = session, roundrobin = round_robin, prefixaware = prefix)"
     ), out
 
 
