@@ -459,6 +459,7 @@ def test_max_body_bytes_flag_raises_the_limit(tmp_path: Path, shared_engine: Pro
         assert r.status_code == 400 and r.json()["error"]["code"] != "body_too_large", r.text
         r = httpx.post(g.url + "/v1/completions", json={**body, "prompt": words * 2}, timeout=60)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert "raise it with --max-body-bytes" in r.json()["error"]["message"], r.text
     finally:
         g.stop()
 

@@ -420,7 +420,7 @@ def test_registry_and_settings() -> None:
     }  # fmt: skip
     assert isinstance(make_policy(GatewaySettings()), CacheAware)  # the default
     assert isinstance(make_policy(GatewaySettings(routing="round_robin")), RoundRobin)
-    with pytest.raises(ValueError, match="routing policy 'nope'.* cache_aware = prefix"):
+    with pytest.raises(ValueError, match=r"routing policy 'nope'.* cache_aware = prefix"):
         GatewaySettings(routing="nope")  # type: ignore[arg-type]
     # The peers' names, as a user's existing configuration writes them.
     for peer, ours in (("cache_aware", "prefix"), ("consistent_hash", "session"),

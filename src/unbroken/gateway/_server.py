@@ -34,6 +34,7 @@ from unbroken.gateway._tenants import Tenants
 from unbroken.wire.exposition import render_text
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
+    BODY_LIMIT_HINT,
     Cors,
     ServerLimits,
     body_middleware,
@@ -267,6 +268,10 @@ class Gateway:
                 body_middleware(self.cfg.body_timeout_s),
                 self.metrics.count_unknown_routes(self._auth_unrouted),
             ],
+        )
+        app[BODY_LIMIT_HINT] = (
+            "the gateway's max_body_bytes; raise it with --max-body-bytes or the setting, "
+            "as large base64 images need"
         )
         app.on_response_prepare.append(self._on_prepare)
         Cors(self.cfg.cors_allowed_origins).install(app)

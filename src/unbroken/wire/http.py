@@ -24,6 +24,7 @@ from aiohttp.web_protocol import RequestHandler
 from unbroken.wire.errors import ApiError, error_body, error_response
 
 __all__ = [
+    "BODY_LIMIT_HINT",
     "SSE_HEADERS",
     "Cors",
     "ServerLimits",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# What a 413's message adds: which limit it was and how to raise it (set by the app).
+BODY_LIMIT_HINT = web.AppKey("body_limit_hint", str)
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",  # as vLLM (Starlette) sends it
@@ -123,7 +127,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ApiError as e:
         return e.response()
     except web.HTTPRequestEntityTooLarge as e:
-        return error_response(413, f"request body too large: {e.text}", code="body_too_large")
+        hint = request.app.get(BODY_LIMIT_HINT)
+        return error_response(
+            413,
+            f"request body too large: {e.text}" + (f" ({hint})" if hint else ""),
+            code="body_too_large",
+        )
     except web.RequestPayloadError as e:
         # A body that cannot be read as sent (bad gzip, chunking cut short): the client's fault.
         why = " ".join(str(e).split())  # aiohttp's text spans two lines
