@@ -319,8 +319,8 @@ class Gateway:
         return web.Response(text=self.readiness() + "\n")
 
     async def liveness(self, request: web.Request) -> web.Response:
-        """vllm-router's `/liveness`: the process answers."""
-        return web.json_response({"status": "alive"})
+        """vllm-router's `/liveness`: the process answers (its body, `OK`)."""
+        return web.Response(text="OK")
 
     async def readiness_probe(self, request: web.Request) -> web.Response:
         """vllm-router's `/readiness`: 200 while some endpoint is ready to serve, else 503
