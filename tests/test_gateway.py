@@ -484,9 +484,10 @@ def test_a_dead_fleet_answers_503_at_once_not_a_queue_timeout(tmp_path: Path) ->
     replica may come back within a probe or two), then 503 `no_endpoint` without naming the
     internal endpoints; later ones at once. A replica back serves again."""
     engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
-    g = gateway(tmp_path, *(e.url for e in engs), args=("--cap", "4"))
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    g: Proc | None = None
     try:
+        g = gateway(tmp_path, *(e.url for e in engs), args=("--cap", "4"))
         assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).status_code == 200
         # vllm-router's probe routes: /readiness follows the fleet, /liveness the process.
         ready = httpx.get(g.url + "/readiness", timeout=10)
@@ -512,7 +513,8 @@ def test_a_dead_fleet_answers_503_at_once_not_a_queue_timeout(tmp_path: Path) ->
         wait_endpoints(g, lambda eps: any(e["healthy"] for e in eps), timeout=30)
         assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).status_code == 200
     finally:
-        g.stop()
+        if g is not None:
+            g.stop()
         for e in engs:
             e.stop()
 

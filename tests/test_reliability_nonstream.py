@@ -141,8 +141,9 @@ def test_a_long_answer_on_an_idle_engine_is_not_taken_for_a_hang(tmp_path: Path)
     with no retry, and both engines stay in rotation."""
     args = ("--max-model-len", "1400")  # a chat without max_tokens runs to the model's length
     engs = [engine(tmp_path, *args, name=f"e{i}") for i in range(2)]
-    g = gateway(tmp_path, *(e.url for e in engs), args=_config(tmp_path, ttfb_min_s=0.5))
+    g: Proc | None = None
     try:
+        g = gateway(tmp_path, *(e.url for e in engs), args=_config(tmp_path, ttfb_min_s=0.5))
         for i in range(4):  # short answers: the limit's samples (~ms each)
             r, _ = _complete(g, f"short {i}")
             assert r.status_code == 200, r.text
@@ -160,7 +161,8 @@ def test_a_long_answer_on_an_idle_engine_is_not_taken_for_a_hang(tmp_path: Path)
         assert retries == 0 and all(e["healthy"] for e in eps), (retries, took, eps)
     finally:
         for p in (g, *engs):
-            p.stop()
+            if p is not None:
+                p.stop()
 
 
 def test_engine_hanging_real_requests_is_routed_around_and_held_out(tmp_path: Path) -> None:
