@@ -20,6 +20,7 @@ from helpers import (
     engine,
     gateway,
     metric,
+    ready_endpoint,
     stream,
     stream_text,
     wait_endpoints,
@@ -540,9 +541,9 @@ def test_what_counts_as_nothing_to_serve(states: list[str], starting_too: bool, 
 
     pool = Pool(default_cap=4)
     for i, kind in enumerate(states):
-        e = Endpoint(name=f"e{i}", url=f"http://e{i}", pool="default")
-        e.models = {"m"}
-        e.set_state(State.DRAINING if kind == "draining" else State.READY)
+        e = ready_endpoint(f"e{i}")
+        if kind == "draining":
+            e.set_state(State.DRAINING)
         e.healthy = kind == "ready"
         e.down = kind == "down"
         pool.add(e)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import Proc, engine, gateway, wait_for
+from helpers import Proc, engine, gateway, metric, wait_for
 from unbroken.bench.load import LoadConfig, LoadRun
 from unbroken.bench.workloads import EngineWatch, SharedPrefix
 from unbroken.engine.textmodel import VOCAB
@@ -241,13 +241,13 @@ def _fresh(engs: list[Proc]) -> None:
     the engines saves a start of three per pass, and a pass then starts as cold as on new
     engines (the engine watch counts each pass's own queries and hits)."""
 
-    def idle(e: Proc) -> bool:
-        r = httpx.get(e.url + "/metrics?name[]=vllm:num_requests_running", timeout=5)
-        running = [ln for ln in r.text.splitlines() if ln.startswith("vllm:num_requests_running")]
-        return bool(running) and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in running)
-
     for e in engs:
-        wait_for(lambda e=e: idle(e), timeout=30, interval=0.1, what=f"{e.url} idle")
+        wait_for(
+            lambda e=e: metric(e.url, "vllm:num_requests_running") == 0,
+            timeout=30,
+            interval=0.1,
+            what=f"{e.url} idle",
+        )
         r = httpx.post(e.url + "/reset_prefix_cache", timeout=10)
         assert r.status_code == 200 and r.json() == {"success": True}, r.text
 

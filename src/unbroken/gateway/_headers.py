@@ -64,6 +64,8 @@ class Headers:
         self.pool_keys = {
             pool: key for pool, env in cfg.upstream_key_env.items() if (key := os.environ.get(env))
         }
+        # `*`: every pool without a key of its own (`--upstream-key-env VAR`).
+        self._any_key = self.pool_keys.get("*")
         # The x-ratelimit headers of each request with a tenant's lease, by its headers dict.
         self.rate: dict[int, dict[str, str]] = {}
 
@@ -77,7 +79,7 @@ class Headers:
 
     def upstream(self, base: dict[str, str], ep: Endpoint) -> dict[str, str]:
         """`base` plus the credential of `ep`'s pool, if it has one."""
-        key = self.pool_keys.get(ep.pool) or self.pool_keys.get("*")
+        key = self.pool_keys.get(ep.pool, self._any_key)
         return {**base, "Authorization": f"Bearer {key}"} if key else base
 
     def response(self, base: dict[str, str], ep: Endpoint | None) -> dict[str, str]:

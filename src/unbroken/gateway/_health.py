@@ -333,8 +333,8 @@ class EndpointHealth:
         if kind in ("connect", "reset"):
             # Out of rotation until its next health check passes.
             ep.healthy = False
-        elif kind in ("ttfb", "stall", "timeout", "answer") and (
-            self.working(ep) if kind in ("timeout", "answer") else self.alive(ep)
+        elif (kind in ("ttfb", "stall") and self.alive(ep)) or (
+            kind in ("timeout", "answer") and self.working(ep)
         ):
             log.warning(
                 "upstream %s slow (%s: %s), not hung: its streams got events, or its engine "

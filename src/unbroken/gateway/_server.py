@@ -327,7 +327,7 @@ class Gateway:
         (`/health` stays 200 then: the gateway itself is up and queues), and 503 while it
         shuts down."""
         eps = list(self.pool.endpoints.values())
-        ready = sum(e.state == State.READY and e.healthy for e in eps)
+        ready = len(_serving(eps))
         body: dict[str, object] = {"healthy_workers": ready, "total_workers": len(eps)}
         if self.closing is not None:
             body |= {"status": "not ready", "reason": self.closing}
@@ -346,7 +346,7 @@ class Gateway:
                 "ok, but no endpoints: requests get 503 until one is added "
                 "(--endpoint, POST /admin/endpoints or discovery)"
             )
-        ready = [e for e in eps if e.state == State.READY and e.healthy]
+        ready = _serving(eps)
         if not ready:
             return "ok, but no endpoint is ready: " + "; ".join(
                 f"{e.name} {_health_word(e)}" + (f" ({e.last_error})" if e.last_error else "")
@@ -517,3 +517,8 @@ def _health_word(e: Endpoint) -> str:
     if e.state != State.READY:
         return str(e.state)
     return "down" if e.down else "out of rotation"
+
+
+def _serving(eps: list[Endpoint]) -> list[Endpoint]:
+    """The endpoints in rotation (what /health and /readiness count as ready)."""
+    return [e for e in eps if e.state == State.READY and e.healthy]
