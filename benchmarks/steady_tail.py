@@ -12,7 +12,7 @@ completed requests with their time per output token, end-to-end time and time af
 last token (printed after each target).
 
 Variants of unbroken (`--variant NAME:key=value,...`, spec paths under the pipeline spec,
-e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`, `w1:gateway.workers=1`; a
+e.g. `nice0:gateway.nice=0`, `noctl:controller.enabled=false`; a
 key `env.NAME` sets an environment variable of the pipeline's processes instead) run as
 extra targets in each round. `--burn FRACTION` runs a busy loop using that share of a core
 beside the standard deployment, as a second standard target ("standard+burn"): whether a
@@ -37,6 +37,8 @@ import multiprocessing
 import os
 import secrets
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -215,7 +217,10 @@ async def _one(
             runner = asyncio.create_task(load.run())
             await asyncio.sleep(args.users / cfg.spawn_rate + args.ramp)
             t0, c0, s0 = load.now(), _children_cpu(), _self_cpu()
+            spies = _profile_gateway(c0, t, rnd, args)
             await asyncio.sleep(args.steady)
+            for spy in spies:
+                await asyncio.to_thread(spy.wait)
             t1, c1, s1 = load.now(), _children_cpu(), _self_cpu()
             r0 = r1 = t1
             if args.rollout:
@@ -270,6 +275,42 @@ async def _one(
         rollout_failed=sum(1 for r in rolled if r.outcome not in ("ok", "pending")),
         flow=flow,
     )
+
+
+def _profile_gateway(
+    procs: dict[int, tuple[str, float]], t: Target, rnd: int, args: argparse.Namespace
+) -> list[subprocess.Popen[bytes]]:
+    """`--profile DIR`: py-spy (raw stacks, idle samples left out) on each of the gateway's
+    processes for the window; the profiler's own CPU lands on the machine the tail is measured
+    on, so a profiled round's ratios are not comparable with the others."""
+    if not args.profile:
+        return []
+    spy = Path(sys.executable).with_name("py-spy")
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen(
+            [
+                str(spy),
+                "record",
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--duration",
+                str(int(args.steady)),
+                "--pid",
+                str(pid),
+                "-o",
+                str(out / f"{t.name}-{rnd}-{pid}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid, (role, _) in procs.items()
+        if role == "gateway"
+    ]
 
 
 def _profile(r: Any, precision: dict[str, str]) -> str:
@@ -386,6 +427,11 @@ def main() -> None:
     )
     p.add_argument("--deadline", type=float, default=5.0, help="the rollout's drain deadline")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,...")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="DIR: py-spy's raw stacks of the gateway's processes over each window",
+    )
     p.add_argument(
         "--dump", default="", help="DIR: each target's first tokens (monotonic start, TTFT)"
     )

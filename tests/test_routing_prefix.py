@@ -5,6 +5,7 @@ gateway with two worker processes in front of two real engines."""
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, admin, engine, gateway, ready_endpoint
+from helpers import MODEL, Proc, admin, engine, gateway, metric, ready_endpoint, wait_for
 from unbroken.config.spec import GatewaySettings
 from unbroken.engine.textmodel import VOCAB
 from unbroken.gateway._affinity import AffinitySettings, CacheAware, home
@@ -509,6 +510,60 @@ def test_conversations_and_shared_prompts_stay_put_across_two_workers(
                 where.setdefault(f"group-{group}", set()).add(r.headers["x-unbroken-endpoint"])
         assert all(len(v) == 1 for v in where.values()), where
         assert len({next(iter(v)) for v in where.values()}) == 2  # both engines are used
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_engine_restarted_in_place_is_not_credited_with_its_old_prefixes(
+    tmp_path: Path, two_engines: list[Proc], workers: int
+) -> None:
+    """An engine process replaced at the same address (a container restarted in its pod, the
+    pod's IP kept) starts with an empty KV cache: once the prober sees its token counter go
+    back, the index no longer credits it with the prompts sent there before (one process: the
+    policy's own table; two workers: the shared table's column, cleared by the main process).
+    The gateway's own hit estimate (unbroken_gateway_prefix_hit_blocks_total) shows it."""
+    g = gateway(tmp_path, *(e.url for e in two_engines), args=("--workers", str(workers)))
+    body = {"model": MODEL, "prompt": _words(600, 71), "max_tokens": 3}
+
+    def send() -> tuple[str, float]:
+        before = metric(g.url, "unbroken_gateway_prefix_hit_blocks_total")
+        r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        # A worker's counts reach the main process's /metrics with its next report.
+        return r.headers["x-unbroken-endpoint"], before
+
+    def hits_since(before: float) -> float:
+        return metric(g.url, "unbroken_gateway_prefix_hit_blocks_total") - before
+
+    try:
+        where, before = send()
+        where2, mid = send()
+        assert where2 == where
+        wait_for(lambda: hits_since(mid) > 0, timeout=10, what="the repeat credited as cached")
+        port = int(where.rsplit(":", 1)[1])
+        old = next(e for e in two_engines if e.port == port)
+
+        def seen() -> float:
+            eps = admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+            return next(e for e in eps if e["name"] == where)["generated_tokens"] or 0.0
+
+        # The prober has read what the engine generated for these requests (a fall from it
+        # is the sign of a restart; a scrape of the old engine's warm-up alone is 1 token).
+        wait_for(lambda: seen() >= 6, timeout=10, what=lambda: f"the scrape: {seen()}")
+        old.signal(signal.SIGKILL)
+        old.popen.wait()  # type: ignore[union-attr]
+        old.start()  # the same command: the same port, a new process
+        wait_for(
+            lambda: "restarted (vllm:generation_tokens_total went back" in g.log.read_text(),
+            timeout=20,
+            what=lambda: f"the gateway noticing the restart:\n{g.tail(15)}",
+        )
+        settled = metric(g.url, "unbroken_gateway_prefix_hit_blocks_total")
+        _, before = send()
+        time.sleep(1.0)  # a worker's counts reach the main process within its report period
+        assert before >= settled
+        assert hits_since(before) == 0, "the restarted engine was still credited with the prompt"
     finally:
         g.stop()
 

@@ -120,6 +120,12 @@ class MainGateway(WorkerProcesses):
             self.prefix_table.clear(col)
         ep.slot = SharedSlot(self.shared, col)
 
+    def _on_restart(self, ep: Endpoint) -> None:
+        super()._on_restart(ep)
+        if self.prefix_table is not None:
+            # The workers' index is this shared table (a worker's own `forget` leaves it).
+            self.prefix_table.clear(ep.slot.col)  # type: ignore[attr-defined]
+
     def _reclaim(self) -> None:
         still = []
         for col in self._retired:

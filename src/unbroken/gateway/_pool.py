@@ -234,6 +234,9 @@ class Endpoint:
             "waiting": self.waiting,
             "running": self.running,
             "kv_usage": self.kv_usage,
+            # vllm:generation_tokens_total at the last scrape (None: not read yet); a fall
+            # is an engine restarted in place (the prober's `restarted`).
+            "generated_tokens": None if self.generated < 0 else self.generated,
             "load": round(self.load, 3),
             "served": self.served,
             "routing": self.latency.as_dict(time.monotonic()),
@@ -307,6 +310,12 @@ class Pool:
         if (forget := getattr(self.policy, "forget", None)) is not None:
             forget(name)
         return ep
+
+    def restarted(self, ep: Endpoint) -> None:
+        """`ep`'s engine is a new process: the policy forgets what it learnt of it (what it
+        sent there, which that engine's cache no longer holds) and keeps it a candidate."""
+        if (forget := getattr(self.policy, "forget", None)) is not None:
+            forget(ep.name)
 
     def admitted(self, ep: Endpoint, model: str, priority: str, hint: RouteHint | None) -> None:
         """A leg was admitted to `ep`: the policy learns it (once per leg; adapter affinity

@@ -120,6 +120,7 @@ class Prober:
         warmup_timeout: float,
         on_change: Callable[[Endpoint], None],
         headers_for: Callable[[Endpoint], dict[str, str]] | None = None,
+        on_restart: Callable[[Endpoint], None] | None = None,
     ) -> None:
         self.session = session
         self.interval = interval
@@ -127,6 +128,7 @@ class Prober:
         self.warmup_timeout = warmup_timeout
         self.on_change = on_change
         self.headers_for = headers_for or (lambda _ep: {})
+        self.on_restart = on_restart or (lambda _ep: None)
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.suspects: set[str] = set()
         self._holds: dict[str, _Hold] = {}  # per endpoint caught hanging at least once
@@ -306,6 +308,17 @@ class Prober:
         if generated is not None:
             if generated > ep.generated and ep.generated >= 0:
                 ep.progress_at = time.monotonic()
+            elif generated < ep.generated:
+                # A counter went back: a new engine process at the same address (a container
+                # restarted in place keeps its pod's IP), its KV cache empty.
+                log.info(
+                    "%s restarted (vllm:generation_tokens_total went back from %.0f to %.0f): "
+                    "the prefixes routed there before are forgotten",
+                    ep.name,
+                    ep.generated,
+                    generated,
+                )
+                self.on_restart(ep)
             ep.generated = generated
         ep.lora = parse_lora_info(text)
         if ep.lora is not None:

@@ -220,6 +220,11 @@ class Gateway:
     def _on_change(self, ep: Endpoint) -> None:
         self._changed()
 
+    def _on_restart(self, ep: Endpoint) -> None:
+        """`ep`'s engine started again at the same address: its KV cache is empty, so the
+        policy must not credit it with the prefixes sent there before."""
+        self.pool.restarted(ep)
+
     def _attach(self, ep: Endpoint) -> None:
         """A new endpoint joins: where its in-flight count lives (see the main process)."""
 
@@ -375,6 +380,7 @@ class Gateway:
             warmup_timeout=cfg.warmup_timeout_s,
             on_change=self._on_change,
             headers_for=lambda ep: self.proxy.upstream_headers({}, ep),
+            on_restart=self._on_restart,
         )
         self.proxy.on_hang = self.prober.suspect
         self.proxy.read_models = self.read_models
