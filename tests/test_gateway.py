@@ -465,6 +465,26 @@ def test_max_body_bytes_flag_raises_the_limit(tmp_path: Path, shared_engine: Pro
         g.stop()
 
 
+def test_request_timeout_flag_bounds_a_non_streamed_request(tmp_path: Path) -> None:
+    """`--request-timeout` (the setting `request_timeout_s`, 600 s by default; before only in
+    a config file): a non-streamed answer still being generated at that bound is a 504
+    `upstream_timeout` then, naming the bound."""
+    e = engine(tmp_path, "--decode-base-s", "0.05", name="slow")  # 200 tokens: ~10 s
+    g = gateway(tmp_path, e.url, args=("--request-timeout", "1.5"))
+    try:
+        t = time.monotonic()
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200}
+        r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
+        took = time.monotonic() - t
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "upstream_timeout", r.text
+        assert "1.5 s" in r.json()["error"]["message"], r.text
+        assert 1.4 <= took < 5.0, took
+    finally:
+        g.stop()
+        e.stop()
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_no_endpoints_answers_503(tmp_path: Path, path: str) -> None:
     g = gateway(tmp_path, wait_ready=0)

@@ -38,6 +38,15 @@ def gateway(
     queue_timeout: Annotated[
         float | None, typer.Option(help="Seconds a request may wait for a slot [30].")
     ] = None,
+    request_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Seconds a non-streamed request may take across its attempts (then 504 "
+            "upstream_timeout), and the longest an old worker keeps its streams after a "
+            "reload [600].",
+        ),
+    ] = None,
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up completion (stage 2).")
     ] = False,
@@ -127,6 +136,7 @@ def gateway(
         "priority_header": priority_header,
         "default_cap": cap,
         "queue_timeout_s": queue_timeout,
+        "request_timeout_s": request_timeout,
         "routing": routing,
         "upstream_key_env": None if not upstream_key_env else _key_envs(upstream_key_env),
         "max_body_bytes": max_body_bytes,
