@@ -520,6 +520,7 @@ def test_a_dead_fleet_answers_503_at_once_not_a_queue_timeout(tmp_path: Path) ->
         assert health.count(" down (/health") == 2 and " ready (" not in health, health
         ready = httpx.get(g.url + "/readiness", timeout=10)
         assert ready.status_code == 503 and ready.json()["status"] == "not ready", ready.text
+        assert ready.json()["reason"].startswith("no endpoint is ready: "), ready.text
         assert httpx.get(g.url + "/liveness", timeout=10).text == "OK"  # as vllm-router
         for first in (True, False):
             t0 = time.monotonic()

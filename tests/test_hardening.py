@@ -261,6 +261,19 @@ def test_engines_behind_an_api_key_need_the_flag_and_say_so(logdir: Path) -> Non
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             assert out.returncode == 2 and "expected [POOL=]VAR" in out.stderr, out.stderr
+        # A variable that is not set (a typo) is said at start, not only as 401s later.
+        unset = gateway(
+            logdir,
+            eng.url,
+            args=("--upstream-key-env", "fallback=HARDENING_UNSET_KEY"),
+            wait_ready=0,
+            name="gw-unset",
+        )
+        try:
+            said = "HARDENING_UNSET_KEY is not set in the environment: pool fallback's engines"
+            wait_for(lambda: said in unset.tail(), timeout=10, what=unset.tail)
+        finally:
+            unset.stop()
     finally:
         bare.stop()
         keyed.stop()

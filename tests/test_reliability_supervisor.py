@@ -156,11 +156,14 @@ def test_kill_9_of_the_supervisor_keeps_serving_and_a_new_up_adopts(tmp_path: Pa
 
 def test_an_orphaned_data_plane_stops_with_unbroken_down(tmp_path: Path) -> None:
     """With no supervisor left, `unbroken down` stops the recorded processes (and only them:
-    each is checked by its start time before it is signalled)."""
+    each is checked by its start time before it is signalled), and cleans what the supervisor
+    would have at its stop: Prometheus's file_sd targets emptied, the control socket gone."""
     u = Up(tmp_path, _spec(tmp_path))
     try:
         pids = _pids(u.status())
         starts = {k: proc_start_time(p) for k, p in pids.items()}
+        prom = u.state / "prometheus"
+        wait_for(lambda: json.loads((prom / "engines.json").read_text()), what="engine targets")
         os.kill(u.proc.pid, signal.SIGKILL)
         u.proc.wait(10)
         down = subprocess.run(
@@ -171,6 +174,9 @@ def test_an_orphaned_data_plane_stops_with_unbroken_down(tmp_path: Path) -> None
         assert "stopped" in down.stdout, down.stdout
         assert not any(_alive(p, starts[k]) for k, p in pids.items())
         assert not (u.state / "plane.json").exists()
+        for job in ("gateway", "engines", "controller"):
+            assert json.loads((prom / f"{job}.json").read_text()) == [], job
+        assert not (u.state / "supervisor.sock").exists()
         again = u.run("status", "--json", timeout=30)
         assert json.loads(again.stdout)["running"] is False
     finally:

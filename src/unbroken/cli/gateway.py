@@ -3,6 +3,8 @@ discovery), then `run_gateway`."""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from pathlib import Path
 from typing import Annotated
@@ -155,6 +157,15 @@ def gateway(
         )
     except ValueError as e:
         fail(str(e))
+    for pool, var in sorted(launch.cfg.upstream_key_env.items()):
+        if var not in os.environ:
+            # Not fatal (an engine may need no key), but a typo would show only as 401s later.
+            logging.getLogger("unbroken.gateway").warning(
+                "upstream_key_env: %s is not set in the environment: %s engines get no API "
+                "key (vLLM started with --api-key answers 401)",
+                var,
+                "every pool's" if pool == "*" else f"pool {pool}'s",
+            )
     try:
         run_gateway(
             launch.cfg,

@@ -337,7 +337,7 @@ class Gateway:
         if self.closing is not None:
             body |= {"status": "not ready", "reason": self.closing}
         elif not ready:
-            body |= {"status": "not ready", "reason": self.readiness()}
+            body |= {"status": "not ready", "reason": self.readiness().removeprefix("ok, but ")}
         else:
             return web.json_response({"status": "ready", **body})
         return web.json_response(body, status=503)

@@ -64,7 +64,7 @@ def controller_settings(spec: PipelineSpec, state: Path | None = None) -> dict[s
 def agent_wanted(spec: PipelineSpec) -> tuple[bool, str]:
     enabled = spec.agent.enabled
     if enabled is False:
-        return False, "disabled in the spec"
+        return False, "disabled (--no-agent, or agent.enabled: false in the spec)"
     if os.geteuid() != 0:
         if enabled is True:
             return False, "the spec enables it but eBPF needs root; not started"

@@ -131,7 +131,10 @@ async def run_scale(sup: Backend, req: ScaleRequest, progress: Progress) -> dict
     if not lo <= req.replicas <= hi:
         raise RolloutError(
             f"pool {pool.name} may have {lo} to {hi} replicas, not {req.replicas}"
-            + ("" if pool.autoscale else " (it declares no replicas: {min, max} range)")
+            if pool.autoscale
+            else f"pool {pool.name} has a fixed size of {lo} replica(s), not "
+            f"{req.replicas}: give it a range in the spec (replicas: {{min: M, max: N}}) to "
+            "scale it"
         )
     t_start = time.monotonic()
     before = pool.replicas

@@ -4,6 +4,7 @@ the supervisor."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -659,6 +660,12 @@ def down_cli(timeout: float = 60.0) -> int:
         return 0
     pids = asyncio.run(stop_plane(state))
     (state / "run.json").unlink(missing_ok=True)
+    # What the dead supervisor would have cleaned at its stop: Prometheus's targets (else it
+    # scrapes the stopped processes' ports, or whatever takes them next) and its socket.
+    if (state / "prometheus").is_dir():
+        with contextlib.suppress(OSError):
+            write_targets(state / "prometheus", {j: [] for j in JOBS})
+    (state / "supervisor.sock").unlink(missing_ok=True)
     if not pids:
         sys.stdout.write("no pipeline is running\n")
         return 0
