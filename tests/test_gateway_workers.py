@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,6 +155,12 @@ def test_sequential_requests_take_turns_through_workers(tmp_path: Path, routing:
                 for _ in range(8)
             ]
         assert len(set(got)) == 2 and all(a != b for a, b in itertools.pairwise(got)), got
+        # The admin API (the main process) counts what every worker served (a review: it
+        # read 0 for each endpoint, the count living only in the workers).
+        served = {
+            e["name"]: e["served"] for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]
+        }
+        assert served == dict(Counter(got)), (served, got)
     finally:
         g.stop()
         for e in engs:
@@ -386,10 +393,16 @@ def test_shared_table_rows_add_up_and_a_dead_row_frees_its_slots(tmp_path: Path)
         SharedSlot(w1, 5).add(3)
         SharedSlot(w1, 6).add(1)
         assert SharedSlot(main, 5).get() == 5 and main.total(6) == 1
+        for w in (w0, w1, w1):
+            SharedSlot(w, 5).serve()
+        assert SharedSlot(main, 5).served() == 3
         w0.set_depth(0, 4)
         assert main.queued(0) == 4 and main.queued(1) == 0
         main.clear_row(1)  # worker 1 died
         assert main.total(5) == 2 and main.total(6) == 0
+        assert SharedSlot(main, 5).served() == 3  # what it served was served
+        main.clear_col(5)  # the column given to another endpoint
+        assert SharedSlot(main, 5).served() == 0
         with w0.lock():  # the lock is taken and given back
             pass
     finally:

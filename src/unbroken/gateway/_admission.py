@@ -151,7 +151,7 @@ class Admission:
     def _take(self, ep: Endpoint, weight: int, flow: int | None = None) -> tuple[Endpoint, int]:
         n = max(1, min(weight, ep.effective_cap(self.pool.default_cap)))
         ep.slot.add(n)
-        ep.served += 1
+        ep.slot.serve()
         self.held[ep.pool] = self.held.get(ep.pool, 0) + n
         if flow is None:
             return ep, n

@@ -115,6 +115,7 @@ class MainGateway(WorkerProcesses):
         if not self._free_cols:
             raise RuntimeError(f"more than {MAX_ENDPOINTS} endpoints")
         col = self._free_cols.pop()
+        self.shared.clear_col(col)
         if self.prefix_table is not None:
             # A reused column must not credit the new endpoint with the old one's prefixes.
             self.prefix_table.clear(col)

@@ -80,21 +80,30 @@ class State(enum.StrEnum):
 class Slot(Protocol):
     def get(self) -> int: ...
     def add(self, n: int) -> None: ...
+    def serve(self) -> None: ...
+    def served(self) -> int: ...
 
 
 class LocalSlot:
-    """In-flight count of a single-process gateway."""
+    """In-flight count (and legs admitted, ever) of a single-process gateway."""
 
-    __slots__ = ("n",)
+    __slots__ = ("n", "s")
 
     def __init__(self) -> None:
         self.n = 0
+        self.s = 0
 
     def get(self) -> int:
         return self.n
 
     def add(self, n: int) -> None:
         self.n += n
+
+    def serve(self) -> None:
+        self.s += 1
+
+    def served(self) -> int:
+        return self.s
 
 
 class _Legs(set[Any]):
@@ -151,7 +160,6 @@ class Endpoint:
     down: bool = False
     last_error: str | None = None
     drain_deadline: float | None = None  # monotonic
-    served: int = 0
     # Seconds its last warm-up (or hang check) completion took: the first sample of how long
     # a non-streaming answer takes here (`_health.EndpointHealth.answer_limit`), before real
     # ones are known.
@@ -238,7 +246,8 @@ class Endpoint:
             # is an engine restarted in place (the prober's `restarted`).
             "generated_tokens": None if self.generated < 0 else self.generated,
             "load": round(self.load, 3),
-            "served": self.served,
+            # Legs admitted here, ever: in every worker (the shared table's count).
+            "served": self.slot.served(),
             "routing": self.latency.as_dict(time.monotonic()),
             "last_error": self.last_error,
             "state_since": self.state_since,

@@ -8,6 +8,8 @@ One file mapped by every process holds two tables of int64:
     listening[row]       1 while worker `row` accepts on the shared socket
     busy[row]            worker `row`'s CPU, per mille of a core, over its last ~0.5 s
     seen[row]            when `busy` was written (CLOCK_MONOTONIC, ms): a hung worker's is old
+    served[row, col]     legs worker `row` admitted to endpoint `col`, ever (the admin API's
+                         `served`; kept when a worker goes, cleared when a column is reused)
 
 A process writes only its own row, so giving slots back needs no lock; an endpoint's load is
 the sum of its column. Taking slots is check-then-add, so it runs under one POSIX record lock
@@ -41,7 +43,7 @@ class SharedCounters:
     def __init__(self, path: Path, *, create: bool = False, row: int = -1) -> None:
         self.path = path
         self.row = row
-        size = 8 * MAX_WORKERS * (MAX_ENDPOINTS + _PRIOS + 4)
+        size = 8 * MAX_WORKERS * (2 * MAX_ENDPOINTS + _PRIOS + 4)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(path, flags, 0o600)
         if create:
@@ -62,6 +64,13 @@ class SharedCounters:
         self.packs = len(flat) >= at + 4 * MAX_WORKERS
         self.busy = flat[at + 2 * MAX_WORKERS : at + 3 * MAX_WORKERS]
         self.seen = flat[at + 3 * MAX_WORKERS : at + 4 * MAX_WORKERS]
+        at += 4 * MAX_WORKERS
+        self.counts_served = len(flat) >= at + MAX_WORKERS * MAX_ENDPOINTS  # 2026-12-07 on
+        self.served = (
+            flat[at : at + MAX_WORKERS * MAX_ENDPOINTS].reshape(MAX_WORKERS, MAX_ENDPOINTS)
+            if self.counts_served
+            else None
+        )
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -76,6 +85,19 @@ class SharedCounters:
 
     def add(self, col: int, n: int) -> None:
         self.inflight[self.row, col] += n
+
+    def serve(self, col: int) -> None:
+        if self.served is not None:
+            self.served[self.row, col] += 1
+
+    def served_total(self, col: int) -> int:
+        return 0 if self.served is None else int(self.served[:, col].sum())
+
+    def clear_col(self, col: int) -> None:
+        """A column given to another endpoint: its served count starts again (its in-flight
+        count is already 0: a column is reused only then)."""
+        if self.served is not None:
+            self.served[:, col] = 0
 
     def queued(self, prio: int) -> int:
         """Requests of priority `prio` waiting in all workers."""
@@ -133,6 +155,7 @@ class SharedCounters:
     def close(self) -> None:
         # The numpy views hold the buffer; drop them before the map.
         del self.inflight, self.depth, self.conns, self.listening, self.busy, self.seen
+        del self.served
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)
@@ -152,3 +175,9 @@ class SharedSlot:
 
     def add(self, n: int) -> None:
         self.shared.add(self.col, n)
+
+    def serve(self) -> None:
+        self.shared.serve(self.col)
+
+    def served(self) -> int:
+        return self.shared.served_total(self.col)
