@@ -311,7 +311,11 @@ def test_bench_chaos_scenario_against_a_pipeline(tmp_path: Path) -> None:
         # No --engine-metrics: the pipeline's own engines are read (the hit rate and the
         # spread were "not measured" against the very pipeline whose engines it knows).
         assert "(the running pipeline's; --engine-metrics to name others)" in r.stderr
-        assert len(data["engines"]["engines"]) == 2, data["engines"]
+        # Followed through the chaos: the killed engine up to its last reading, the
+        # survivor, and the replacement from its start (none "unreadable").
+        engs = data["engines"]["engines"]
+        assert len(engs) == 3 and not any("error" in e for e in engs.values()), engs
+        assert all(e["requests"] > 0 for e in engs.values()), engs
     finally:
         u.stop()
 

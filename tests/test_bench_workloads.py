@@ -166,6 +166,53 @@ def test_shared_prefix_run_against_a_simulator(sim: Proc) -> None:
         assert res["hit_rate"] > 0.5
 
 
+def test_engines_that_come_and_go_during_a_run_are_counted(tmp_path: Path) -> None:
+    """A scenario replaces engines (a rollout): with `discover`, an engine killed mid-run
+    counts up to its last full reading instead of "unreadable", and one that appears
+    mid-run counts from zero (a new user's review: `unbroken bench --scenario rollout`
+    reported every old engine unreadable and no prompt tokens queried)."""
+    old, stay = engine(tmp_path, name="old"), engine(tmp_path, name="stay")
+    new: list[Proc] = []
+    live = [old.url, stay.url]
+    body = {"model": "unbroken-sim", "prompt": "counted " * 40, "max_tokens": 2}
+
+    async def go() -> dict[str, Any]:
+        async def engines() -> list[str]:
+            return list(live)
+
+        watch = EngineWatch(list(live), every_s=0.05, discover=engines, full_every_s=0.2)
+        await watch.start()
+        async with aiohttp.ClientSession() as c:
+
+            async def send(url: str, n: int) -> None:
+                for _ in range(n):
+                    async with c.post(url + "/v1/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+
+            await send(old.url, 3)
+            await send(stay.url, 2)
+            await asyncio.sleep(0.6)  # a full reading of `old` after its requests
+            old.signal(9)
+            live.remove(old.url)
+            new.append(await asyncio.to_thread(engine, tmp_path, name="new"))
+            live.append(new[0].url)
+            await asyncio.sleep(0.6)  # discovered
+            await send(new[0].url, 4)
+        return await watch.stop()
+
+    try:
+        res = asyncio.run(go())
+    finally:
+        for p in (old, stay, *new):
+            p.stop()
+    eng = res["engines"]
+    assert eng[old.url]["requests"] == 3, eng
+    assert eng[stay.url]["requests"] == 2, eng
+    assert eng[new[0].url]["requests"] == 4, eng
+    if res["cache_counters"]:
+        assert res["queries"] > 0
+
+
 def test_multi_turn_run_sends_history_and_session(sim: Proc) -> None:
     """Through a recording proxy: each turn carries the earlier turns with the replies the
     engine gave, and the session id in the header and the body's `user`."""

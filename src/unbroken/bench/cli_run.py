@@ -270,8 +270,10 @@ def run(o: BenchOptions, console: Console) -> int:
     st = _status(control) if needs_status and isinstance(control, PipelineControl) else None
     if o.scenario != "steady" and st is not None:
         _check_pool(o, st)
+    discover = False
     if o.engine_metrics is None and st is not None:
         o.engine_metrics = _pipeline_engines(url, st)
+        discover = bool(o.engine_metrics)
         if o.engine_metrics:
             console.print(
                 f"engines: {', '.join(o.engine_metrics)} (the running pipeline's; "
@@ -314,6 +316,7 @@ def run(o: BenchOptions, console: Console) -> int:
             max_error_rate=o.max_error_rate,
             command=" ".join(["unbroken", *sys.argv[1:]]),
             engine_metrics=o.engine_metrics,
+            discover_engines=discover,
         )
     )
     return 1 if result["failures"] else 0

@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,18 @@ def error_counts(
 
 def fmt_errors(errors: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "0"
+
+
+def _follow(control: PipelineControl | None) -> Callable[[], Awaitable[list[str]]] | None:
+    """The pipeline's engines now, for `EngineWatch` to follow through a scenario."""
+    if control is None:
+        return None
+
+    async def engines() -> list[str]:
+        st = await control.status()
+        return [str(r["url"]) for r in st.get("replicas", []) if r.get("url")]
+
+    return engines
 
 
 async def _pipeline_line(control: PipelineControl) -> str:
@@ -199,6 +212,7 @@ async def run_bench(
     max_error_rate: float = MAX_ERROR_RATE,
     command: str | None = None,
     engine_metrics: list[str] | None = None,
+    discover_engines: bool = False,
 ) -> dict[str, Any]:
     """Run the load (and the scenario), write the report; the result's `failures` says why
     the run failed (empty when it passed). With `engine_metrics` (engine URLs), the result's
@@ -208,7 +222,12 @@ async def run_bench(
     # window is over when the scenario outlasts it (see `stop_load`).
     load = LoadRun(replace(cfg, duration=cfg.duration + MAX_EXTENSION_S) if acting else cfg)
     started = time.time()
-    watch = EngineWatch(list(engine_metrics)) if engine_metrics else None
+    watch: EngineWatch | None = None
+    if engine_metrics:
+        # A scenario on the pipeline replaces engines: follow them (a rollout's new replicas
+        # count, and the old ones up to their last reading, not "unreadable").
+        follow = _follow(control) if acting and discover_engines else None
+        watch = EngineWatch(list(engine_metrics), discover=follow)
     if watch is not None:
         await watch.start()
     scenario_window: tuple[float, float] | None = None

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import random
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +53,8 @@ __all__ = [
     "parse_metrics",
     "spread",
 ]
+
+log = logging.getLogger("unbroken.bench")
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -240,10 +245,17 @@ def parse_metrics(text: str) -> dict[str, float]:
 @dataclass
 class EngineWatch:
     """Counters of each engine before and after a run, and its running requests sampled in
-    between: the cluster's prefix-cache hit rate and how evenly the router spread the load."""
+    between: the cluster's prefix-cache hit rate and how evenly the router spread the load.
+
+    With `discover` (the running pipeline's engines, asked every `full_every_s`), engines
+    that come and go during the run (a rollout, a replaced replica) count too: a new one
+    from zero (its counters start with it), a gone one up to its last full reading."""
 
     urls: list[str]
     every_s: float = 0.25
+    discover: Callable[[], Awaitable[list[str]]] | None = None
+    full_every_s: float = 2.0
+    last: dict[str, dict[str, float]] = field(default_factory=dict)
     before: dict[str, dict[str, float]] = field(default_factory=dict)
     after: dict[str, dict[str, float]] = field(default_factory=dict)
     max_running: dict[str, float] = field(default_factory=dict)
@@ -284,10 +296,29 @@ class EngineWatch:
         self._task = asyncio.create_task(self._sample())
 
     async def _sample(self) -> None:
+        full_at = time.monotonic() + self.full_every_s
         while True:
             await asyncio.sleep(self.every_s)
-            for u, m in (await self._read_all(running_only=True)).items():
+            full = self.discover is not None and time.monotonic() >= full_at
+            if full:
+                full_at = time.monotonic() + self.full_every_s
+                await self._rediscover()
+            for u, m in (await self._read_all(running_only=not full)).items():
                 self.max_running[u] = max(self.max_running.get(u, 0.0), m.get(RUNNING, 0.0))
+                if full:
+                    self.last[u] = m
+
+    async def _rediscover(self) -> None:
+        assert self.discover is not None
+        try:
+            now = await self.discover()
+        except Exception as e:  # the pipeline's status unreadable for a moment: keep the list
+            log.debug("engine discovery: %s", e)
+            return
+        for u in now:
+            if u not in self.urls:
+                self.urls.append(u)
+                self.before.setdefault(u, {})  # started during the run: its counters from 0
 
     async def stop(self) -> dict[str, Any]:
         if self._task is not None:
@@ -297,6 +328,10 @@ class EngineWatch:
         if self._session is not None:
             self.after = await self._read_all()
             await self._session.close()
+        for u, m in self.last.items():  # gone before the end: as last read
+            if u not in self.after:
+                self.after[u] = m
+                self.unreadable.pop(u, None)
         return self.result()
 
     def result(self) -> dict[str, Any]:
