@@ -5,6 +5,7 @@ each rule is also shown to catch a broken object."""
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 import sys
@@ -248,6 +249,11 @@ def test_gateway_and_controller_objects() -> None:
     assert args[args.index("--shutdown-timeout") + 1] == "13"
     sleep = int(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] >= sleep + 13 + 5
+    # Liveness is the process (vllm-router's /liveness), not /health, which answers 503
+    # while the drain runs: a restart then would cut the streams it drains (a review).
+    c = pod["containers"][0]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert by(objs, "PodDisruptionBudget", "unbroken-gateway")[0]["spec"]["minAvailable"] == 1
     admin_svc = by(objs, "Service", "unbroken-gateway-admin")[0]
     assert admin_svc["spec"]["clusterIP"] == "None"
@@ -288,7 +294,7 @@ def test_controller_reads_the_agent_service_where_it_lives() -> None:
         {
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
+            "verbs": ["list", "watch"],
         }
     ]
     assert set(roles) == {"llm", "llm-agent"}
@@ -837,3 +843,52 @@ def test_startup_probe_covers_the_pools_health_timeout() -> None:
     }
     budget = {k: p["periodSeconds"] * p["failureThreshold"] for k, p in probes.items()}
     assert budget == {"unbroken-primary": 1800, "unbroken-slow": 3600}
+
+
+def test_vllm_cautions_name_what_renders_but_cannot_start(tmp_path: Path) -> None:
+    """A review of the rendered example: an adapter path on no volume of the engine pod
+    (vLLM fails to start on a missing --lora-modules path) and the simulator's model name
+    given to `vllm serve` render without a word; `unbroken render k8s` now warns of both."""
+    from unbroken.config.spec import parse_spec
+    from unbroken.k8s.render import vllm_cautions
+
+    spec = parse_spec(
+        {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "pools": [
+                {"name": "a", "adapters": {"x": "/adapters/x", "y": "/models/adapters/y"}},
+                {"name": "b", "model": "unbroken-sim", "adapters": ["org/hub-adapter"]},
+            ],
+        }
+    )
+    said = vllm_cautions(spec)
+    assert len(said) == 2, said
+    assert said[0].startswith("pool a: adapter x's path /adapters/x is on no volume"), said
+    assert said[1].startswith("pool b: `vllm serve unbroken-sim`"), said
+    # The command says it (the default spec's model is the simulator's).
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "render", "k8s", "--out", str(tmp_path / "k8s")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning: pool primary: `vllm serve unbroken-sim`" in r.stdout + r.stderr, r.stdout
+
+
+def test_runtime_class_goes_on_the_vllm_pods_only() -> None:
+    """Stock k3s keeps runc as its default runtime and registers the GPU one as RuntimeClass
+    `nvidia` (a review: no way to say so in the render): `--runtime-class` sets the engine
+    pods' `runtimeClassName`; nothing else gets it, and without it nothing has it."""
+    spec = default_spec()
+    plain = render(spec, RenderOptions())
+    assert not any("runtimeClassName" in str(o) for o in plain)
+    objs = render(spec, RenderOptions(runtime_class="nvidia"))
+    engines = [
+        o
+        for o in objs
+        if o["kind"] == "Deployment"
+        and o["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"
+    ]
+    assert len(engines) == len(spec.pools), [o["metadata"]["name"] for o in objs]
+    assert all(o["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia" for o in engines)
+    others = [o for o in objs if o not in engines]
+    assert not any("runtimeClassName" in str(o) for o in others)

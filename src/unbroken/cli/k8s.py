@@ -64,6 +64,13 @@ def render_k8s(
             "[http://prometheus-operated.monitoring.svc:9090]."
         ),
     ] = None,
+    runtime_class: Annotated[
+        str | None,
+        typer.Option(
+            help="RuntimeClass of the vLLM pods, where the GPU runtime is not the nodes' "
+            "default (stock k3s: nvidia)."
+        ),
+    ] = None,
     monitor_label: Annotated[
         list[str] | None,
         typer.Option(
@@ -97,6 +104,7 @@ def render_k8s(
         agent_old_kernel=agent_old_kernel,
         autoscaler=autoscaler,
         monitor_labels=tuple(labels),
+        runtime_class=runtime_class,
     )
     images = {
         "image": image,
@@ -115,13 +123,17 @@ def render_k8s(
     console().print(
         f"wrote {len(paths)} object(s) to {out} (Prometheus Operator: monitoring/{keda})"
     )
-    if pipeline.rate_limit.store == "local":
-        from rich.markup import escape
+    from rich.markup import escape
 
+    from unbroken.k8s.render import vllm_cautions
+
+    lines = vllm_cautions(pipeline) if engine == "vllm" else []
+    if pipeline.rate_limit.store == "local":
         from unbroken.config.tenants import local_overruns
 
-        for line in local_overruns(pipeline.tenants, gateway_replicas):
-            console().print(f"[yellow]warning:[/yellow] {escape(line)}")
+        lines += local_overruns(pipeline.tenants, gateway_replicas)
+    for line in lines:
+        console().print(f"[yellow]warning:[/yellow] {escape(line)}")
 
 
 # After `ready`: sub-apps are listed after every command, in the order they are added.

@@ -436,6 +436,13 @@ class PoolSpec(_Spec):
         data = dict(data)
         if "adapters" in data:
             data["adapters"] = _adapters(data["adapters"])
+        eng = data.get("engine")
+        if "precision" not in data and isinstance(eng, dict):
+            # A simulator pool's precision is its profile's unless given: `profile: fp8` alone
+            # made an fp16 pool, which the controller never used as its degraded tier (a
+            # review of examples/pipeline.yaml's "fp8 fallback").
+            if eng.get("kind", "simulator") == "simulator" and eng.get("profile") == "fp8":
+                data["precision"] = "fp8"
         r = data.get("replicas")
         if isinstance(r, dict):
             if data.get("autoscale") is not None:

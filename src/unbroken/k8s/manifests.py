@@ -105,6 +105,9 @@ class RenderOptions:
     # Extra labels on the PodMonitors and the PrometheusRule, for a Prometheus that selects
     # them by label (kube-prometheus-stack: `release: <its release name>`).
     monitor_labels: tuple[tuple[str, str], ...] = ()
+    # The engine pods' RuntimeClass, where the GPU runtime is not the node's default (stock
+    # k3s keeps runc and registers `nvidia`); None: the default runtime.
+    runtime_class: str | None = None
 
     @property
     def agent_ns(self) -> str:
@@ -536,6 +539,8 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
         pod_spec["tolerations"] = [
             {"key": o.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}
         ]
+        if o.runtime_class:
+            pod_spec["runtimeClassName"] = o.runtime_class
     deployment: Obj = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -666,7 +671,7 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
             {
                 "apiGroups": ["discovery.k8s.io"],
                 "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"],
+                "verbs": ["list", "watch"],  # all discovery asks (k8s/discovery.py)
             }
         ],
     }
@@ -719,7 +724,9 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
                                 {"name": "admin", "containerPort": ADMIN_PORT},
                             ],
                             "readinessProbe": _http_probe("/health", "http", 5, 2),
-                            "livenessProbe": _http_probe("/health", "http", 10, 3),
+                            # /liveness: the process answers (/health is 503 while it drains
+                            # its streams at SIGTERM, up to 30 s: a restart would cut them).
+                            "livenessProbe": _http_probe("/liveness", "http", 10, 3),
                             # Let the Service's endpoints drop this pod before SIGTERM.
                             "lifecycle": {
                                 "preStop": {"exec": {"command": ["sleep", str(GATEWAY_PRESTOP_S)]}}
@@ -834,7 +841,7 @@ def controller_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     slices = {
         "apiGroups": ["discovery.k8s.io"],
         "resources": ["endpointslices"],
-        "verbs": ["get", "list", "watch"],
+        "verbs": ["list", "watch"],
     }
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",

@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from unbroken.config.spec import PipelineSpec
-from unbroken.k8s.manifests import RenderOptions, build
+from unbroken.k8s.manifests import MODELS_DIR, RenderOptions, build
 from unbroken.k8s.policy import check
 
-__all__ = ["PolicyError", "previous_token", "render", "write"]
+__all__ = ["PolicyError", "previous_token", "render", "vllm_cautions", "write"]
 
 # Custom kinds by API group, and the directory each goes to.
 CRD_DIRS = {"monitoring.coreos.com/": "monitoring", "keda.sh/": "keda"}
@@ -113,3 +113,28 @@ def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
         path.write_text(yaml.safe_dump(o, sort_keys=False, width=100))
         paths.append(path)
     return paths
+
+
+def vllm_cautions(spec: PipelineSpec) -> list[str]:
+    """What renders but cannot work on vLLM pods (a review of the rendered example): the
+    simulator's model name given to `vllm serve`, and adapter files at a path no volume of
+    the engine pod holds (vLLM loads `--lora-modules` at its start; a missing path fails it).
+    A path that is not absolute is a Hugging Face repository id, which vLLM downloads."""
+    out: list[str] = []
+    for pool in spec.pools:
+        model = pool.model_of(spec)
+        if model == "unbroken-sim" and pool.weights is None:
+            out.append(
+                f"pool {pool.name}: `vllm serve unbroken-sim` (the simulator's model name): "
+                "give the spec's or the pool's `model:` a Hugging Face id or `weights:`, or "
+                "render with --engine simulator"
+            )
+        for a in pool.adapters:
+            path = a.path or a.name
+            if path.startswith("/") and not (path + "/").startswith(MODELS_DIR + "/"):
+                out.append(
+                    f"pool {pool.name}: adapter {a.name}'s path {path} is on no volume of the "
+                    f"engine pod: put its files on the model cache volume (under {MODELS_DIR}, "
+                    "e.g. a path like /models/adapters/NAME) or name a Hugging Face repository"
+                )
+    return out
