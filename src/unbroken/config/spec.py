@@ -7,12 +7,18 @@ import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from unbroken.config._base import Priority, _Spec
-from unbroken.config.tenants import RateLimitSettings, TenantSpec, check_tenants
+from unbroken.config.tenants import (
+    REDIS_SCHEMES,
+    RateLimitSettings,
+    TenantSpec,
+    check_tenants,
+)
 
 __all__ = [
     "AdapterSpec",
@@ -135,6 +141,12 @@ class GatewaySettings(_Spec):
     prefix_index_blocks: Annotated[int, Field(ge=1)] = Field(
         default=16384, description="prefix index bound per endpoint, in blocks (LRU)"
     )
+    prefix_share_url: str | None = Field(
+        default=None,
+        description="Redis (redis://, rediss://, unix://) through which gateway replicas tell "
+        "each other what they sent where, so that each one's prefix index knows all of it; "
+        "None: each replica knows its own (docs/gateway.md, 'Across gateway replicas')",
+    )
     nice: Annotated[int, Field(ge=-20, le=19)] = Field(
         default=-5,
         description="under `unbroken up`: the gateway's CPU priority (its session's nice and "
@@ -192,6 +204,14 @@ class GatewaySettings(_Spec):
                 + ")"
             )
         return ROUTING_ALIASES.get(v, v)
+
+    @field_validator("prefix_share_url")
+    @classmethod
+    def _share_scheme(cls, url: str | None) -> str | None:
+        if url is not None and urlsplit(url).scheme.lower() not in REDIS_SCHEMES:
+            # Only the scheme may be echoed: the rest may hold a password.
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return url
 
     @field_validator("session_header")
     @classmethod

@@ -45,6 +45,7 @@ from unbroken.gateway._prefix import CHARS_PER_TOKEN, PrefixIndex
 
 if TYPE_CHECKING:
     from unbroken.gateway._pool import Endpoint, PickRequest
+    from unbroken.gateway._prefix_share import PrefixShare
     from unbroken.gateway._prefix_table import PrefixTable
 
 __all__ = ["AffinitySettings", "CacheAware", "home"]
@@ -126,6 +127,8 @@ class CacheAware(LatencyAware):
         self.index = PrefixIndex(self.a.blocks_per_endpoint, table)
         self.lookup_blocks = 0  # blocks of admitted prompts
         self.hit_blocks = 0  # of those, the leading run the index credited where they went
+        # Other gateway replicas told of each record (`_prefix_share.PrefixShare`), or None.
+        self.share: PrefixShare | None = None
 
     def _col(self, e: Endpoint) -> int | None:
         """`e`'s column in a shared table: its admission column (`_shared.SharedSlot`),
@@ -251,6 +254,14 @@ class CacheAware(LatencyAware):
             self.lookup_blocks += len(hint.blocks)
             self.hit_blocks += hint.cached.get(ep.name, 0)
             self.index.record(ep.name, hint.blocks, self._col(ep))
+            if self.share is not None:
+                self.share.publish(ep.name, hint.blocks)
+
+    def learn(self, ep: Endpoint, blocks: Sequence[int]) -> None:
+        """Another gateway replica sent `blocks` to `ep` (`_prefix_share`): recorded as if
+        sent from here."""
+        if self.a.use_prefix:
+            self.index.record(ep.name, blocks, self._col(ep))
 
     def forget(self, name: str) -> None:
         self.index.forget(name)

@@ -379,6 +379,7 @@ class MainGateway(WorkerProcesses):
         self.port = int(self.listen.getsockname()[1])
         if self.took_over:
             await self._wait_ready_endpoint()
+        await self.start_share(publish=False, subscribe=True, owner_pid=os.getpid())
         await self.start_workers()  # after the admin API: once /health answers, so does it
         log.info(
             "gateway on http://%s:%d (%d workers), admin on http://%s:%d",

@@ -22,10 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._admin import admin_app
 from unbroken.gateway._admission import Admission
+from unbroken.gateway._affinity import CacheAware
 from unbroken.gateway._engine_routes import LORA_ROUTES, RESPONSE_ROUTES
 from unbroken.gateway._headers import request_id
 from unbroken.gateway._metrics import GatewayMetrics
 from unbroken.gateway._pool import Endpoint, Pool, State
+from unbroken.gateway._prefix_share import PrefixShare, replica_id
 from unbroken.gateway._prober import Prober
 from unbroken.gateway._proxy import PASSTHROUGH_ROUTES, Proxy
 from unbroken.gateway._ratelimit import Limiter, TenantTable
@@ -87,6 +89,7 @@ class Gateway:
             shared=shared,
         )
         self.proxy = Proxy(cfg, self.pool, self.admission, None, self._after_release)
+        self.share: PrefixShare | None = None  # `prefix_share_url`: see `start_share`
         self.metrics = GatewayMetrics(self.pool, self.admission, self.proxy.sinks)
         self.proxy.metrics = self.metrics
         self.tenant_table = tenant_table
@@ -219,6 +222,33 @@ class Gateway:
 
     def _on_change(self, ep: Endpoint) -> None:
         self._changed()
+
+    async def start_share(self, *, publish: bool, subscribe: bool, owner_pid: int) -> None:
+        """With `prefix_share_url`: tell other gateway replicas what this process sends
+        where (`publish`: it serves), and record what they send (`subscribe`: it owns the
+        index). The policy must be prefix-aware; others have nothing to share."""
+        url = self.cfg.prefix_share_url
+        policy = _prefix_policy(self.pool.policy)
+        if url is None or policy is None:
+            return
+        self.share = PrefixShare(
+            url,
+            replica_id(owner_pid),
+            self._learn_shared if subscribe else None,
+            bound=self.cfg.prefix_index_blocks,
+        )
+        await self.share.start()
+        if publish:
+            policy.share = self.share
+        log.info("prefix share: %s via %s", "this replica's records and the others'"
+                 if publish and subscribe else "the others' records" if subscribe
+                 else "this process's records", url.split("@")[-1])  # fmt: skip
+
+    def _learn_shared(self, name: str, blocks: list[int]) -> None:
+        ep = self.pool.endpoints.get(name)
+        policy = _prefix_policy(self.pool.policy)
+        if ep is not None and policy is not None and ep.state == State.READY:
+            policy.learn(ep, blocks)
 
     def _on_restart(self, ep: Endpoint) -> None:
         """`ep`'s engine started again at the same address: its KV cache is empty, so the
@@ -419,6 +449,7 @@ class Gateway:
             limits=ServerLimits(cfg.header_timeout_s),
         )
         self._runners = [public, admin]
+        await self.start_share(publish=True, subscribe=True, owner_pid=os.getpid())
         self.port = _bound_port(public) or cfg.port
         self.admin_port = _bound_port(admin) or cfg.admin_port
         log.info(
@@ -492,6 +523,8 @@ class Gateway:
             resp.headers["Connection"] = "close"
 
     async def stop(self) -> None:
+        if self.share is not None:
+            await self.share.close()
         if self.discovery is not None:
             await self.discovery.stop()
         for r in self._runners:
@@ -503,6 +536,13 @@ class Gateway:
         self.proxy.upstream.close()
         if self.proxy.limiter is not None:
             await self.proxy.limiter.close()
+
+
+def _prefix_policy(policy: Any) -> CacheAware | None:
+    """The prefix-aware policy inside `policy` (adapter affinity wraps it), or None."""
+    while policy is not None and not isinstance(policy, CacheAware):
+        policy = getattr(policy, "inner", None)
+    return policy
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

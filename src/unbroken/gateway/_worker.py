@@ -213,6 +213,9 @@ class WorkerGateway(Gateway):
             ),
         )
         self._runners = [self.runner]
+        # Its records go to the other replicas; the main process (its parent, whose pid
+        # names this replica) records theirs into the shared table.
+        await self.start_share(publish=True, subscribe=False, owner_pid=os.getppid())
 
     @property
     def takes_streams(self) -> bool:
