@@ -31,7 +31,9 @@ had to prefill, the time outside the engine); `--json` saves everything.
 
 `--gateway-workers N` runs each unbroken gateway with N worker processes (one port);
 `--gateway-replicas N` runs N gateways side by side, user i on gateway i mod N (what a
-Kubernetes Service in front of N gateway pods does with the clients' connections).
+Kubernetes Service in front of N gateway pods does with the clients' connections);
+`--prefix-share` starts a redis-server for the run and gives the gateways its URL as
+`prefix_share_url` (the replicas tell each other what they sent where).
 
 Without the gateway's --routing flag (before issue 23's policies landed), the latency row runs
 the gateway's default policy and any other gateway policy is refused with a message.
@@ -268,6 +270,8 @@ async def _start_router(
         await until_serving(svc.url)
         return svc
     extra = ("--workers", str(args.gateway_workers))
+    if args.share_config is not None:
+        extra += ("--config", str(args.share_config))
     if args.routing_flag:
         extra += ("--routing", router)
     svc, admin = gateway_service(*urls, args=extra)
@@ -479,6 +483,19 @@ def parse_routers(text: str) -> list[str]:
     return routers
 
 
+def _start_redis(logs: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """`--prefix-share`: a redis-server for the run, and the gateways' config naming it."""
+    port = free_port()
+    redis = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(logs)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    config = logs / "share.yaml"
+    config.write_text(f"prefix_share_url: redis://127.0.0.1:{port}/0\n")
+    return redis, config
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -508,6 +525,11 @@ async def main() -> None:
         help="unbroken gateways side by side in front of the same engines, the users spread "
         "over them (as pods behind a Kubernetes Service), each with --gateway-workers",
     )
+    ap.add_argument(
+        "--prefix-share",
+        action="store_true",
+        help="a redis-server for the run, the gateways' prefix_share_url",
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument("--json", type=Path, help="also save the passes as JSON here")
     args = ap.parse_args()
@@ -530,14 +552,24 @@ async def main() -> None:
         if peer is None:
             print(f"vllm-router: not run: {peer_why}", file=sys.stderr)
     logs = Path(tempfile.mkdtemp(prefix="ub-routing-"))
+    args.share_config = None
+    redis: subprocess.Popen[bytes] | None = None
+    if args.prefix_share:
+        redis, args.share_config = _start_redis(logs)
+        await asyncio.sleep(0.5)
     t_start, load0 = time.monotonic(), os.getloadavg()
     passes: list[Pass] = []
-    for w in workloads:
-        for r in routers:
-            if r.startswith("vllm-router:") and peer is None:
-                passes.append(Pass(w, r, why=peer_why))
-                continue
-            passes.append(await one_pass(w, r, args, logs, peer))
+    try:
+        for w in workloads:
+            for r in routers:
+                if r.startswith("vllm-router:") and peer is None:
+                    passes.append(Pass(w, r, why=peer_why))
+                    continue
+                passes.append(await one_pass(w, r, args, logs, peer))
+    finally:
+        if redis is not None:
+            redis.kill()
+            redis.wait()
     la = os.getloadavg()
     peer_line = f"vllm-router {peer_version(peer)}" if peer else f"vllm-router: {peer_why}"
     print(
@@ -546,7 +578,8 @@ async def main() -> None:
         f"{la[0]:.2f} at the end; {args.engines} engines ({' '.join(ENGINE_ARGS)}), fresh for "
         f"every pass; {args.users} users, {args.duration:g} s per pass ({args.ramp:g} s ramp), "
         f"seed {args.seed}; unbroken gateway --workers {args.gateway_workers} x "
-        f"{args.gateway_replicas} replica(s); {peer_line}; "
+        f"{args.gateway_replicas} replica(s)"
+        f"{' sharing prefixes through Redis' if args.prefix_share else ''}; {peer_line}; "
         f"{time.monotonic() - t_start:.0f} s in all; logs in {logs}"
     )
     for w in workloads:
