@@ -421,7 +421,7 @@ pools:
   - name: primary
     replicas: {min: 1, max: 4}        # autoscaled on the gateway's demand (streams + queue)
     scaling: {target: 48}             # per replica; cool-downs, quiet period: docs/pipeline.md
-    adapters: {sql: /models/adapters/sql}  # vLLM --lora-modules; requests prefer replicas holding it
+    adapters: {sql: /models/adapters/sql}  # vLLM --lora-modules; replicas holding it preferred
   - name: coder
     model: qwen-coder-7b
     replicas: {min: 0, max: 2}        # sleeps until a request for qwen-coder-7b arrives
