@@ -93,6 +93,11 @@ def test_commands_with_nothing_running_say_where(tmp_path: Path) -> None:
         said = " ".join(r.stderr.split())
         assert r.returncode != 0, argv
         assert f"no pipeline is running in {tmp_path / 'empty'}" in said, (argv, said)
+    # A negative count is a range error of the argument, not "No such option: -1".
+    r = cli("scale", "primary", "-1", env=env)
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "greater than or equal to 0" in said, said
+    assert "No such option" not in said, said
 
 
 def test_status_table_never_cuts_names() -> None:

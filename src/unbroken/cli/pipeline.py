@@ -146,10 +146,11 @@ def rollout(
     )
 
 
-@app.command()
+# A negative count is an argument with a range error, not "No such option: -1" (a review).
+@app.command(context_settings={"ignore_unknown_options": True})
 def scale(
     pool: Annotated[str, typer.Argument(help="An autoscaled pool (replicas: {min, max}).")],
-    replicas: Annotated[int, typer.Argument(help="Replicas wanted, within its [min, max].")],
+    replicas: Annotated[int, typer.Argument(min=0, help="Replicas wanted, within its [min, max].")],
 ) -> None:
     """Resize an autoscaled pool of the running `unbroken up` now, as the autoscaler does
     (new replicas through the surge path, a leaving one drained and migrated). The
