@@ -316,15 +316,17 @@ class Pool:
     def remove(self, name: str) -> Endpoint:
         ep = self.endpoints.pop(name)
         ep.set_state(State.GONE)
-        if (forget := getattr(self.policy, "forget", None)) is not None:
-            forget(name)
+        self._forget(name)
         return ep
 
     def restarted(self, ep: Endpoint) -> None:
         """`ep`'s engine is a new process: the policy forgets what it learnt of it (what it
         sent there, which that engine's cache no longer holds) and keeps it a candidate."""
+        self._forget(ep.name)
+
+    def _forget(self, name: str) -> None:
         if (forget := getattr(self.policy, "forget", None)) is not None:
-            forget(ep.name)
+            forget(name)
 
     def admitted(self, ep: Endpoint, model: str, priority: str, hint: RouteHint | None) -> None:
         """A leg was admitted to `ep`: the policy learns it (once per leg; adapter affinity

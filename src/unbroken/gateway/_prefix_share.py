@@ -63,7 +63,7 @@ class PrefixShare:
         self.apply = apply
         self.bound = bound  # blocks per record kept (the index keeps no more per endpoint)
         self._redis: Any = None
-        self._pending: list[tuple[str, list[int]]] = []
+        self._pending: list[tuple[str, Sequence[int]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._down_until = 0.0
@@ -99,7 +99,7 @@ class PrefixShare:
         if len(self._pending) >= MAX_PENDING or time.monotonic() < self._down_until:
             self.dropped += 1
             return
-        self._pending.append((endpoint, list(blocks[: self.bound])))
+        self._pending.append((endpoint, blocks[: self.bound]))  # a list: BlockNames' slice
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send())
 

@@ -231,24 +231,23 @@ class Gateway:
         policy = _prefix_policy(self.pool.policy)
         if url is None or policy is None:
             return
+        endpoints = self.pool.endpoints
+
+        def learn(name: str, blocks: list[int]) -> None:
+            ep = endpoints.get(name)
+            if ep is not None and ep.state == State.READY:
+                policy.learn(ep, blocks)
+
         self.share = PrefixShare(
-            url,
-            replica_id(owner_pid),
-            self._learn_shared if subscribe else None,
-            bound=self.cfg.prefix_index_blocks,
+            url, replica_id(owner_pid), learn if subscribe else None, self.cfg.prefix_index_blocks
         )
         await self.share.start()
         if publish:
             policy.share = self.share
-        log.info("prefix share: %s via %s", "this replica's records and the others'"
-                 if publish and subscribe else "the others' records" if subscribe
-                 else "this process's records", url.split("@")[-1])  # fmt: skip
-
-    def _learn_shared(self, name: str, blocks: list[int]) -> None:
-        ep = self.pool.endpoints.get(name)
-        policy = _prefix_policy(self.pool.policy)
-        if ep is not None and policy is not None and ep.state == State.READY:
-            policy.learn(ep, blocks)
+        what = [
+            w for w, on in (("publishing", publish), ("recording the others'", subscribe)) if on
+        ]
+        log.info("prefix share via %s: %s", url.split("@")[-1], " and ".join(what))
 
     def _on_restart(self, ep: Endpoint) -> None:
         """`ep`'s engine started again at the same address: its KV cache is empty, so the

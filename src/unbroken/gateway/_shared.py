@@ -65,10 +65,9 @@ class SharedCounters:
         self.busy = flat[at + 2 * MAX_WORKERS : at + 3 * MAX_WORKERS]
         self.seen = flat[at + 3 * MAX_WORKERS : at + 4 * MAX_WORKERS]
         at += 4 * MAX_WORKERS
-        self.counts_served = len(flat) >= at + MAX_WORKERS * MAX_ENDPOINTS  # 2026-12-07 on
-        self.served = (
+        self.served = (  # None in an older main process's file (before 2026-12-07)
             flat[at : at + MAX_WORKERS * MAX_ENDPOINTS].reshape(MAX_WORKERS, MAX_ENDPOINTS)
-            if self.counts_served
+            if len(flat) >= at + MAX_WORKERS * MAX_ENDPOINTS
             else None
         )
 
