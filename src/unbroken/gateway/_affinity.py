@@ -165,7 +165,7 @@ class CacheAware(LatencyAware):
             # their count reaches the bound, and then the engine queues or preempts.
             if (
                 h is not None
-                and h.inflight < self._session_bound(candidates)
+                and h.inflight + h.foreign < self._session_bound(candidates)
                 and h.waiting <= 0
                 and h.kv_usage < self.a.session_kv_room
             ):
@@ -188,8 +188,10 @@ class CacheAware(LatencyAware):
     def _session_bound(self, candidates: Sequence[Endpoint]) -> float:
         """In flight a session's home may carry: the mean with this request, with relative
         and absolute slack (without the absolute part, one open stream of three replicas
-        made every home full: a conversation moved at almost every turn; a review's)."""
-        mean = (sum(e.inflight for e in candidates) + 1) / len(candidates)
+        made every home full: a conversation moved at almost every turn; a review's).
+        Counted with what other gateway replicas hold there (`Endpoint.foreign`), so that
+        the replicas agree on which homes are full."""
+        mean = (sum(e.inflight + e.foreign for e in candidates) + 1) / len(candidates)
         return mean * (1.0 + self.a.balance_rel) + self.a.session_slack
 
     def _best(

@@ -80,6 +80,7 @@ class EndpointState(TypedDict):
     error: str | None
     waiting: float
     running: float
+    foreign: float
     kv: float
     progress_at: float
     adapters: dict[str, str]  # adapter affinity (`_adapters`) needs what the prober learned
@@ -207,6 +208,7 @@ def endpoint_state(ep: Endpoint, now: float) -> EndpointState:
         "error": ep.last_error,
         "waiting": ep.waiting,
         "running": ep.running,
+        "foreign": ep.foreign,
         "kv": ep.kv_usage,
         "progress_at": ep.progress_at,
         "adapters": ep.adapters,
@@ -226,6 +228,7 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
     ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
     ep.down = d.get("down", False)  # a main process of an older version sends none
     ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
+    ep.foreign = d.get("foreign", 0.0)  # a main process of an older version sends none
     ep.progress_at = d.get("progress_at", 0.0)
     ep.adapters = d.get("adapters") or {}
     ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None

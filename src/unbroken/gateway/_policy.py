@@ -44,7 +44,7 @@ class Candidate(Protocol):
     def inflight(self) -> int: ...  # this gateway's streams and requests on it
 
     @property
-    def load(self) -> float: ...  # in flight + engine queue + weighted KV use
+    def load(self) -> float: ...  # in flight + engine queue or others' legs + weighted KV use
 
 
 E = TypeVar("E", bound=Candidate)

@@ -148,6 +148,11 @@ class Endpoint:
     lora: LoraInfo | None = None  # scraped vllm:lora_requests_info (None: LoRA off/unknown)
     waiting: float = 0.0  # scraped vllm:num_requests_waiting
     running: float = 0.0  # scraped vllm:num_requests_running
+    # What the engine held beyond this gateway's own legs at the last scrape (running +
+    # waiting - in flight here, at least 0): other gateway replicas' streams, or clients
+    # that go to the engine directly. Each replica counts only its own legs in `inflight`;
+    # this puts the rest into its load score (`load`), so replicas see the same engines.
+    foreign: float = 0.0
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
     # Scraped vllm:generation_tokens_total (-1: not read yet), and when (time.monotonic) a
     # scrape last found it risen: the engine made progress, whatever the gateway sees.
@@ -189,7 +194,17 @@ class Endpoint:
 
     @property
     def load(self) -> float:
-        return self.inflight + self.waiting + KV_WEIGHT * self.kv_usage
+        """This gateway's legs, plus what the engine holds beyond them (`foreign`) or its
+        queue, whichever is larger (the queue alone counted before `foreign`: a queue of
+        another replica's requests is in both), plus its KV cache's fill."""
+        extra = self.waiting if self.waiting > self.foreign else self.foreign
+        return self.inflight + extra + KV_WEIGHT * self.kv_usage
+
+    def scraped(self, waiting: float, running: float, kv_usage: float) -> None:
+        """A /metrics reading: the engine's queue, its running requests, its KV cache's
+        fill; `foreign` from them against this gateway's in-flight count now."""
+        self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+        self.foreign = max(0.0, running + waiting - self.inflight)
 
     def effective_cap(self, default_cap: int) -> int:
         cap = default_cap if self.cap is None else self.cap
@@ -241,6 +256,7 @@ class Endpoint:
             "lora": None if self.lora is None else self.lora.as_dict(),
             "waiting": self.waiting,
             "running": self.running,
+            "foreign": self.foreign,
             "kv_usage": self.kv_usage,
             # vllm:generation_tokens_total at the last scrape (None: not read yet); a fall
             # is an engine restarted in place (the prober's `restarted`).

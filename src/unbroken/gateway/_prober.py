@@ -304,7 +304,8 @@ class Prober:
             return
         if text is None:
             return
-        ep.waiting, ep.running, ep.kv_usage, generated = parse_load(text)
+        waiting, running, kv, generated = parse_load(text)
+        ep.scraped(waiting, running, kv)
         if generated is not None:
             if generated > ep.generated and ep.generated >= 0:
                 ep.progress_at = time.monotonic()
