@@ -412,6 +412,14 @@ def test_gateway_metrics_names(shared_gateway: tuple[Proc, Proc, Proc]) -> None:
     ]:
         metric(g.url, name, **labels)
     assert metric(g.url, "unbroken_gateway_endpoint_state", state="ready") == 2
+    # Requests per endpoint, as vllm-router's processed requests per worker: a counter that
+    # follows what is sent (the shared gateway serves other tests: counted from here).
+    before = metric(g.url, "unbroken_gateway_endpoint_requests_total")
+    for i in range(4):
+        stream(g.url, "/v1/completions", {"model": MODEL, "prompt": f"n{i}", "max_tokens": 2})
+    assert metric(g.url, "unbroken_gateway_endpoint_requests_total") == before + 4
+    text = httpx.get(g.url + "/metrics").text
+    assert "# TYPE unbroken_gateway_endpoint_requests_total counter" in text
 
 
 def test_long_header_lines_as_vllm_takes_them(shared_gateway: tuple[Proc, Proc, Proc]) -> None:

@@ -132,6 +132,9 @@ def test_cap_holds_across_workers(tmp_path: Path, eng: Proc) -> None:
             assert cpu_ticks(pid) - before[pid] >= 5, (pid, before)
         # One gateway on /metrics: 72 requests counted once, whichever worker served them.
         assert metric(g.url, "unbroken_gateway_requests_total", status="200") == 72
+        # Per endpoint too: the main process's count over the shared table, not once per
+        # worker (each worker sees the same shared total).
+        assert metric(g.url, "unbroken_gateway_endpoint_requests_total") == 72
         assert metric(g.url, "unbroken_gateway_workers", state="serving") == 3
         assert metric(g.url, "unbroken_gateway_inflight") == 0
     finally:

@@ -44,7 +44,8 @@ class _PrefixCollector(Collector):
 
 
 class _PoolCollector(Collector):
-    """Per-endpoint gauges (in flight, cap, load, state, health, condition, slow clients),
+    """Per-endpoint gauges (in flight, cap, load, state, health, condition, slow clients)
+    and requests served,
     the queue's depth by priority, the streams and their buffered bytes, and each pool's
     demand (the autoscaling signal)."""
 
@@ -53,7 +54,7 @@ class _PoolCollector(Collector):
         self.admission = admission
         self.sinks = sinks
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["endpoint", "pool"]
         inflight = GaugeMetricFamily(
             "unbroken_gateway_inflight", "Requests in flight per endpoint.", labels=labels
@@ -63,7 +64,8 @@ class _PoolCollector(Collector):
         )
         load = GaugeMetricFamily(
             "unbroken_gateway_endpoint_load",
-            "Load score used for picking (in-flight + waiting + KV).",
+            "Load score used for picking (in-flight + the engine queue or other gateways' "
+            "legs + KV).",
             labels=labels,
         )
         state = GaugeMetricFamily(
@@ -86,8 +88,18 @@ class _PoolCollector(Collector):
             "Streams of this endpoint whose client is behind by 64 KiB or more.",
             labels=labels,
         )
+        # A counter read at scrape time: the legs admitted ever, in every worker (the shared
+        # table's count, which only the main process reports: `_metrics_merge.MAIN_ONLY`).
+        served = CounterMetricFamily(
+            "unbroken_gateway_endpoint_requests",
+            "Legs admitted to the endpoint (requests, their retries and continuations), as "
+            "vllm-router's vllm_router_processed_requests_total per worker; starts again "
+            "when an endpoint is removed and added back.",
+            labels=labels,
+        )
         for e in list(self.pool.endpoints.values()):
             lv = [e.name, e.pool]
+            served.add_metric(lv, e.slot.served())
             for c in CONDITIONS:
                 condition.add_metric([*lv, c], 1 if e.condition == c else 0)
             slow.add_metric(lv, e.slow_clients)
@@ -130,6 +142,7 @@ class _PoolCollector(Collector):
             healthy,
             condition,
             slow,
+            served,
             depth,
             buffered,
             streams,

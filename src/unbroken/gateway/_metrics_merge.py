@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["PER_WORKER_GAUGES", "merge_expositions", "retire"]
+__all__ = ["MAIN_ONLY", "PER_WORKER_GAUGES", "merge_expositions", "retire"]
 
 
 # Gauges that each worker holds for its own streams: the gateway's value is their sum. Every
@@ -26,6 +26,11 @@ PER_WORKER_GAUGES = frozenset(
 )
 
 
+# Counters that the main process reads from the shared table for the whole gateway (every
+# worker's serving process reports the same total): taken from the main process alone.
+MAIN_ONLY = frozenset({"unbroken_gateway_endpoint_requests"})
+
+
 _Families = dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]]
 
 
@@ -36,7 +41,13 @@ def merge_expositions(main: str, workers: list[str], retired: str = "") -> str:
     fams: _Families = {}
     _add(fams, main, lambda typ, name: True, summed=False)
     for text in (*workers, retired):
-        _add(fams, text, lambda typ, name: typ in _SUMMED or name in PER_WORKER_GAUGES)
+        _add(
+            fams,
+            text,
+            lambda typ, name: (
+                (typ in _SUMMED and name not in MAIN_ONLY) or name in PER_WORKER_GAUGES
+            ),
+        )
     return _render(fams)
 
 
@@ -46,7 +57,7 @@ def retire(retired: str, worker: str) -> str:
     no stream any more)."""
     fams: _Families = {}
     for text in (retired, worker):
-        _add(fams, text, lambda typ, name: typ in _SUMMED)
+        _add(fams, text, lambda typ, name: typ in _SUMMED and name not in MAIN_ONLY)
     return _render(fams)
 
 
