@@ -68,6 +68,9 @@ class TenantSpec(_Spec):
     priority: Priority = "standard"
     weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
     limits: TenantLimits = Field(default_factory=TenantLimits)
+    # May call `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (which change what
+    # every tenant is served): off unless the spec says so (403 otherwise).
+    manage_adapters: bool = False
 
     @field_validator("api_keys")
     @classmethod

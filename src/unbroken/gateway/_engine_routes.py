@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -28,6 +28,8 @@ from unbroken.wire.openai import usage_of
 from unbroken.wire.sse import SSEDecoder
 
 if TYPE_CHECKING:
+    from unbroken.config.spec import GatewaySettings
+    from unbroken.config.tenants import TenantSpec
     from unbroken.gateway._headers import Headers
     from unbroken.gateway._ratelimit import Lease
     from unbroken.gateway._tenancy import Tenancy
@@ -120,6 +122,7 @@ class StreamScan:
 class EngineRoutes:
     """The handlers of `RESPONSE_ROUTES` and `LORA_ROUTES`; a part of `Handlers`."""
 
+    cfg: GatewaySettings
     pool: Pool
     session: aiohttp.ClientSession | None
     headers: Headers
@@ -189,23 +192,65 @@ class EngineRoutes:
         engines' models read again so the adapter is routable at once. 200 when every
         replica took it; otherwise the first refusal, as its engine gave it. A replica that
         joins later does not have it: adapters meant to stay belong in the spec's
-        `adapters:` (docs/gateway.md)."""
-        if self.tenancy.tenants is not None:
-            self.tenancy.resolve(request)
-        assert self.session is not None
-        body = await request.read()
+        `adapters:` (docs/gateway.md).
+
+        What is served changes for every client, so with tenants only a tenant with
+        `manage_adapters` may call it (403 otherwise), and the call is one of its requests
+        (its limits, its metrics). A load may not take a name the gateway serves or the spec
+        declares as something else (a base model, an alias, another base's adapter): 400."""
+        tenant: TenantSpec | None = None
+        lease: Lease | None = None
+        status = 500
         try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise ApiError(400, "the body must be a JSON object", code="invalid_body")
+            if self.tenancy.tenants is not None:
+                tenant = self.tenancy.resolve(request)
+                if not tenant.manage_adapters:
+                    raise ApiError(
+                        403,
+                        "This API key may not load or unload LoRA adapters: that changes what "
+                        "every client is served, which needs a tenant with "
+                        "`manage_adapters: true` in the gateway's tenants.",
+                        code="permission_denied",
+                    )
+            assert self.session is not None
+            body = await request.read()
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
+            if not isinstance(obj, dict):
+                raise ApiError(400, "the body must be a JSON object", code="invalid_body")
+            targets = self._lora_targets(obj, load=request.path == "/v1/load_lora_adapter")
+            # One of the tenant's requests, as any other (429 over a limit); its headers go
+            # on the answer below.
+            hdrs: dict[str, str] = {}
+            lease = await self.tenancy.admit(tenant, hdrs)
+            self.headers.rate.pop(id(hdrs), None)
+            resp = await self._apply(request, targets, orjson.dumps(obj))
+            status = resp.status
+            if lease is not None and lease.headers:
+                resp.headers.update(lease.headers)
+            return resp
+        except ApiError as e:
+            status = e.status
+            self.tenancy.rate_headers(e, lease)
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.tenancy.done(tenant, lease, status)
+
+    def _lora_targets(self, obj: dict[str, Any], *, load: bool) -> list[Endpoint]:
+        """The ready replicas of the adapter's base (the body's `model`, popped from it):
+        400 when it is needed and missing, or when a load would take another thing's name;
+        404 for an unknown base; 503 when none is ready."""
         base_model = obj.pop("model", None)
         ready = [e for e in self.pool.endpoints.values() if e.state == State.READY and e.healthy]
         groups = {frozenset(e.models - e.adapters.keys()) for e in ready}
         if base_model is None:
             if len(groups) > 1:
-                names = ", ".join(sorted(min(g) for g in groups if g))
+                names = ", ".join(sorted(self._base_name(g) for g in groups if g))
                 raise ApiError(
                     400,
                     f"several base models are served ({names}): name the adapter's base in `model`",
@@ -226,7 +271,23 @@ class EngineRoutes:
             raise ApiError(
                 503, "no endpoint is ready yet", code="no_endpoint", headers={"Retry-After": "1"}
             )
-        data = orjson.dumps(obj)
+        name = obj.get("lora_name")
+        if load and isinstance(name, str):
+            bases = frozenset[str]().union(*(e.models - e.adapters.keys() for e in targets))
+            if (taken := self._taken(name, bases)) is not None:
+                raise ApiError(
+                    400,
+                    f"The adapter name `{name}` is taken: it is {taken}, and a request for "
+                    f"`{name}` must keep reaching it. Load the adapter under another name.",
+                    param="lora_name",
+                    code="adapter_name_taken",
+                )
+        return targets
+
+    async def _apply(
+        self, request: web.Request, targets: list[Endpoint], data: bytes
+    ) -> web.Response:
+        """The adapter call on every target, then the engines' models read again."""
         headers = {"Content-Type": "application/json"}
         answers = await asyncio.gather(
             *(self._call(request.method, e, request.path, data, headers) for e in targets)
@@ -249,6 +310,46 @@ class EngineRoutes:
             )
             return failed[0][1]
         return answers[0]
+
+    def _spec_bases(self) -> list[str]:
+        """The base model of each pool of the spec (its first name; the others are its
+        aliases and adapters)."""
+        return [names[0] for names in self.pool.pool_models.values() if names]
+
+    def _base_name(self, group: frozenset[str]) -> str:
+        """A group of names one engine serves (its model and aliases) by its model's name,
+        as /v1/models names it (an adapter's `parent`): the spec's model, else the parent
+        its engines' adapters give, else every name of the group."""
+        for b in self._spec_bases():
+            if b in group:
+                return b
+        parents = {p for e in self.pool.endpoints.values() for p in e.adapters.values()}
+        if len(found := parents & group) == 1:
+            return next(iter(found))
+        return " / ".join(sorted(group))
+
+    def _taken(self, name: str, bases: frozenset[str]) -> str | None:
+        """Why an adapter `name` loaded on the base `bases` (its model and aliases) would
+        take another thing's name, or None: a base model or alias an engine serves or the
+        spec declares, or an adapter of another base (live, or declared in the spec). An
+        adapter of the same base is the engine's to answer (already loaded, or a reload of
+        a spec adapter that was unloaded)."""
+        cards = self.cfg.adapter_cards
+        for e in self.pool.endpoints.values():
+            if e.state == State.GONE:
+                continue
+            if name in e.models and name not in e.adapters:
+                return "a model the gateway serves"
+            parent = e.adapters.get(name)
+            if parent is not None and parent not in bases:
+                return f"an adapter of `{parent}`"
+        for pool, names in self.pool.pool_models.items():
+            if name in names and name not in cards:
+                return f"a model the spec declares (pool {pool})"
+        card = cards.get(name)
+        if card is not None and card.get("parent") not in bases:
+            return f"an adapter of `{card.get('parent')}` in the spec"
+        return None
 
     async def _call(
         self, method: str, ep: Endpoint, path: str, data: bytes, headers: dict[str, str]

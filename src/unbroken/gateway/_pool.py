@@ -360,16 +360,31 @@ class Pool:
         return self.routes.get(priority) or self.pool_order
 
     def known_models(self) -> set[str]:
-        """What live replicas serve, and what the spec says every pool serves."""
+        """What live replicas serve, and what the spec says a sleeping pool serves (one
+        with no ready replica: autoscaled to 0, or waking). A name the spec gives a pool
+        that is up but none of whose ready replicas lists it (a spec adapter unloaded at
+        runtime) is not served: OpenAI's 404, as vLLM answers, not a wait for a wake-up
+        that never comes."""
         live: set[str] = set().union(*(e.models for e in self.endpoints.values()))
-        return live.union(*self.pool_models.values())
+        return live.union(*(n for p, n in self.pool_models.items() if not self._awake(p)))
+
+    def _awake(self, pool: str) -> bool:
+        """Has `pool` a ready replica whose models were read (what it serves is known)?"""
+        return any(
+            e.pool == pool and e.state == State.READY and e.models for e in self.endpoints.values()
+        )
 
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self.endpoints.values() if e.state != State.GONE)
 
     def configured(self, model: str) -> str | None:
-        """The first pool the spec says serves `model`, whether or not it runs now."""
-        return next((p for p, names in self.pool_models.items() if model in names), None)
+        """The first sleeping pool (no ready replica: `known_models`) the spec says serves
+        `model`; None when every pool that declares it is up (then a ready replica lists
+        it, or it is not served)."""
+        return next(
+            (p for p, names in self.pool_models.items() if model in names and not self._awake(p)),
+            None,
+        )
 
     def configure(self, pool_models: dict[str, list[str]]) -> None:
         self.pool_models = {p: list(n) for p, n in pool_models.items()}
