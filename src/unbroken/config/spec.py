@@ -377,6 +377,8 @@ class EngineSpec(_Spec):
 
 
 class ReplicaRange(_Spec):
+    """An autoscaled pool's range, written `replicas: {min, max}` (at most 64 replicas)."""
+
     min: Annotated[int, Field(ge=0, le=64)] = 1
     max: Annotated[int, Field(ge=1, le=64)]
 
@@ -388,10 +390,13 @@ class ReplicaRange(_Spec):
 
 
 class ScalingSpec(_Spec):
-    """How an autoscaled pool (`replicas: {min, max}`) sizes itself (pipeline/autoscale.py).
-    The signal is the gateway's own view, read every `interval_s`: the pool's demand, its
-    streams in flight plus those queued for it (`unbroken_pool_demand`), per replica,
-    against `target`, as Kubernetes' HPA does: desired = ceil(demand / target)."""
+    """How an autoscaled pool (`replicas: {min, max}`) sizes itself (controller/autoscale.py
+    decides). The signal is the gateway's own view, read every `interval_s`: the pool's
+    demand, its streams in flight plus those queued for it
+    (`unbroken_gateway_pool_demand`), per replica, against `target`, as Kubernetes' HPA
+    does: desired = ceil(demand / target). `target` may not exceed the pool's cap (checked
+    by PipelineSpec): a replica never holds more than its cap, so demand over the cap queues
+    in the gateway and a higher target would never scale the pool out."""
 
     target: Annotated[float, Field(gt=0)] = 48.0
     interval_s: Annotated[float, Field(gt=0, le=10)] = 0.5
@@ -467,8 +472,25 @@ class PoolSpec(_Spec):
         if isinstance(r, dict):
             if data.get("autoscale") is not None:
                 raise ValueError("give the range as replicas: {min, max} or autoscale, not both")
-            data["autoscale"] = r
-            data["replicas"] = r.get("min", 1) if isinstance(r.get("min", 1), int) else r
+            # Validated here, so that a mistake is reported once and where it was written
+            # (`pools.0.replicas.min`), not under `autoscale`, a key the user never wrote.
+            try:
+                rng = ReplicaRange.model_validate(r)
+            except ValidationError as e:
+                raise ValidationError.from_exception_data(
+                    e.title,
+                    [
+                        {
+                            "type": err["type"],
+                            "loc": ("replicas", *err["loc"]),
+                            "input": err["input"],
+                            **({"ctx": err["ctx"]} if "ctx" in err else {}),
+                        }
+                        for err in e.errors()
+                    ],
+                ) from None
+            data["autoscale"] = rng
+            data["replicas"] = rng.min
         return data
 
     @model_validator(mode="after")
@@ -476,6 +498,13 @@ class PoolSpec(_Spec):
         a = self.autoscale
         if a is not None and not a.min <= self.replicas <= a.max:
             raise ValueError(f"replicas ({self.replicas}) must lie in [{a.min}, {a.max}]")
+        if a is None and self.scaling != ScalingSpec():
+            # Autoscaled pools only: on a fixed pool it would be ignored without a word.
+            raise ValueError(
+                f"scaling: is for autoscaled pools only, and this pool has a fixed size "
+                f"(replicas: {self.replicas}): give it a range (replicas: {{min: M, max: N}}) "
+                "or drop scaling"
+            )
         names = [a.name for a in self.adapters]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -574,7 +603,29 @@ class PipelineSpec(_Spec):
                 raise ValueError(
                     f"gateway.routes.{prio} names unknown pool(s): {', '.join(unknown)}"
                 )
+        self._check_targets()
         return self
+
+    def _check_targets(self) -> None:
+        """An autoscaled pool's `scaling.target` must not exceed its cap (the pool's `cap`,
+        else `gateway.default_cap`): the gateway never sends a replica more than its cap, so
+        demand above the cap waits in the gateway's queue, and a pool sized for more per
+        replica than that would leave requests queued with replicas to spare (a review)."""
+        for i, p in enumerate(self.pools):
+            if p.autoscale is None:
+                continue
+            cap = p.cap if p.cap is not None else self.gateway.default_cap
+            if p.scaling.target > cap:
+                target = f"{p.scaling.target:g}"
+                if "target" not in p.scaling.model_fields_set:
+                    target += ", the default"
+                where = f"cap ({cap})" if p.cap is not None else f"cap ({cap}, gateway.default_cap)"
+                raise ValueError(
+                    f"pools.{i} ({p.name}): scaling.target ({target}) exceeds its {where}: "
+                    f"a replica never holds more than {cap} streams, so demand over that "
+                    "queues in the gateway and the pool would never scale out; set "
+                    f"scaling.target to at most {cap}, or raise the cap"
+                )
 
     def _check_served_names(self) -> None:
         """A name (model, alias or adapter) means one model: two pools may both serve it
