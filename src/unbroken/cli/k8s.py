@@ -125,9 +125,12 @@ def render_k8s(
     )
     from rich.markup import escape
 
+    from unbroken.k8s.autoscale import autoscale_cautions
+    from unbroken.k8s.manifests import SCRAPE_S
     from unbroken.k8s.render import vllm_cautions
 
     lines = vllm_cautions(pipeline) if engine == "vllm" else []
+    lines += autoscale_cautions(pipeline, autoscaler=autoscaler, engine=engine, scrape_s=SCRAPE_S)
     if pipeline.rate_limit.store == "local":
         from unbroken.config.tenants import local_overruns
 

@@ -13,7 +13,13 @@ The rule is the HPA's, with its guards:
 - down only after demand has wanted fewer replicas for `down_quiet_s` without a break, one
   replica at a time, at most every `down_cooldown_s`;
 - demand a pool at `max` cannot hold spills to the next pool of the same model (a sleeping
-  fallback tier wakes when the primary is full), as the gateway's routes spill requests;
+  fallback tier wakes when the primary is full), as the gateway's routes spill requests:
+  what the pool holds at `max` is max x its cap (the gateway sends a replica at most `cap`
+  streams and moves a request to a later pool only when every replica of the first is at
+  its cap), so the fallback wakes only for demand the gateway will really send it. Its
+  SLO spill ("SLO-aware spill to the fallback tier", docs/gateway.md) only moves work to a
+  pool that already has replicas; it never wakes one. Without a cap (`PoolScaling.cap`
+  None) the room is max x target, as before;
 - contention is not load: while a replica of the pool is contended (the controller caps and
   routes around it), scaling holds, so the pool is not grown on the same node because its
   cap was lowered, nor shrunk while it recovers.
@@ -39,6 +45,14 @@ class PoolScaling:
     down_cooldown_s: float = 10.0
     floor: int = 0  # the controller's min_full_replicas, on its model's carrier pool
     spill_to: str | None = None  # the next pool of the same model in route order
+    # The gateway's in-flight cap per replica (the pool's `cap`, else `gateway.default_cap`):
+    # the pool at `max` holds max x cap before the gateway moves work to `spill_to`.
+    cap: int | None = None
+
+    @property
+    def room(self) -> float:
+        """The demand the pool holds at `max` before any spills to the next pool."""
+        return self.max * (self.cap if self.cap is not None else self.target)
 
 
 @dataclass(frozen=True)
@@ -77,14 +91,14 @@ class Autoscaler:
 
     def wanted(self, demand: dict[str, float]) -> dict[str, tuple[int, float]]:
         """Per pool, (replicas its demand wants before guards, the demand counted), with
-        what a pool at `max` cannot hold spilled down its chain."""
+        what a pool at `max` cannot hold (`PoolScaling.room`) spilled down its chain."""
         demand = dict(demand)
         out: dict[str, tuple[int, float]] = {}
         for p in self.pools:  # spec order: a primary before its fallback
             d = max(0.0, demand.get(p.name, 0.0))
             raw = math.ceil(d / p.target - 1e-9) if d > 0 else 0
-            if raw > p.max and p.spill_to is not None:
-                demand[p.spill_to] = demand.get(p.spill_to, 0.0) + d - p.max * p.target
+            if p.spill_to is not None and d > p.room:
+                demand[p.spill_to] = demand.get(p.spill_to, 0.0) + d - p.room
             out[p.name] = (raw, d)
         return out
 

@@ -29,6 +29,7 @@ __all__ = [
     "KEDA_API",
     "adapter_rule",
     "adapter_rules",
+    "autoscale_cautions",
     "autoscaled",
     "behavior",
     "demand_query",
@@ -95,20 +96,29 @@ def spill_chain(spec: PipelineSpec, pool: PoolSpec) -> list[PoolSpec]:
         chain.insert(0, prev)
 
 
+def cap_of(spec: PipelineSpec, pool: PoolSpec) -> int:
+    """The pool's in-flight cap per engine, over every gateway pod together (their shares
+    add up to it, docs/kubernetes.md): its `cap`, else `gateway.default_cap`."""
+    return pool.cap if pool.cap is not None else spec.gateway.default_cap
+
+
 def wanted_query(namespace: str, spec: PipelineSpec, pool: PoolSpec) -> str:
     """PromQL of the demand the pool is sized for: its own, plus what the pools before it
-    in its spill chain cannot hold at their `max` (demand above max x target, never below
-    0). Without it a same-model fallback at `min: 0` would never wake on a cluster: while
-    it has no replica, the gateway counts the requests queued for its model toward the
-    first pool of their route, the full primary (gateway/_admission.py, `_wants`), and
-    the fallback's own demand stays 0 (the local autoscaler spills the same way,
-    controller/autoscale.py)."""
+    in its spill chain cannot hold at their `max` (demand above max x cap, never below 0).
+    Without it a same-model fallback at `min: 0` would never wake on a cluster: while it
+    has no replica, the gateway counts the requests queued for its model toward the first
+    pool of their route, the full primary (gateway/_admission.py, `_wants`), and the
+    fallback's own demand stays 0 (the local autoscaler spills the same way,
+    controller/autoscale.py). The room is max x cap, not max x target: the gateway moves
+    a request to a later pool only when every replica of the first holds its cap, so
+    demand above max x target but under max x cap would wake a fallback that then gets
+    nothing (a review: a GPU node and a vLLM start for no request)."""
     chain = spill_chain(spec, pool)
     q = demand_query(namespace, chain[0].name)
     for prev, nxt in itertools.pairwise(chain):
         a = prev.autoscale
         assert a is not None
-        room = a.max * prev.scaling.target
+        room = a.max * cap_of(spec, prev)
         q = f"{demand_query(namespace, nxt.name)} + clamp_min({q} - {room:g}, 0)"
     return q
 
@@ -280,3 +290,60 @@ def adapter_rules(meta: Obj) -> Obj:
             "values.yaml": yaml.safe_dump({"rules": {"external": [rule]}}, sort_keys=False),
         },
     }
+
+
+def autoscale_cautions(
+    spec: PipelineSpec, *, autoscaler: str, engine: str, scrape_s: int
+) -> list[str]:
+    """What the render changes or cannot keep of the spec's autoscaling, said at render
+    rather than found on the cluster (a review): a `min: 0` the chosen autoscaler cannot
+    keep; a sleeping vLLM pool whose first requests would time out in the gateway's queue
+    before it wakes; scaling periods the HPA's API bounds cut."""
+    out: list[str] = []
+    for pool in spec.pools:
+        a = pool.autoscale
+        if a is None:
+            continue
+        if a.min == 0 and autoscaler != "keda":
+            what = (
+                "its HPA gets minReplicas: 1 (a plain HPA cannot scale from 0)"
+                if autoscaler == "hpa"
+                else "it runs at a fixed 1 replica (no autoscaler)"
+            )
+            out.append(
+                f"pool {pool.name}: min: 0 does not sleep with --autoscaler {autoscaler}: "
+                f"{what}, an always-on engine pod; render with --autoscaler keda to let it "
+                "sleep"
+            )
+        if autoscaler == "none":
+            continue
+        if a.min == 0 and autoscaler == "keda" and engine == "vllm":
+            # KEDA's poll and the scrape, then the engine's start (its own estimate).
+            wake = 2 * scrape_s + pool.engine.health_timeout_s
+            qt = spec.gateway.queue_timeout_s
+            if qt < wake:
+                out.append(
+                    f"pool {pool.name}: min: 0 sleeps, and a request that wakes it waits in "
+                    f"the gateway's queue for at most gateway.queue_timeout_s ({qt:g} s), "
+                    f"less than a wake: KEDA's poll and the scrape (up to {2 * scrape_s} s) "
+                    f"plus a vLLM start (engine.health_timeout_s: "
+                    f"{pool.engine.health_timeout_s:g} s); its first requests would get 429 "
+                    f"queue_timeout: set gateway.queue_timeout_s to at least {math.ceil(wake)}"
+                    ", or give the pool min: 1"
+                )
+        s = pool.scaling
+        cut = []
+        if s.down_quiet_s > _WINDOW_MAX:
+            cut.append(
+                f"down_quiet_s {s.down_quiet_s:g} s -> stabilizationWindowSeconds {_WINDOW_MAX}"
+            )
+        for name in ("down_cooldown_s", "up_cooldown_s"):
+            v = getattr(s, name)
+            if v > _PERIOD_MAX:  # (below 1 s it is 1 s: no different to a user)
+                cut.append(f"{name} {v:g} s -> periodSeconds {_PERIOD_MAX}")
+        if cut:
+            out.append(
+                f"pool {pool.name}: the HPA's API bounds cut scaling settings on the cluster "
+                f"({'; '.join(cut)}), while `unbroken up` keeps them as written"
+            )
+    return out
