@@ -510,10 +510,10 @@ def test_scale_by_hand_reaches_its_target_and_a_last_replica_keeps_its_streams(
     u = Up(tmp_path, spec)
     try:
         r = u.run("scale", "hand", "3")
-        assert r.returncode == 0 and "0 -> 3 replica(s)" in r.stderr, r.stdout + r.stderr
+        assert r.returncode == 0 and "0 -> 3 replica(s)" in r.stdout, r.stdout + r.stderr
         r = u.run("scale", "hand", "1")
-        assert r.returncode == 0 and "3 -> 1 replica(s)" in r.stderr, r.stdout + r.stderr
-        assert len(r.stderr.split("removed ")[1].split(",")) == 2, r.stderr
+        assert r.returncode == 0 and "3 -> 1 replica(s)" in r.stdout, r.stdout + r.stderr
+        assert len(r.stdout.split("removed ")[1].split(",")) == 2, r.stdout  # result: stdout
         assert _pools(u)["hand"]["live"] == 1
         result: list[tuple[int, str, bool]] = []
         body = {"model": MODEL, "prompt": "last one", "max_tokens": 150, "temperature": 0}
@@ -523,7 +523,7 @@ def test_scale_by_hand_reaches_its_target_and_a_last_replica_keeps_its_streams(
         t0 = time.monotonic()
         r = u.run("scale", "hand", "0")
         t.join(60)
-        assert r.returncode == 0 and "1 -> 0 replica(s)" in r.stderr, r.stdout + r.stderr
+        assert r.returncode == 0 and "1 -> 0 replica(s)" in r.stdout, r.stdout + r.stderr
         assert result and result[0] == (200, expected_completion("last one", 150).text, True)
         assert time.monotonic() - t0 > 1.0  # it waited for the stream, past the 1 s deadline
         assert _pools(u)["hand"]["live"] == 0

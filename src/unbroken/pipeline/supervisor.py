@@ -140,6 +140,7 @@ class Supervisor:
         self.stopped = asyncio.Event()  # set when the pipeline should end (gateway exit 0)
         self.change_lock = asyncio.Lock()  # rollouts, conversions, scaling, reloads: one at a time
         self.scaling: str | None = None  # the resize under way ("pool -> n"), if any
+        self.resizing: tuple[str, int] | None = None  # the same as (pool, n)
         self._tasks: set[asyncio.Task[Any]] = set()
         # The parts.
         self.statelock = StateLock(state)
@@ -265,10 +266,12 @@ class Supervisor:
 
         async with self.change_lock:
             self.scaling = f"{req.pool} -> {req.replicas}"
+            self.resizing = (req.pool, req.replicas)
             try:
                 return await run_scale(self, req, progress)
             finally:
                 self.scaling = None
+                self.resizing = None
                 self.save_plane()
 
     async def drain(self, req: Any, progress: Progress) -> dict[str, Any]:
@@ -349,24 +352,28 @@ class Supervisor:
             "gateway_pid": self.gateway.proc.pid if self.gateway.proc else None,
             # A replica that exited is on its way out (replaced or retried): not listed.
             "replicas": [r.as_dict() for r in self.replicas.values() if r.alive],
-            "pools": {
-                p.name: {
-                    "declared": p.replicas,
-                    "live": self.replica_set.serving(p.name),
-                    **(
-                        {"min": p.autoscale.min, "max": p.autoscale.max, "scaling": self.scaling}
-                        if p.autoscale
-                        else {}
-                    ),
-                }
-                for p in self.spec.pools
-            },
+            "pools": {p.name: self._pool_status(p) for p in self.spec.pools},
             "replacing": dict(self.replica_set.replacing),
             "restarts": self.restarts,
             "gateway": gw,
             "events": self.events[-50:],
             **await self.companions.status(),
         }
+
+    def _pool_status(self, p: PoolSpec) -> dict[str, Any]:
+        """A pool in `status`: an autoscaled one also with its range and, while a resize of
+        this pool (not another's) is under way, `scaling` ("pool -> n") and `wanted`, the
+        size it goes to; else `wanted` is the declared size."""
+        out: dict[str, Any] = {"declared": p.replicas, "live": self.replica_set.serving(p.name)}
+        if p.autoscale:
+            mine = self.resizing is not None and self.resizing[0] == p.name
+            out |= {
+                "min": p.autoscale.min,
+                "max": p.autoscale.max,
+                "scaling": self.scaling if mine else None,
+                "wanted": self.resizing[1] if mine and self.resizing else p.replicas,
+            }
+        return out
 
     def pools_summary(self) -> dict[str, Any]:
         """The pools as the autoscaler needs them (GET /pools), without asking the gateway."""
@@ -382,6 +389,9 @@ class Supervisor:
                     "live": self.replica_set.serving(p.name),
                     "autoscale": p.autoscale.model_dump() if p.autoscale else None,
                     "scaling": p.scaling.model_dump(),
+                    # The gateway's cap per replica: what a replica holds before the gateway
+                    # spills to the next pool (controller/autoscale.py, PoolScaling.cap).
+                    "cap": p.cap if p.cap is not None else self.spec.gateway.default_cap,
                 }
                 for p in self.spec.pools
             ],

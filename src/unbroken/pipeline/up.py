@@ -257,7 +257,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         if "min" not in p:
             continue
         line = (
-            f"autoscale {name}: {p['live']} live, {p['declared']} wanted, "
+            f"autoscale {name}: {p['live']} live, {p.get('wanted', p['declared'])} wanted, "
             f"in [{p['min']}, {p['max']}]"
         )
         if p.get("scaling"):
@@ -458,7 +458,8 @@ def scale_cli(pool: str, replicas: int, *, console: Console) -> int:
     for key in ("added", "removed"):
         if res.get(key):
             line += f"; {key} {', '.join(res[key])}"
-    console.print(line, markup=False)
+    # The result on stdout, for `out=$(unbroken scale ...)`; warnings and errors on stderr.
+    print(line, flush=True)
     if res.get("limited"):
         console.print(f"warning: {res['limited']}", markup=False)
     if not res.get("ok"):
