@@ -32,6 +32,7 @@ __all__ = [
     "autoscale_cautions",
     "autoscaled",
     "behavior",
+    "cap_of",
     "demand_query",
     "drain_deadline",
     "horizontal_pod_autoscaler",
