@@ -47,6 +47,7 @@ __all__ = [
     "RateLimited",
     "RedisStore",
     "TenantTable",
+    "TooLarge",
     "cap_share",
     "reset_text",
 ]
@@ -113,6 +114,31 @@ class RateLimited(ApiError):
         self.reason = reason
 
 
+class TooLarge(RateLimited):
+    """429 for a request whose own token estimate exceeds its tenant's per-minute token
+    limit, as OpenAI's "Request too large": waiting cannot make it fit, so no Retry-After
+    (the openai client would wait and be refused again); the x-ratelimit headers only."""
+
+    def __init__(
+        self, tenant: str, reason: str, limit: int, requested: int, hdrs: dict[str, str]
+    ) -> None:
+        fix = (
+            "Lower max_tokens (or n): a request's max_tokens x n must fit within the limit."
+            if reason == "completion_tokens_per_minute"
+            else "Shorten the prompt: a request's prompt must fit within the limit."
+        )
+        ApiError.__init__(
+            self,
+            429,
+            f"Request too large for tenant {tenant} on {_WHAT[reason]} (TPM): Limit {limit}, "
+            f"Requested {requested}. {fix}",
+            type="tokens",
+            code="rate_limit_exceeded",
+            headers=dict(hdrs),
+        )
+        self.reason = reason
+
+
 @dataclass(slots=True)
 class Lease:
     """One admitted request of a tenant: what it has been charged, where it is counted."""
@@ -175,6 +201,12 @@ class Limiter:
         per_min, conc = self.limits(name)
         if all(v is None for v in per_min) and conc is None:
             return lease
+        for k in (1, 2):
+            # A request larger than the whole limit could never be admitted in full: its own
+            # estimate (prompt length / 4; max_tokens x n) is refused at once, as OpenAI does.
+            v, want = per_min[k], math.ceil(estimate[k - 1] - 1e-9)
+            if v is not None and want > v:
+                raise TooLarge(name, LIMIT_KEYS[k], v, want, self.headers_now(name))
         shares = [self.share(v) for v in per_min]
         store = self.store
         if store is not None and store.usable():
