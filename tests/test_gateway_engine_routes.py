@@ -123,7 +123,7 @@ def two(tmp_path: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
                         "api_keys": [key_digest(KEY)],
                         "limits": {"completion_tokens_per_minute": 45},
                     },
-                    {"name": "free", "api_keys": [key_digest(FREE)]},
+                    {"name": "free", "api_keys": [key_digest(FREE)], "manage_adapters": True},
                 ],
                 "routing": "round_robin",
                 "endpoint_header": True,

@@ -16,7 +16,7 @@ import yaml
 from unbroken.config.spec import parse_spec
 from unbroken.controller.autoscale import Autoscaler, PoolScaling
 from unbroken.k8s import RenderOptions, render
-from unbroken.k8s.autoscale import DEMAND_METRIC, spill_chain
+from unbroken.k8s.autoscale import DEMAND_METRIC, cap_of, spill_chain
 
 NS = "llm"
 
@@ -26,15 +26,28 @@ def _spec() -> Any:
         {
             "model": "m",
             "pools": [
-                {"name": "primary", "replicas": {"min": 1, "max": 2}, "scaling": {"target": 10}},
+                # Caps at the targets: the gateway moves work on at a replica's cap, so the
+                # spill's room is max x cap (docs/pipeline.md, "Autoscaling").
+                {
+                    "name": "primary",
+                    "replicas": {"min": 1, "max": 2},
+                    "cap": 10,
+                    "scaling": {"target": 10},
+                },
                 {"name": "other", "model": "x", "replicas": {"min": 0, "max": 2}},
                 {
                     "name": "fallback",
                     "precision": "fp8",
                     "replicas": {"min": 0, "max": 2},
+                    "cap": 4,
                     "scaling": {"target": 4},
                 },
-                {"name": "last", "replicas": {"min": 0, "max": 3}, "scaling": {"target": 5}},
+                {
+                    "name": "last",
+                    "replicas": {"min": 0, "max": 3},
+                    "cap": 5,
+                    "scaling": {"target": 5},
+                },
             ],
         }
     )
@@ -84,6 +97,7 @@ def test_keda_query_spills_as_the_local_autoscaler(tmp_path: Path, demand: dict[
                 min=p.autoscale.min,
                 max=p.autoscale.max,
                 target=p.scaling.target,
+                cap=cap_of(spec, p),
                 spill_to={"primary": "fallback", "fallback": "last"}.get(p.name),
             )
             for p in spec.pools

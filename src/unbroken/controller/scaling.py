@@ -134,7 +134,7 @@ class ScalingLoop:
         """(Re)build the autoscaler when the set of ranged pools or their settings change."""
         sig = tuple(
             (p["name"], p["model"], tuple(sorted(p["autoscale"].items())),
-             tuple(sorted(p["scaling"].items())))
+             tuple(sorted(p["scaling"].items())), p.get("cap"))
             for p in pools
             if p.get("autoscale")
         )  # fmt: skip
@@ -158,6 +158,8 @@ class ScalingLoop:
                     min=p["autoscale"]["min"],
                     max=p["autoscale"]["max"],
                     target=sc["target"],
+                    # What a replica takes before the gateway moves work on: the spill's room.
+                    cap=p.get("cap"),
                     tolerance=sc["tolerance"],
                     up_cooldown_s=sc["up_cooldown_s"],
                     down_quiet_s=sc["down_quiet_s"],
