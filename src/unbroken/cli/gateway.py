@@ -14,11 +14,18 @@ import typer
 from unbroken.cli.common import app, bind_error, fail, setup_logging
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def gateway(
+    ctx: typer.Context,
     endpoint: Annotated[
         list[str] | None,
-        typer.Option("--endpoint", "-e", help="Engine URL, optionally POOL=URL. Repeat for more."),
+        typer.Option(
+            "--endpoint",
+            "-e",
+            "--worker-urls",
+            help="Engine URL, optionally POOL=URL. Repeat for more (vllm-router's "
+            "--worker-urls A B ...: the same).",
+        ),
     ] = None,
     config: Annotated[
         Path | None, typer.Option(help="Gateway settings (JSON or YAML); flags override it.")
@@ -93,9 +100,22 @@ def gateway(
     routing: Annotated[
         str | None,
         typer.Option(
+            "--routing",
+            "--policy",
+            "--routing-logic",
             help="Routing policy: prefix (cache- and session-aware) [default], session, "
             "latency, least_load, power_of_two, round_robin, random (vllm-router's "
-            "cache_aware and consistent_hash: prefix and session)."
+            "--policy cache_aware and consistent_hash: prefix and session; production-stack's "
+            "--routing-logic prefixaware, session and roundrobin too).",
+        ),
+    ] = None,
+    session_header: Annotated[
+        str | None,
+        typer.Option(
+            "--session-header",
+            "--session-key",
+            help="Header naming a conversation for session affinity [x-session-id] "
+            "(production-stack's --session-key); else the body's prompt_cache_key or user.",
         ),
     ] = None,
     upstream_key_env: Annotated[
@@ -130,6 +150,7 @@ def gateway(
     from unbroken.gateway.config import prepare
 
     setup_logging(verbose)
+    endpoint = [*(endpoint or []), *_worker_urls(ctx.args, endpoint)]
     flags = {
         "host": host,
         "port": port,
@@ -140,6 +161,7 @@ def gateway(
         "queue_timeout_s": queue_timeout,
         "request_timeout_s": request_timeout,
         "routing": routing,
+        "session_header": session_header,
         "upstream_key_env": None if not upstream_key_env else _key_envs(upstream_key_env),
         "max_body_bytes": max_body_bytes,
         "accept_pack_cpu": accept_pack_cpu,
@@ -157,10 +179,13 @@ def gateway(
         )
     except ValueError as e:
         fail(str(e))
+    log = logging.getLogger("unbroken.gateway")
+    asked = routing if routing and routing != launch.cfg.routing else None
+    log.info("routing: %s%s", launch.cfg.routing, f" (asked as {asked!r})" if asked else "")
     for pool, var in sorted(launch.cfg.upstream_key_env.items()):
         if var not in os.environ:
             # Not fatal (an engine may need no key), but a typo would show only as 401s later.
-            logging.getLogger("unbroken.gateway").warning(
+            log.warning(
                 "upstream_key_env: %s is not set in the environment: %s engines get no API "
                 "key (vLLM started with --api-key answers 401)",
                 var,
@@ -193,3 +218,19 @@ def _key_envs(items: list[str]) -> dict[str, str]:
             fail(f"--upstream-key-env {item!r}: expected [POOL=]VAR, VAR an environment variable")
         out[pool] = var
     return out
+
+
+def _worker_urls(extra: list[str], given: list[str] | None) -> list[str]:
+    """Arguments left after the options: the rest of vllm-router's `--worker-urls A B C`
+    (one option, several values), taken as more endpoints when they look like engine URLs
+    and at least one was given; anything else is refused as click would."""
+    if not extra:
+        return []
+    urls = [a for a in extra if re.match(r"^([A-Za-z0-9_.-]+=)?https?://", a)]
+    if not given or len(urls) != len(extra):
+        stray = [a for a in extra if a not in urls] or extra
+        fail(
+            f"unexpected argument(s): {' '.join(stray)} (engines are given as "
+            "--endpoint URL, repeated, or --worker-urls URL URL ...)"
+        )
+    return urls

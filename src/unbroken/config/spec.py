@@ -56,6 +56,15 @@ ROUTING_ALIASES = {
     "prefixaware": "prefix",
 }
 
+# Peers' policies with no counterpart here, and what to use instead.
+ROUTING_HINTS = {
+    "kv_aware": "routing from the engines' KV events is not built here; `prefix` routes by "
+    "an index of what was sent where (docs/gateway.md, 'Routing policies')",
+    "kvaware": "routing from the engines' KV events is not built here; `prefix` routes by an "
+    "index of what was sent where (docs/gateway.md, 'Routing policies')",
+    "sticky_least_loaded": "a conversation kept on its replica while it has room is `session`",
+}
+
 
 class GatewaySettings(_Spec):
     host: str = "127.0.0.1"
@@ -198,8 +207,9 @@ class GatewaySettings(_Spec):
             return v
         ours = get_args(cls.model_fields["routing"].annotation)
         if v not in ours and v not in ROUTING_ALIASES:
+            hint = f"{ROUTING_HINTS[v]}; " if v in ROUTING_HINTS else ""
             raise ValueError(
-                f"unknown routing policy {v!r}: one of {', '.join(ours)} (also the peers' "
+                f"unknown routing policy {v!r}: {hint}one of {', '.join(ours)} (also the peers' "
                 + ", ".join(f"{k} = {a}" for k, a in ROUTING_ALIASES.items())
                 + ")"
             )

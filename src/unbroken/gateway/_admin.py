@@ -193,6 +193,83 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
             }
         )
 
+    # vllm-router's worker routes, for the scripts and autoscaler hooks a user brings from
+    # it (its shapes; here behind the admin token, on the admin port): a worker is an
+    # endpoint by URL.
+    def by_url(request: web.Request) -> tuple[str, Endpoint | None]:
+        url = request.query.get("url", "").rstrip("/")
+        if not url:
+            raise ApiError(400, "missing query parameter `url`", param="url")
+        return url, next(
+            (e for e in pool.endpoints.values() if e.url == url and e.state != State.GONE), None
+        )
+
+    def text(body: str, status: int = 200) -> web.Response:
+        return web.Response(status=status, text=body)
+
+    async def workers(request: web.Request) -> web.Response:
+        eps = [e for e in pool.endpoints.values() if e.state != State.GONE]
+        return json(
+            {
+                "workers": [
+                    {
+                        "url": e.url,
+                        "model_id": min(e.models) if e.models else "unknown",
+                        "worker_type": "regular",
+                        "is_healthy": e.healthy and e.state == State.READY,
+                        "load": e.inflight,
+                        "connection_mode": "Http",
+                        # Ours beside theirs: the endpoint's name, pool and state.
+                        "name": e.name,
+                        "pool": e.pool,
+                        "state": str(e.state),
+                    }
+                    for e in eps
+                ],
+                "total": len(eps),
+                "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": len(eps)},
+            }
+        )
+
+    async def list_workers(request: web.Request) -> web.Response:
+        return json({"urls": [e.url for e in pool.endpoints.values() if e.state != State.GONE]})
+
+    async def get_loads(request: web.Request) -> web.Response:
+        eps = [e for e in pool.endpoints.values() if e.state != State.GONE]
+        return json({"workers": [{"worker": e.url, "load": e.inflight} for e in eps]})
+
+    async def add_worker(request: web.Request) -> web.Response:
+        """`?url=` (and ours: `pool=`, else the first pool of the routes), added as POST
+        /admin/endpoints adds it (warm-up, then ready)."""
+        url, ep = by_url(request)
+        body = {"url": url, "pool": request.query.get("pool") or _first_pool()}
+        spec = _parse(AddEndpoint, orjson.dumps(body))
+        if ep is not None:
+            raise ApiError(400, f"Worker {spec.url} already exists", param="url", code="conflict")
+        name = spec.url.split("://", 1)[1]
+        if (old := pool.get(name)) is not None and old.state != State.GONE:
+            raise ApiError(409, f"an endpoint named {name!r} exists", param="url", code="conflict")
+        gw.add_endpoint(spec.url, name=name, pool_name=spec.pool, cap=None, warmup=True)
+        return text(f"Successfully added worker: {spec.url}")
+
+    async def remove_worker(request: web.Request) -> web.Response:
+        """As DELETE /admin/endpoints/{name}: removed now, its streams finish. A URL not
+        registered is 404 (vllm-router answers it 200)."""
+        url, ep = by_url(request)
+        if ep is None:
+            raise ApiError(404, f"no worker {url}", param="url", code="not_found")
+        gw.remove_endpoint(ep)
+        return text(f"Successfully removed worker: {url}")
+
+    def _first_pool() -> str:
+        order = [p for p in pool.pool_order if p]
+        return order[0] if order else "default"
+
+    app.router.add_get("/workers", workers)
+    app.router.add_get("/list_workers", list_workers)
+    app.router.add_get("/get_loads", get_loads)
+    app.router.add_post("/add_worker", add_worker)
+    app.router.add_post("/remove_worker", remove_worker)
     app.router.add_get("/admin/endpoints", list_endpoints)
     app.router.add_post("/admin/endpoints", add_endpoint)
     app.router.add_get("/admin/endpoints/{name}", show)
