@@ -121,7 +121,9 @@ def test_several_names_and_adapters_each_write_their_own_text(tmp_path: Path) ->
         texts = {}
         for model, adapter, answer_as in (
             ("base", "", "base"),
-            ("alias", "", "base"),  # every served name is the same model; responses say the first
+            # Every served name is the same model; a response names what was asked for, as
+            # vLLM's _get_model_name (it said the first name before).
+            ("alias", "", "alias"),
             ("a1", "a1", "a1"),
             ("a2", "a2", "a2"),
         ):

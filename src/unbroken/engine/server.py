@@ -528,6 +528,14 @@ class Engine:
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
         )
 
+    def _echo(self, model: str | None, adapter: LoadedAdapter | None) -> str:
+        """The response's `model`, as vLLM's `_get_model_name`: the adapter's name, else
+        the name the request asked for (an alias stays the alias), else the first served
+        name."""
+        if adapter is not None:
+            return adapter.name
+        return model or self.cfg.model_name
+
     def _text_model(self, adapter: LoadedAdapter | None) -> TextModel:
         if adapter is None:
             return self.model
@@ -695,7 +703,7 @@ class Engine:
         fmt = CompletionFormat(
             req,
             state,
-            self.cfg.model_name if adapter is None else adapter.name,
+            self._echo(req.model, adapter),
             prompts,
             sum(t for _, t in contexts),  # once per prompt, whatever n (vLLM 0.32)
         )
@@ -737,7 +745,7 @@ class Engine:
         seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter, constraint)
         self._submit(state, seqs)
         fmt = ChatFormat(
-            req, state, self.cfg.model_name if adapter is None else adapter.name, ptoks, tools
+            req, state, self._echo(req.model, adapter), ptoks, tools
         )
         return await self._answer(request, state, fmt, req.stream)
 
@@ -776,7 +784,7 @@ class Engine:
         fmt = responses_mod.ResponsesFormat(
             req,
             state,
-            self.cfg.model_name if adapter is None else adapter.name,
+            self._echo(req.model, adapter),
             ptoks,
             max_tokens,
             messages=messages,
