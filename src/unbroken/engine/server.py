@@ -744,9 +744,7 @@ class Engine:
         self._maybe_fail(state)
         seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter, constraint)
         self._submit(state, seqs)
-        fmt = ChatFormat(
-            req, state, self._echo(req.model, adapter), ptoks, tools
-        )
+        fmt = ChatFormat(req, state, self._echo(req.model, adapter), ptoks, tools)
         return await self._answer(request, state, fmt, req.stream)
 
     # -- /v1/responses (vLLM's Responses API, responses.py) ----------------------------------
