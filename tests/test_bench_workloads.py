@@ -223,7 +223,7 @@ def test_multi_turn_run_sends_history_and_session(sim: Proc) -> None:
 
             async def relay(request: web.Request) -> web.StreamResponse:
                 body = await request.read()
-                seen.append((json.loads(body), request.headers.get("x-session-id")))
+                seen.append((json.loads(body), request.headers.get("x-user-id")))
                 async with client.request(
                     request.method, sim.url + request.path, data=body or None
                 ) as up:
@@ -249,6 +249,7 @@ def test_multi_turn_run_sends_history_and_session(sim: Proc) -> None:
                     spawn_rate=0,
                     duration=1.5,
                     workload=spec,
+                    session_header="x-user-id",  # a production-stack router's --session-key
                 )
                 run = LoadRun(cfg)
                 await run.run()
@@ -308,7 +309,8 @@ def test_bench_cli_workloads(sim: Proc, tmp_path: Path) -> None:
 
     # The engine's /metrics page given for its URL reads as the engine (it read 404).
     metrics_page = sim.url + "/metrics"
-    r = bench("--workload", "multi-turn", "--output-len", "6", "--engine-metrics", metrics_page)
+    r = bench("--workload", "multi-turn", "--output-len", "6", "--engine-metrics", metrics_page,
+              "--session-header", "x-user-id")  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "load spread (busiest/least-busy requests served)" in r.stderr
     assert "prefix-cache hit rate" in r.stderr
@@ -318,11 +320,19 @@ def test_bench_cli_workloads(sim: Proc, tmp_path: Path) -> None:
     assert "num_turns=6" in raw["meta"]["workload"]
     assert "question_len=70" in raw["meta"]["workload"]
     assert "output_len=6" in raw["meta"]["workload"]
-    r = bench("--workload", "shared-prefix", "--num-groups", "2", "--output-len", "4")
+    # The run's settings: a production-stack router's session header; not the random
+    # prompts' settings, which a workload does not use.
+    assert raw["config"]["session_header"] == "x-user-id"
+    assert "prompt_words" not in raw["config"] and "chat_fraction" not in raw["config"]
+    # inference-perf's spelling of the workload
+    r = bench("--workload", "shared_prefix", "--num-groups", "2", "--output-len", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "not measured (give the engines' URLs with --engine-metrics)" in r.stderr
     assert "output_len=4" in json.loads((tmp_path / "results.json").read_text())["meta"]["workload"]
     assert bench("--workload", "sharegpt").returncode == 2
+    # A workload's option with the random prompts was ignored without a word.
+    r = bench("--num-groups", "3")
+    assert r.returncode == 2 and "--num-groups: options of --workload shared-prefix" in r.stderr
     assert bench("--workload", "shared-prefix", "--num-turns", "3").returncode == 2
     assert bench("--workload", "multi-turn", "--num-turns", "0").returncode == 2
 

@@ -61,6 +61,7 @@ class BenchOptions:
     num_turns: int | None = None
     seed: int = 1
     engine_metrics: list[str] | None = None
+    session_header: str = "x-session-id"
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -78,6 +79,8 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
 def _workload(o: BenchOptions) -> WorkloadSpec | None:
     from unbroken.bench.workloads import MultiTurn, SharedPrefix
 
+    # inference-perf's spelling (shared_prefix) is the same workload.
+    o.workload = o.workload.replace("_", "-")
     if o.workload not in ("random", "shared-prefix", "multi-turn"):
         raise BenchOptionError("--workload must be random, shared-prefix or multi-turn")
     lengths = {
@@ -85,6 +88,19 @@ def _workload(o: BenchOptions) -> WorkloadSpec | None:
         "question_len": o.question_len,
         "output_len": o.output_len,
     }
+    if o.workload == "random":
+        # A workload's option with the random prompts would be ignored: say so.
+        given = lengths | {
+            "num_groups": o.num_groups,
+            "num_prompts_per_group": o.num_prompts_per_group,
+            "num_turns": o.num_turns,
+        }
+        named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if named:
+            raise BenchOptionError(
+                f"{', '.join(named)}: options of --workload shared-prefix or multi-turn; the "
+                "random workload takes --prompt-words, --max-tokens and --chat-fraction"
+            )
     try:
         if o.workload == "shared-prefix":
             if o.num_turns is not None:
@@ -297,6 +313,7 @@ def run(o: BenchOptions, console: Console) -> int:
         reference_url=o.reference_url,
         seed=o.seed,
         workload=spec,
+        session_header=o.session_header,
     )
     if not 0 <= o.max_error_rate <= 1:
         raise BenchOptionError("--max-error-rate must be between 0 and 1")

@@ -368,7 +368,7 @@ async def run_bench(
     report = write_report(
         out,
         title=f"unbroken bench: {scenario}",
-        config=asdict(cfg),
+        config=_config(cfg),
         records=records,
         events=load.events,
         samples=sampler.samples if sampler else [],
@@ -397,3 +397,15 @@ async def run_bench(
         "failures": failures,
         "engines": engines,
     }
+
+
+def _config(cfg: LoadConfig) -> dict[str, Any]:
+    """The run's settings for results.json: a workload's run without the random prompts'
+    settings it did not use (a review read them as the prompts sent)."""
+    d = asdict(cfg)
+    if cfg.workload is not None:
+        for k in ("prompt_words", "max_tokens", "chat_fraction"):
+            d.pop(k, None)
+    else:
+        d.pop("session_header", None)
+    return d

@@ -70,7 +70,8 @@ def bench(
         str,
         typer.Option(
             help="random (--prompt-words, --chat-fraction), shared-prefix (inference-perf's "
-            "shared_prefix) or multi-turn (conversations carrying their history)."
+            "shared_prefix; that spelling too) or multi-turn (conversations carrying their "
+            "history)."
         ),
     ] = "random",
     num_groups: Annotated[
@@ -103,6 +104,14 @@ def bench(
         int | None, typer.Option(help="multi-turn: turns per conversation [default: 6].")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the prompts.")] = 1,
+    session_header: Annotated[
+        str,
+        typer.Option(
+            help="multi-turn: the header naming each conversation (the body's `user` carries "
+            "it too), e.g. x-user-id for a production-stack router started with "
+            "--session-key x-user-id."
+        ),
+    ] = "x-session-id",
     engine_metrics: Annotated[
         list[str] | None,
         typer.Option(
@@ -150,6 +159,7 @@ def bench(
         num_turns=num_turns,
         seed=seed,
         engine_metrics=engine_metrics,
+        session_header=session_header,
     )
     try:
         rc = run(opts, console())
