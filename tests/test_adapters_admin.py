@@ -190,7 +190,8 @@ def test_a_spec_adapter_unloaded_is_404_at_once_and_unlisted(gw: tuple[Proc, Pro
         assert took < 0.9, took  # under the queue timeout (1 s here, 30 s by default)
         # A sleeping pool (no replica) still takes its names: queued, for the wake-up.
         r = _chat(g, "zzz-model")
-        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout", r.text
+        # Waiting for the sleeping pool to wake, not "at capacity".
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_waking", r.text
     finally:
         again = _post(g, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql",
                                                      "model": "llama-8b"})  # fmt: skip

@@ -455,6 +455,17 @@ class Admission:
         except TimeoutError:
             if (why := self._unserved(model, priority, starting=False)) is not None:
                 raise _no_endpoint(model, why, self.retry_after) from None
+            if self._asleep(model, priority):
+                # Not "at capacity": the model's pool was at zero replicas and is waking (this
+                # request's demand wakes it), slower than the queue timeout.
+                raise ApiError(
+                    503,
+                    f"model {model} was scaled to zero and is starting; it was not ready within "
+                    f"the queue timeout ({self.queue_timeout:g} s): retry shortly (a gateway "
+                    "whose models start slower than that wants a longer gateway.queue_timeout_s)",
+                    code="model_waking",
+                    headers={"Retry-After": str(self.retry_after)},
+                ) from None
             raise ApiError(
                 429,
                 f"no capacity within the queue timeout ({self.queue_timeout:g} s)",
