@@ -193,6 +193,26 @@ def test_a_hot_prefix_does_not_pile_onto_one_replica() -> None:
     assert b.inflight >= 15
 
 
+@pytest.mark.parametrize(("abs_", "rel", "first"), [(8.0, 0.25, 9), (4.0, 0.25, 5), (0.0, 0.0, 1)])
+def test_the_hot_spot_guard_is_a_setting(abs_: float, rel: float, first: int) -> None:
+    """`prefix_balance_abs` / `_rel` (the part vllm-router's balance thresholds play): the
+    holder keeps the prefix while its load is within min x (1 + rel) + abs."""
+    pol = make_policy(
+        GatewaySettings(routing="prefix", prefix_balance_abs=abs_, prefix_balance_rel=rel)
+    )
+    a, b = _ep("a"), _ep("b")
+    hot = _words(3000, 8)
+    pol.on_admit(a, _req(_hint(hot)))
+    picks = []
+    for i in range(30):
+        ep = pol.pick([a, b], _req(_hint(hot + f" q{i}")))
+        assert ep is not None
+        ep.slot.add(1)
+        pol.on_admit(ep, _req(_hint(hot + f" q{i}")))
+        picks.append(ep.name)
+    assert picks[:first] == ["a"] * first and picks[first] == "b", picks
+
+
 def test_session_home_is_rendezvous_and_moves_only_with_its_replica() -> None:
     pol = CacheAware(affinity=AffinitySettings(use_prefix=False))
     eps = [_ep(n) for n in "abcd"]

@@ -147,6 +147,15 @@ class GatewaySettings(_Spec):
         default=40.0, description="what prefilling one uncached prompt token costs (µs)"
     )
     prefix_block_chars: Annotated[int, Field(ge=8, le=4096)] = 64
+    prefix_balance_abs: Annotated[float, Field(ge=0)] = Field(
+        default=8.0,
+        description="`prefix` / `session`: the hot-spot guard's slack: a candidate loaded "
+        "above the least loaded's x (1 + prefix_balance_rel) + this gets no credit for what "
+        "it holds (vllm-router's --balance-abs-threshold plays this part, with other arithmetic)",
+    )
+    prefix_balance_rel: Annotated[float, Field(ge=0)] = Field(
+        default=0.25, description="`prefix` / `session`: the guard's relative part (above)"
+    )
     prefix_index_blocks: Annotated[int, Field(ge=1)] = Field(
         default=16384, description="prefix index bound per endpoint, in blocks (LRU)"
     )

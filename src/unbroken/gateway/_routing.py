@@ -100,6 +100,8 @@ def _affinity(cfg: GatewaySettings, *, prefix: bool) -> AffinitySettings:
         session_blocks=AffinitySettings.home_blocks if prefix else None,
         prefill_s_per_token=cfg.prefill_us_per_token / 1e6,
         blocks_per_endpoint=cfg.prefix_index_blocks,
+        balance_abs=cfg.prefix_balance_abs,
+        balance_rel=cfg.prefix_balance_rel,
     )
 
 
