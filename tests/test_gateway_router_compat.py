@@ -32,6 +32,9 @@ def test_vllm_router_worker_routes(tmp_path: Path, engines: list[Proc]) -> None:
     g = gateway(tmp_path, a.url, args=("--workers", "2"))
     try:
         assert _call(g, "GET", "/workers", token=None).status_code == 401
+        # On the public port: told where they are.
+        pub = httpx.get(g.url + "/workers", timeout=10)
+        assert pub.status_code == 404 and "admin port" in pub.json()["error"]["message"]
         r = _call(g, "GET", "/workers")
         assert r.status_code == 200
         w = r.json()

@@ -45,6 +45,12 @@ __all__ = [
     "retire",
 ]
 
+# vllm-router's worker routes, served on the admin port (`_admin.py`): a request for one on
+# the public port is told where they are.
+ROUTER_ADMIN_ROUTES = frozenset(
+    {"/workers", "/list_workers", "/get_loads", "/add_worker", "/remove_worker"}
+)
+
 disable_created_metrics()
 
 TTFT_BUCKETS = (
@@ -327,6 +333,13 @@ class GatewayMetrics:
             if isinstance(unrouted, web.HTTPNotFound):
                 method = request.method if request.method in METHODS else "other"
                 self.unknown_routes.labels(method).inc()
+                if request.path in ROUTER_ADMIN_ROUTES:
+                    raise ApiError(
+                        404,
+                        f"{request.path} (vllm-router's worker route) is on the gateway's admin "
+                        "port, with its bearer token: Authorization: Bearer <admin token>",
+                        code="unknown_route",
+                    )
                 raise ApiError(
                     404,
                     f"no route {request.method} {request.path[:200]}: this server has POST "
