@@ -117,28 +117,24 @@ class RateLimited(ApiError):
 
 
 class TooLarge(RateLimited):
-    """429 for a request whose own token estimate exceeds its tenant's per-minute token
-    limit, as OpenAI's "Request too large": waiting cannot make it fit, so no Retry-After
-    (the openai client would wait and be refused again); the x-ratelimit headers only."""
+    """429 for a request whose `max_tokens` x `n` exceeds its tenant's completion tokens per
+    minute, as OpenAI's "Request too large": waiting cannot make it fit, so no Retry-After,
+    and `x-should-retry: false` (the openai client retries every other 429); the x-ratelimit
+    headers only. Its rejection reason is `request_too_large`. The prompt is not judged so:
+    the gateway's estimate of it (characters / 4) is a guess, exact only at the engine."""
 
-    def __init__(
-        self, tenant: str, reason: str, limit: int, requested: int, hdrs: dict[str, str]
-    ) -> None:
-        fix = (
-            "Lower max_tokens (or n): a request's max_tokens x n must fit within the limit."
-            if reason == "completion_tokens_per_minute"
-            else "Shorten the prompt: a request's prompt must fit within the limit."
-        )
+    def __init__(self, tenant: str, limit: int, requested: int, hdrs: dict[str, str]) -> None:
         ApiError.__init__(
             self,
             429,
-            f"Request too large for tenant {tenant} on {_WHAT[reason]} (TPM): Limit {limit}, "
-            f"Requested {requested}. {fix}",
+            f"Request too large for tenant {tenant} on {_WHAT['completion_tokens_per_minute']} "
+            f"(TPM): Limit {limit}, Requested {requested}. Lower max_tokens (or n): a "
+            "request's max_tokens x n must fit within the limit.",
             type="tokens",
             code="rate_limit_exceeded",
-            headers=dict(hdrs),
+            headers={**hdrs, "x-should-retry": "false"},
         )
-        self.reason = reason
+        self.reason = "request_too_large"
 
 
 @dataclass(slots=True)
@@ -203,12 +199,12 @@ class Limiter:
         per_min, conc = self.limits(name)
         if all(v is None for v in per_min) and conc is None:
             return lease
-        for k in (1, 2):
-            # A request larger than the whole limit could never be admitted in full: its own
-            # estimate (prompt length / 4; max_tokens x n) is refused at once, as OpenAI does.
-            v, want = per_min[k], math.ceil(estimate[k - 1] - 1e-9)
-            if v is not None and want > v:
-                raise TooLarge(name, LIMIT_KEYS[k], v, want, self.headers_now(name))
+        # A request asking for more completion tokens than the whole limit could never be
+        # served in full: refused at once, as OpenAI does (max_tokens x n is exact; the
+        # prompt's estimate is not, and is left to the bucket).
+        v, want = per_min[2], math.ceil(estimate[1] - 1e-9)
+        if v is not None and want > v:
+            raise TooLarge(name, v, want, self.headers_now(name))
         shares = [self.share(v) for v in per_min]
         store = self.store
         if store is not None and store.usable():
