@@ -113,6 +113,7 @@ TENANT_REASONS = (
     "prompt_tokens_per_minute",
     "completion_tokens_per_minute",
     "concurrent_streams",
+    "request_too_large",
 )
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 
