@@ -57,11 +57,13 @@ ROUTING_ALIASES = {
 }
 
 # Peers' policies with no counterpart here, and what to use instead.
+_NO_KV_EVENTS = (
+    "routing from the engines' KV events is not built here; `prefix` routes by an index of "
+    "what was sent where (docs/gateway.md, 'Routing policies')"
+)
 ROUTING_HINTS = {
-    "kv_aware": "routing from the engines' KV events is not built here; `prefix` routes by "
-    "an index of what was sent where (docs/gateway.md, 'Routing policies')",
-    "kvaware": "routing from the engines' KV events is not built here; `prefix` routes by an "
-    "index of what was sent where (docs/gateway.md, 'Routing policies')",
+    "kv_aware": _NO_KV_EVENTS,
+    "kvaware": _NO_KV_EVENTS,
     "sticky_least_loaded": "a conversation kept on its replica while it has room is `session`",
 }
 
@@ -154,7 +156,9 @@ class GatewaySettings(_Spec):
         "it holds (vllm-router's --balance-abs-threshold plays this part, with other arithmetic)",
     )
     prefix_balance_rel: Annotated[float, Field(ge=0)] = Field(
-        default=0.25, description="`prefix` / `session`: the guard's relative part (above)"
+        default=0.25,
+        description="`prefix` / `session`: the guard's relative part (above); also a session "
+        "home's bound, the candidates' mean in flight x (1 + this) + 1",
     )
     prefix_index_blocks: Annotated[int, Field(ge=1)] = Field(
         default=16384, description="prefix index bound per endpoint, in blocks (LRU)"

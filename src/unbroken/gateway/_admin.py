@@ -204,6 +204,15 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
             (e for e in pool.endpoints.values() if e.url == url and e.state != State.GONE), None
         )
 
+    def base_model(e: Endpoint) -> str:
+        """The model an endpoint serves, not an alias or adapter: the spec's name for its
+        pool when it serves it, else the first of its names that is no adapter."""
+        declared = pool.pool_models.get(e.pool) or []
+        if declared and declared[0] in e.models:
+            return declared[0]
+        bases = sorted(e.models - e.adapters.keys())
+        return bases[0] if bases else "unknown"
+
     def text(body: str, status: int = 200) -> web.Response:
         return web.Response(status=status, text=body)
 
@@ -214,7 +223,7 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
                 "workers": [
                     {
                         "url": e.url,
-                        "model_id": min(e.models) if e.models else "unknown",
+                        "model_id": base_model(e),
                         "worker_type": "regular",
                         "is_healthy": e.healthy and e.state == State.READY,
                         "load": e.inflight,
@@ -262,7 +271,8 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
         return text(f"Successfully removed worker: {url}")
 
     def _first_pool() -> str:
-        order = [p for p in pool.pool_order if p]
+        """The first pool of the standard route (the configured routes, else every pool)."""
+        order = [p for p in pool.configured_pools_for("standard") if p]
         return order[0] if order else "default"
 
     app.router.add_get("/workers", workers)

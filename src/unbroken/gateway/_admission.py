@@ -456,13 +456,15 @@ class Admission:
             if (why := self._unserved(model, priority, starting=False)) is not None:
                 raise _no_endpoint(model, why, self.retry_after) from None
             if self._asleep(model, priority):
-                # Not "at capacity": the model's pool was at zero replicas and is waking (this
-                # request's demand wakes it), slower than the queue timeout.
+                # Not "at capacity": no replica of the model's pool runs (at zero replicas,
+                # which this request's demand wakes where an autoscaler runs, or all of them
+                # starting), and none was ready in time.
                 raise ApiError(
                     503,
-                    f"model {model} was scaled to zero and is starting; it was not ready within "
-                    f"the queue timeout ({self.queue_timeout:g} s): retry shortly (a gateway "
-                    "whose models start slower than that wants a longer gateway.queue_timeout_s)",
+                    f"model {model} has no replica running yet (its pool is at zero replicas, "
+                    "or starting) and none was ready within the queue timeout "
+                    f"({self.queue_timeout:g} s): retry shortly (models that start slower than "
+                    "that want a longer gateway.queue_timeout_s)",
                     code="model_waking",
                     headers={"Retry-After": str(self.retry_after)},
                 ) from None

@@ -328,8 +328,8 @@ def autoscale_cautions(
                     f"the gateway's queue for at most gateway.queue_timeout_s ({qt:g} s), "
                     f"less than a wake: KEDA's poll and the scrape (up to {2 * scrape_s} s) "
                     f"plus a vLLM start (engine.health_timeout_s: "
-                    f"{pool.engine.health_timeout_s:g} s); its first requests would get 429 "
-                    f"queue_timeout: set gateway.queue_timeout_s to at least {math.ceil(wake)}"
+                    f"{pool.engine.health_timeout_s:g} s); its first requests would get 503 "
+                    f"model_waking: set gateway.queue_timeout_s to at least {math.ceil(wake)}"
                     ", or give the pool min: 1"
                 )
         s = pool.scaling
