@@ -92,6 +92,20 @@ def test_the_fallback_wakes_only_for_what_the_gateway_would_send_it() -> None:
     assert old.wanted({"primary": 6.0})["fb"] == (2, 4.0)
 
 
+def test_a_primary_that_cannot_grow_spills_what_its_replicas_cannot_hold() -> None:
+    """A review's: primary max 4 (cap 256) that the supervisor cannot grow past 2 (no
+    memory: `limited`) holds 512, not 1,024: 600 in demand wakes the fallback for 88 (with
+    the room at max x cap alone, the 88 waited in the gateway's queue and timed out)."""
+    primary = PoolScaling("primary", 1, 4, 48.0, spill_to="fb", cap=256)
+    fb = PoolScaling("fb", 0, 2, 48.0, cap=256)
+    a = Autoscaler([primary, fb])
+    assert a.wanted({"primary": 600.0})["fb"] == (0, 0.0)
+    assert a.wanted({"primary": 600.0}, limited={"primary": 2})["fb"] == (2, 88.0)
+    (d,) = a.step(0.0, {"primary": 600.0}, {"primary": 2, "fb": 0}, busy={"primary"},
+                  limited={"primary": 2})  # fmt: skip
+    assert (d.pool, d.desired) == ("fb", 2) and "waking" in d.reason
+
+
 def _spill_spec(**gateway: Any) -> Any:
     return parse_spec(
         {

@@ -52,7 +52,11 @@ class PoolScaling:
     @property
     def room(self) -> float:
         """The demand the pool holds at `max` before any spills to the next pool."""
-        return self.max * (self.cap if self.cap is not None else self.target)
+        return self.room_at(self.max)
+
+    def room_at(self, replicas: int) -> float:
+        """What `replicas` of the pool hold before the gateway moves work on."""
+        return replicas * (self.cap if self.cap is not None else self.target)
 
 
 @dataclass(frozen=True)
@@ -89,16 +93,23 @@ class Autoscaler:
     def desired(self, name: str) -> int:
         return self.state[name].desired
 
-    def wanted(self, demand: dict[str, float]) -> dict[str, tuple[int, float]]:
+    def wanted(
+        self, demand: dict[str, float], limited: dict[str, int] | None = None
+    ) -> dict[str, tuple[int, float]]:
         """Per pool, (replicas its demand wants before guards, the demand counted), with
-        what a pool at `max` cannot hold (`PoolScaling.room`) spilled down its chain."""
+        what a pool at `max` cannot hold (`PoolScaling.room`) spilled down its chain.
+        `limited`: pools that cannot grow now (the supervisor refused a resize for want of
+        memory, or CPU), by the replicas they run: they hold only what those hold, and the
+        rest spills, so a fallback wakes for a primary that cannot reach `max`."""
         demand = dict(demand)
+        limited = limited or {}
         out: dict[str, tuple[int, float]] = {}
         for p in self.pools:  # spec order: a primary before its fallback
             d = max(0.0, demand.get(p.name, 0.0))
             raw = math.ceil(d / p.target - 1e-9) if d > 0 else 0
-            if p.spill_to is not None and d > p.room:
-                demand[p.spill_to] = demand.get(p.spill_to, 0.0) + d - p.room
+            room = p.room_at(min(p.max, limited[p.name])) if p.name in limited else p.room
+            if p.spill_to is not None and d > room:
+                demand[p.spill_to] = demand.get(p.spill_to, 0.0) + d - room
             out[p.name] = (raw, d)
         return out
 
@@ -109,11 +120,12 @@ class Autoscaler:
         current: dict[str, int],
         contended: dict[str, int] | None = None,
         busy: set[str] | frozenset[str] = frozenset(),
+        limited: dict[str, int] | None = None,
     ) -> list[ScaleDecision]:
         """The resizes to ask for now. `current`: live replicas per pool; `busy`: pools with
-        a resize (or rollout) under way, left alone until it ends."""
+        a resize (or rollout) under way, left alone until it ends; `limited`: as `wanted`."""
         contended = contended or {}
-        wanted = self.wanted(demand)
+        wanted = self.wanted(demand, limited)
         out: list[ScaleDecision] = []
         for p in self.pools:
             st = self.state[p.name]

@@ -241,7 +241,10 @@ class ScalingLoop:
         # A pool whose declared size differs from its live count is mid-change (a replica
         # being replaced): judge it by what it will be.
         now_count = {n: max(current[n], declared[n]) for n in current}
-        decisions = a.step(time.monotonic(), demand, now_count, self.contended(), busy)
+        # A pool the supervisor could not grow (no memory for another replica) holds what
+        # its live replicas hold: demand past that spills to its fallback.
+        limited = {p: current[p] for p in backing_off if p in current}
+        decisions = a.step(time.monotonic(), demand, now_count, self.contended(), busy, limited)
         for p in a.pools:
             self.metrics.desired.labels(p.name).set(a.desired(p.name))
             self.metrics.current.labels(p.name).set(current.get(p.name, 0))
