@@ -1,11 +1,11 @@
 """The headers of a request on its way up, and of its answer on the way back.
 
 What goes upstream is rebuilt, not copied: hop-by-hop headers, the client's credentials
-(`Authorization`, `Cookie`) and `Content-Encoding` (aiohttp already decoded the body) are
-dropped, `Content-Type` is always `application/json`, the pool's own API key is sent when one
-is configured, and `X-Request-ID` is the client's (when it is a sane token) or a new one,
-echoed to the client either way, with the serving endpoint's name (`endpoint_header`) and the
-tenant's x-ratelimit headers (`rate`, filled by `_tenancy`).
+(`Authorization`, `api-key`, `x-api-key`, `Cookie`) and `Content-Encoding` (aiohttp already
+decoded the body) are dropped, `Content-Type` is always `application/json`, the pool's own
+API key is sent when one is configured, and `X-Request-ID` is the client's (when it is a
+sane token) or a new one, echoed to the client either way, with the serving endpoint's name
+(`endpoint_header`) and the tenant's x-ratelimit headers (`rate`, filled by `_tenancy`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ HOP = {
     # Not the client's to pass on: its credentials, an encoding aiohttp already undid, a
     # content type we set, an id we validate.
     "authorization",
+    "api-key",
+    "x-api-key",
     "cookie",
     "content-encoding",
     "content-type",

@@ -36,6 +36,18 @@ __all__ = ["METER_S", "Tenancy"]
 METER_S = 0.25
 
 
+def authorization(request: web.Request) -> str | None:
+    """The client's key as an `Authorization` value: its own, else the key of an `api-key`
+    header (Azure OpenAI's clients) or `x-api-key` (Anthropic-style clients), as LiteLLM
+    takes them. Neither goes upstream (`_headers.HOP`)."""
+    auth = request.headers.get("Authorization")
+    if auth is None:
+        key = request.headers.get("api-key") or request.headers.get("x-api-key")
+        if key:
+            return f"Bearer {key.strip()}"
+    return auth
+
+
 class Tenancy:
     """Identification and the tenants' limits of one process (`tenants`, `limiter`: set by
     the gateway when `tenants` is configured)."""
@@ -53,7 +65,7 @@ class Tenancy:
     def priority(self, request: web.Request) -> str:
         value = request.headers.get(self.cfg.priority_header)
         if value is None and self.cfg.priority_keys:
-            auth = request.headers.get("Authorization", "")
+            auth = authorization(request) or ""
             if auth.startswith("Bearer "):
                 value = self.cfg.priority_keys.get(auth[7:])
         if value is None:
@@ -75,7 +87,7 @@ class Tenancy:
         there is no `anonymous` tenant, counted). Only with tenants."""
         assert self.tenants is not None
         try:
-            return self.tenants.resolve(request.headers.get("Authorization"))
+            return self.tenants.resolve(authorization(request))
         except ApiError:
             self.metrics.tenant_rejections.labels(NONE, "invalid_api_key").inc()
             self.metrics.tenant_requests.labels(NONE, "401").inc()
