@@ -7,7 +7,6 @@ pipeline started."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,6 @@ import yaml
 
 from unbroken.config.spec import SpecError, parse_spec
 from unbroken.controller.autoscale import Autoscaler, PoolScaling
-from unbroken.k8s import RenderOptions, render
 from unbroken.k8s.autoscale import DEMAND_METRIC, autoscale_cautions, cap_of, wanted_query
 from unbroken.k8s.manifests import SCRAPE_S
 from unbroken.pipeline import up as up_mod
@@ -140,94 +138,6 @@ def test_the_keda_query_spills_above_max_times_cap() -> None:
     assert q.endswith(f'clamp_min(sum({DEMAND_METRIC}{{namespace="llm",pool="primary"}}) - 32, 0)')
     q = wanted_query("llm", spec, by["last"])
     assert " - 12, 0)" in q and " - 32, 0)" in q  # fallback: 2 x 6; primary: 2 x 16
-
-
-@pytest.mark.parametrize(
-    "demand",
-    [
-        {"primary": 0, "other": 0, "fallback": 0, "last": 0},
-        {"primary": 30, "other": 1, "fallback": 0, "last": 0},  # over 2 x 10, not 2 x 16
-        {"primary": 47, "other": 0, "fallback": 3, "last": 0},  # 15 over 2 x 16; 6 over 2 x 6
-        {"primary": 20, "other": 0, "fallback": 14, "last": 2},  # fallback over 2 x 6 alone
-    ],
-)
-def test_keda_query_spills_as_the_local_autoscaler_with_caps(
-    tmp_path: Path, demand: dict[str, int]
-) -> None:
-    """As tests/test_k8s_spill.py, with each pool's cap given to the local autoscaler:
-    Prometheus evaluates each rendered query over two gateway pods' series, and the value
-    equals the demand the local autoscaler sizes the pool for."""
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed (make setup installs the prometheus package)")
-    spec = _spill_spec()
-    objs = render(spec, RenderOptions(namespace="llm", autoscaler="keda"))
-    queries = {
-        o["metadata"]["name"].removeprefix("unbroken-"): o["spec"]["triggers"][0]["metadata"][
-            "query"
-        ]
-        for o in objs
-        if o["kind"] == "ScaledObject"
-    }
-    local = Autoscaler(
-        [
-            PoolScaling(
-                name=p.name,
-                min=p.autoscale.min,
-                max=p.autoscale.max,
-                target=p.scaling.target,
-                spill_to={"primary": "fallback", "fallback": "last"}.get(p.name),
-                cap=cap_of(spec, p),
-            )
-            for p in spec.pools
-            if p.autoscale is not None
-        ]
-    )
-    want = {k: d for k, (_, d) in local.wanted({k: float(v) for k, v in demand.items()}).items()}
-    series = []
-    for pool, n in demand.items():
-        for pod, part in (("gw-a", n // 2), ("gw-b", n - n // 2)):
-            labels = f'namespace="llm",pool="{pool}",pod="{pod}"'
-            series.append({"series": f"{DEMAND_METRIC}{{{labels}}}", "values": f"{part}x3"})
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(
-        yaml.safe_dump(
-            {
-                "groups": [
-                    {
-                        "name": "wanted",
-                        "rules": [{"record": f"wanted:{k}", "expr": q} for k, q in queries.items()],
-                    }
-                ]
-            }
-        )
-    )
-    test = tmp_path / "test.yaml"
-    test.write_text(
-        yaml.safe_dump(
-            {
-                "rule_files": [str(rules)],
-                "evaluation_interval": "1m",
-                "tests": [
-                    {
-                        "interval": "1m",
-                        "input_series": series,
-                        "promql_expr_test": [
-                            {
-                                "expr": f"wanted:{k}",
-                                "eval_time": "2m",
-                                "exp_samples": [{"labels": f"wanted:{k}", "value": want[k]}],
-                            }
-                            for k in queries
-                        ],
-                    }
-                ],
-            }
-        )
-    )
-    p = subprocess.run(
-        ["promtool", "test", "rules", str(test)], capture_output=True, text=True, timeout=60
-    )
-    assert p.returncode == 0, p.stdout + p.stderr
 
 
 # -- 3, 4, 7. render warnings ----------------------------------------------------------------

@@ -9,6 +9,7 @@ import signal
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from unbroken.config.spec import GatewaySettings
 from unbroken.engine.textmodel import VOCAB
 from unbroken.gateway._affinity import AffinitySettings, CacheAware, home
 from unbroken.gateway._latency import LatencyAware, LatencySettings
-from unbroken.gateway._pool import PickRequest, Pool
+from unbroken.gateway._pool import Endpoint, PickRequest, Pool
 from unbroken.gateway._prefix import PrefixIndex, RouteHint, hint_of, prompt_text
 from unbroken.gateway._routing import POLICIES, PowerOfTwo, Random, RoundRobin, make_policy
 
@@ -174,20 +175,26 @@ def test_load_outweighs_a_short_prefix_but_not_a_long_one() -> None:
     assert pol.pick([a, b], _req(_hint(long_ + " next"))) is a  # ~4,500 tokens of prefill
 
 
-def test_a_hot_prefix_does_not_pile_onto_one_replica() -> None:
-    """Bounded load: past min load x 1.25 + 8, the holder gets no credit, so a popular
-    prefix spreads once its holder is busy (the 'death spiral' of pure affinity)."""
-    pol = CacheAware()
-    a, b = _ep("a"), _ep("b")
+def _hot_picks(pol: Any, a: Endpoint, b: Endpoint, n: int) -> list[str]:
+    """`n` requests of one popular 3,000-word prefix, `a` holding it, each stream kept open:
+    where each went."""
     hot = _words(3000, 8)
     pol.on_admit(a, _req(_hint(hot)))
     picks = []
-    for i in range(40):
+    for i in range(n):
         ep = pol.pick([a, b], _req(_hint(hot + f" q{i}")))
         assert ep is not None
         ep.slot.add(1)  # the stream stays open
         pol.on_admit(ep, _req(_hint(hot + f" q{i}")))
         picks.append(ep.name)
+    return picks
+
+
+def test_a_hot_prefix_does_not_pile_onto_one_replica() -> None:
+    """Bounded load: past min load x 1.25 + 8, the holder gets no credit, so a popular
+    prefix spreads once its holder is busy (the 'death spiral' of pure affinity)."""
+    a, b = _ep("a"), _ep("b")
+    picks = _hot_picks(CacheAware(), a, b, 40)
     assert picks[:9] == ["a"] * 9  # affinity while within the bound
     assert abs(a.inflight - b.inflight) <= 10  # and then both take it
     assert b.inflight >= 15
@@ -200,16 +207,7 @@ def test_the_hot_spot_guard_is_a_setting(abs_: float, rel: float, first: int) ->
     pol = make_policy(
         GatewaySettings(routing="prefix", prefix_balance_abs=abs_, prefix_balance_rel=rel)
     )
-    a, b = _ep("a"), _ep("b")
-    hot = _words(3000, 8)
-    pol.on_admit(a, _req(_hint(hot)))
-    picks = []
-    for i in range(30):
-        ep = pol.pick([a, b], _req(_hint(hot + f" q{i}")))
-        assert ep is not None
-        ep.slot.add(1)
-        pol.on_admit(ep, _req(_hint(hot + f" q{i}")))
-        picks.append(ep.name)
+    picks = _hot_picks(pol, _ep("a"), _ep("b"), 30)
     assert picks[:first] == ["a"] * first and picks[first] == "b", picks
 
 
