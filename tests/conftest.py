@@ -203,3 +203,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"{r.nodeid} ({r.when}, {r.duration:.1f} s):")
         for ln in errors or lines[-3:]:
             terminalreporter.write_line("    " + ln)
+
+
+@pytest.fixture
+def two_engines(tmp_path: Path) -> Iterator[list[Proc]]:
+    """Two simulated engines (fast steps) of the test's own, stopped after it."""
+    engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
+    yield engs
+    for e in engs:
+        e.stop()

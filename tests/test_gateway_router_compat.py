@@ -5,21 +5,11 @@ with two workers, so that an added worker serves from every worker process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
-from helpers import MODEL, TOKEN, Proc, engine, gateway, wait_for
-
-
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[list[Proc]]:
-    engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
-    yield engs
-    for e in engs:
-        e.stop()
+from helpers import MODEL, TOKEN, Proc, gateway, wait_for
 
 
 def _call(g: Proc, method: str, path: str, token: str | None = TOKEN) -> httpx.Response:
@@ -27,8 +17,8 @@ def _call(g: Proc, method: str, path: str, token: str | None = TOKEN) -> httpx.R
     return httpx.request(method, g.admin_url + path, headers=headers, timeout=10)
 
 
-def test_vllm_router_worker_routes(tmp_path: Path, engines: list[Proc]) -> None:
-    a, b = engines
+def test_vllm_router_worker_routes(tmp_path: Path, two_engines: list[Proc]) -> None:
+    a, b = two_engines
     g = gateway(tmp_path, a.url, args=("--workers", "2"))
     try:
         assert _call(g, "GET", "/workers", token=None).status_code == 401
@@ -81,10 +71,10 @@ def test_vllm_router_worker_routes(tmp_path: Path, engines: list[Proc]) -> None:
         g.stop()
 
 
-def test_vllm_router_and_production_stack_flags(tmp_path: Path, engines: list[Proc]) -> None:
+def test_vllm_router_and_production_stack_flags(tmp_path: Path, two_engines: list[Proc]) -> None:
     """`--worker-urls A B` (one option, several URLs), `--policy cache_aware`, production-
     stack's `--session-key`: accepted as ours, and the resolved policy said at start."""
-    a, b = engines
+    a, b = two_engines
     g = gateway(
         tmp_path,
         args=(

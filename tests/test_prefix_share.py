@@ -9,27 +9,18 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers import MODEL, Proc, engine, gateway, metric, wait_for
+from helpers import MODEL, Proc, gateway, metric, wait_for
 from test_tenants_redis import REDIS, Redis
 from unbroken.engine.textmodel import VOCAB
 
 pytestmark = pytest.mark.skipif(
     REDIS is None, reason="redis-server is not installed (scripts/bootstrap.sh installs it)"
 )
-
-
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[list[Proc]]:
-    engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
-    yield engs
-    for e in engs:
-        e.stop()
 
 
 def _words(n: int, seed: int) -> str:
@@ -81,25 +72,25 @@ def _first_on_b_is_credited(tmp: Path, urls: list[str], share: str | None, worke
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_replica_credits_what_another_sent(
-    tmp_path: Path, engines: list[Proc], workers: int
+    tmp_path: Path, two_engines: list[Proc], workers: int
 ) -> None:
     redis = Redis(tmp_path).start()
     try:
         url = f"redis://127.0.0.1:{redis.port}/0"
-        urls = [e.url for e in engines]
+        urls = [e.url for e in two_engines]
         assert _first_on_b_is_credited(tmp_path / "shared", urls, url, workers)
         if workers == 1:  # the control, once: without the share B knows nothing of it
-            for e in engines:
+            for e in two_engines:
                 httpx.post(e.url + "/reset_prefix_cache", timeout=10)
             assert not _first_on_b_is_credited(tmp_path / "own", urls, None, workers)
     finally:
         redis.kill()
 
 
-def test_redis_gone_keeps_serving_and_says_so_once(tmp_path: Path, engines: list[Proc]) -> None:
+def test_redis_gone_keeps_serving_and_says_so_once(tmp_path: Path, two_engines: list[Proc]) -> None:
     redis = Redis(tmp_path).start()
     url = f"redis://127.0.0.1:{redis.port}/0"
-    a, b = _gateways(tmp_path, [e.url for e in engines], url, 1)
+    a, b = _gateways(tmp_path, [e.url for e in two_engines], url, 1)
     try:
         redis.kill()
         for i in range(6):
