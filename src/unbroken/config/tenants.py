@@ -71,6 +71,10 @@ class TenantSpec(_Spec):
     # May call `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (which change what
     # every tenant is served): off unless the spec says so (403 otherwise).
     manage_adapters: bool = False
+    # The models (served names, aliases, adapters) this tenant may use, as LiteLLM's key
+    # `models`; None: every one. Others are answered as a model that does not exist (404),
+    # and /v1/models lists only these.
+    models: list[Annotated[str, Field(min_length=1)]] | None = None
 
     @field_validator("api_keys")
     @classmethod

@@ -149,8 +149,7 @@ class Handlers(EngineRoutes):
 
     async def _model_cards(self, request: web.Request) -> list[dict[str, Any]]:
         assert self.session is not None
-        if self.tenancy.tenants is not None:
-            self.tenancy.resolve(request)
+        tenant = self.tenancy.resolve(request) if self.tenancy.tenants is not None else None
         # In the spec's pool order, then by name: data[0] is the first pool's model in every
         # answer, not whichever replica passed its health check first.
         rank = {p: i for i, p in enumerate([*self.pool.pool_models, *self.pool.pool_order])}
@@ -191,8 +190,10 @@ class Handlers(EngineRoutes):
             )
         # vLLM lists its served model names first, then its adapters (`parent`: the base), and
         # scripts take data[0] as the model: the engines' own order (endpoints in the spec's
-        # pool order), bases before adapters; names no engine listed just now after.
-        return sorted(merged.values(), key=lambda m: m.get("parent") is not None)
+        # pool order), bases before adapters; names no engine listed just now after. A tenant
+        # limited to some models sees those.
+        cards = [m for m in merged.values() if self.tenancy.may_use(tenant, m["id"])]
+        return sorted(cards, key=lambda m: m.get("parent") is not None)
 
     async def _models_of(self, ep: Endpoint) -> list[dict[str, Any]]:
         assert self.session is not None
@@ -250,7 +251,8 @@ class Handlers(EngineRoutes):
                         code="no_endpoint",
                         headers={"Retry-After": "1"},
                     )
-                model = known[0]
+                # No model named: the first served one this tenant may use.
+                model = next((m for m in known if self.tenancy.may_use(tenant, m)), known[0])
             elif model not in known and not await self._learned(model):
                 raise ApiError(
                     404,
@@ -258,6 +260,7 @@ class Handlers(EngineRoutes):
                     param="model",
                     code="model_not_found",
                 )
+            self.tenancy.check_model(tenant, model)
             headers = self.headers.of(request, rid)
             if body:
                 headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
@@ -483,6 +486,7 @@ class Handlers(EngineRoutes):
                         400, "'model' is a required property", param="model", code="invalid_value"
                     )
                 model = next(iter(known))
+            self.tenancy.check_model(tenant, model)
             wants = _wants(view.raw) if streaming else None
             most = _max_tokens(view.raw)
             tokens = None if streaming else most

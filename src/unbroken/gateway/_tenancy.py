@@ -93,6 +93,19 @@ class Tenancy:
             self.metrics.tenant_requests.labels(NONE, "401").inc()
             raise
 
+    @staticmethod
+    def may_use(tenant: TenantSpec | None, model: str) -> bool:
+        """Whether `tenant` may use `model` (its `models`, when it names any)."""
+        return tenant is None or tenant.models is None or model in tenant.models
+
+    def check_model(self, tenant: TenantSpec | None, model: str) -> None:
+        """404 for a model the tenant may not use, the very answer an unknown model gets
+        (a tenant learns nothing of what others are served)."""
+        if not self.may_use(tenant, model):
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+
     def _asked(self, value: str) -> str:
         value = value.strip().lower()
         if value not in PRIORITIES:
