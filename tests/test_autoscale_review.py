@@ -18,7 +18,7 @@ import yaml
 
 from unbroken.config.spec import SpecError, parse_spec
 from unbroken.controller.autoscale import Autoscaler, PoolScaling
-from unbroken.k8s.autoscale import DEMAND_METRIC, autoscale_cautions, cap_of, wanted_query
+from unbroken.k8s.autoscale import DEMAND_METRIC, autoscale_cautions, wanted_query
 from unbroken.k8s.manifests import SCRAPE_S
 from unbroken.pipeline import up as up_mod
 from unbroken.pipeline.supervisor import Supervisor
@@ -133,7 +133,7 @@ def _spill_spec(**gateway: Any) -> Any:
 def test_the_keda_query_spills_above_max_times_cap() -> None:
     spec = _spill_spec()
     by = {p.name: p for p in spec.pools}
-    assert cap_of(spec, by["primary"]) == 16 and cap_of(spec, by["fallback"]) == 6
+    assert spec.pool_cap(by["primary"]) == 16 and spec.pool_cap(by["fallback"]) == 6
     q = wanted_query("llm", spec, by["fallback"])
     assert q.endswith(f'clamp_min(sum({DEMAND_METRIC}{{namespace="llm",pool="primary"}}) - 32, 0)')
     q = wanted_query("llm", spec, by["last"])

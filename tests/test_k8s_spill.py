@@ -16,7 +16,7 @@ import yaml
 from unbroken.config.spec import parse_spec
 from unbroken.controller.autoscale import Autoscaler, PoolScaling
 from unbroken.k8s import RenderOptions, render
-from unbroken.k8s.autoscale import DEMAND_METRIC, cap_of, spill_chain
+from unbroken.k8s.autoscale import DEMAND_METRIC, spill_chain
 
 NS = "llm"
 
@@ -97,7 +97,7 @@ def test_keda_query_spills_as_the_local_autoscaler(tmp_path: Path, demand: dict[
                 min=p.autoscale.min,
                 max=p.autoscale.max,
                 target=p.scaling.target,
-                cap=cap_of(spec, p),
+                cap=spec.pool_cap(p),
                 spill_to={"primary": "fallback", "fallback": "last"}.get(p.name),
             )
             for p in spec.pools

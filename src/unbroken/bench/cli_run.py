@@ -80,15 +80,15 @@ def _workload(o: BenchOptions) -> WorkloadSpec | None:
     from unbroken.bench.workloads import MultiTurn, SharedPrefix
 
     # inference-perf's spelling (shared_prefix) is the same workload.
-    o.workload = o.workload.replace("_", "-")
-    if o.workload not in ("random", "shared-prefix", "multi-turn"):
+    workload = o.workload.replace("_", "-")
+    if workload not in ("random", "shared-prefix", "multi-turn"):
         raise BenchOptionError("--workload must be random, shared-prefix or multi-turn")
     lengths = {
         "system_prompt_len": o.system_prompt_len,
         "question_len": o.question_len,
         "output_len": o.output_len,
     }
-    if o.workload == "random":
+    if workload == "random":
         # A workload's option with the random prompts would be ignored: say so.
         given = lengths | {
             "num_groups": o.num_groups,
@@ -102,7 +102,7 @@ def _workload(o: BenchOptions) -> WorkloadSpec | None:
                 "random workload takes --prompt-words, --max-tokens and --chat-fraction"
             )
     try:
-        if o.workload == "shared-prefix":
+        if workload == "shared-prefix":
             if o.num_turns is not None:
                 raise ValueError("--num-turns is multi-turn's option")
             given = lengths | {
@@ -110,13 +110,13 @@ def _workload(o: BenchOptions) -> WorkloadSpec | None:
                 "num_prompts_per_group": o.num_prompts_per_group,
             }
             return SharedPrefix(**{k: v for k, v in given.items() if v is not None})
-        if o.workload == "multi-turn":
+        if workload == "multi-turn":
             if o.num_groups is not None or o.num_prompts_per_group is not None:
                 raise ValueError("--num-groups and --num-prompts-per-group are shared-prefix's")
             given = lengths | {"num_turns": o.num_turns}
             return MultiTurn(**{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
-        raise BenchOptionError(f"--workload {o.workload}: {e}") from None
+        raise BenchOptionError(f"--workload {workload}: {e}") from None
     return None
 
 

@@ -629,6 +629,11 @@ class PipelineSpec(_Spec):
         self._check_targets()
         return self
 
+    def pool_cap(self, pool: PoolSpec) -> int:
+        """A pool's in-flight cap per engine, over every gateway (replica) together: its
+        `cap`, else `gateway.default_cap`."""
+        return pool.cap if pool.cap is not None else self.gateway.default_cap
+
     def _check_targets(self) -> None:
         """An autoscaled pool's `scaling.target` must not exceed its cap (the pool's `cap`,
         else `gateway.default_cap`): the gateway never sends a replica more than its cap, so
@@ -637,7 +642,7 @@ class PipelineSpec(_Spec):
         for i, p in enumerate(self.pools):
             if p.autoscale is None:
                 continue
-            cap = p.cap if p.cap is not None else self.gateway.default_cap
+            cap = self.pool_cap(p)
             if p.scaling.target > cap:
                 target = f"{p.scaling.target:g}"
                 if "target" not in p.scaling.model_fields_set:

@@ -45,7 +45,7 @@ from unbroken.engine.textmodel import (
     token_ids,
 )
 from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
-from unbroken.wire.errors import ApiError
+from unbroken.wire.errors import ApiError, model_not_found
 from unbroken.wire.heap import freeze_startup_heap
 from unbroken.wire.http import (
     Cors,
@@ -524,9 +524,7 @@ class Engine:
             return None
         if self.loras is not None and (a := self.loras.get(model)) is not None:
             return a
-        raise ApiError(
-            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
+        raise model_not_found(model)
 
     def _echo(self, model: str | None, adapter: LoadedAdapter | None) -> str:
         """The response's `model`, as vLLM's `_get_model_name`: the adapter's name, else

@@ -101,15 +101,17 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
     async def list_endpoints(request: web.Request) -> web.Response:
         return json({"endpoints": [dump(e) for e in pool.endpoints.values()]})
 
-    async def add_endpoint(request: web.Request) -> web.Response:
-        spec = _parse(AddEndpoint, await request.read())
+    def added(spec: AddEndpoint, param: str) -> Endpoint:
+        """`spec` added (named `host:port` unless it names itself); 409 on a taken name."""
         name = spec.name or spec.url.split("://", 1)[1]
         if (old := pool.get(name)) is not None and old.state != State.GONE:
-            raise ApiError(409, f"an endpoint named {name!r} exists", param="name", code="conflict")
-        ep = gw.add_endpoint(
+            raise ApiError(409, f"an endpoint named {name!r} exists", param=param, code="conflict")
+        return gw.add_endpoint(
             spec.url, name=name, pool_name=spec.pool, cap=spec.cap, warmup=spec.warmup
         )
-        return json(dump(ep), status=201)
+
+    async def add_endpoint(request: web.Request) -> web.Response:
+        return json(dump(added(_parse(AddEndpoint, await request.read()), "name")), status=201)
 
     async def show(request: web.Request) -> web.Response:
         return json(dump(get(request)))
@@ -196,13 +198,14 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
     # vllm-router's worker routes, for the scripts and autoscaler hooks a user brings from
     # it (its shapes; here behind the admin token, on the admin port): a worker is an
     # endpoint by URL.
+    def live() -> list[Endpoint]:
+        return [e for e in pool.endpoints.values() if e.state != State.GONE]
+
     def by_url(request: web.Request) -> tuple[str, Endpoint | None]:
         url = request.query.get("url", "").rstrip("/")
         if not url:
             raise ApiError(400, "missing query parameter `url`", param="url")
-        return url, next(
-            (e for e in pool.endpoints.values() if e.url == url and e.state != State.GONE), None
-        )
+        return url, next((e for e in live() if e.url == url), None)
 
     def base_model(e: Endpoint) -> str:
         """The model an endpoint serves, not an alias or adapter: the spec's name for its
@@ -217,7 +220,7 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
         return web.Response(status=status, text=body)
 
     async def workers(request: web.Request) -> web.Response:
-        eps = [e for e in pool.endpoints.values() if e.state != State.GONE]
+        eps = live()
         return json(
             {
                 "workers": [
@@ -241,11 +244,10 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
         )
 
     async def list_workers(request: web.Request) -> web.Response:
-        return json({"urls": [e.url for e in pool.endpoints.values() if e.state != State.GONE]})
+        return json({"urls": [e.url for e in live()]})
 
     async def get_loads(request: web.Request) -> web.Response:
-        eps = [e for e in pool.endpoints.values() if e.state != State.GONE]
-        return json({"workers": [{"worker": e.url, "load": e.inflight} for e in eps]})
+        return json({"workers": [{"worker": e.url, "load": e.inflight} for e in live()]})
 
     async def add_worker(request: web.Request) -> web.Response:
         """`?url=` (and ours: `pool=`, else the first pool of the routes), added as POST
@@ -255,10 +257,7 @@ def admin_app(gw: GatewayControl, token: str) -> web.Application:
         spec = _parse(AddEndpoint, orjson.dumps(body))
         if ep is not None:
             raise ApiError(400, f"Worker {spec.url} already exists", param="url", code="conflict")
-        name = spec.url.split("://", 1)[1]
-        if (old := pool.get(name)) is not None and old.state != State.GONE:
-            raise ApiError(409, f"an endpoint named {name!r} exists", param="url", code="conflict")
-        gw.add_endpoint(spec.url, name=name, pool_name=spec.pool, cap=None, warmup=True)
+        added(spec, "url")
         return text(f"Successfully added worker: {spec.url}")
 
     async def remove_worker(request: web.Request) -> web.Response:

@@ -23,7 +23,7 @@ from aiohttp import web
 from unbroken.gateway._headers import request_id
 from unbroken.gateway._pool import Endpoint, Pool, State
 from unbroken.gateway._upstream import UPSTREAM_ERRORS
-from unbroken.wire.errors import ApiError
+from unbroken.wire.errors import ApiError, model_not_found
 from unbroken.wire.openai import usage_of
 from unbroken.wire.sse import SSEDecoder
 
@@ -223,9 +223,7 @@ class EngineRoutes:
             targets = self._lora_targets(obj, load=request.path == "/v1/load_lora_adapter")
             # One of the tenant's requests, as any other (429 over a limit); its headers go
             # on the answer below.
-            hdrs: dict[str, str] = {}
-            lease = await self.tenancy.admit(tenant, hdrs)
-            self.headers.rate.pop(id(hdrs), None)
+            lease = await self.tenancy.admit(tenant, None)
             resp = await self._apply(request, targets, orjson.dumps(obj))
             status = resp.status
             if lease is not None and lease.headers:
@@ -258,12 +256,7 @@ class EngineRoutes:
                     code="model_required",
                 )
         elif not isinstance(base_model, str) or not any(base_model in g for g in groups):
-            raise ApiError(
-                404,
-                f"The model `{base_model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(base_model)
         targets = [
             e for e in ready if base_model is None or base_model in e.models - e.adapters.keys()
         ]

@@ -29,7 +29,7 @@ from unbroken.gateway._prefix import CHARS_PER_TOKEN, RouteHint, hint_of, respon
 from unbroken.gateway._ratelimit import Lease, RateLimited
 from unbroken.gateway._tenancy import Tenancy
 from unbroken.gateway._upstream import UPSTREAM_ERRORS, Retry
-from unbroken.wire.errors import ApiError
+from unbroken.wire.errors import ApiError, model_not_found
 from unbroken.wire.openai import gateway_view, lax_bool
 
 if TYPE_CHECKING:
@@ -139,13 +139,7 @@ class Handlers(EngineRoutes):
         for card in await self._model_cards(request):
             if card["id"] == want:
                 return web.Response(body=orjson.dumps(card), content_type="application/json")
-        raise ApiError(
-            404,
-            f"The model `{want}` does not exist.",
-            type="invalid_request_error",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(want)
 
     async def _model_cards(self, request: web.Request) -> list[dict[str, Any]]:
         assert self.session is not None
@@ -254,12 +248,7 @@ class Handlers(EngineRoutes):
                 # No model named: the first served one this tenant may use.
                 model = next((m for m in known if self.tenancy.may_use(tenant, m)), known[0])
             elif model not in known and not await self._learned(model):
-                raise ApiError(
-                    404,
-                    f"The model `{model}` does not exist.",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise model_not_found(model)
             self.tenancy.check_model(tenant, model)
             headers = self.headers.of(request, rid)
             if body:
@@ -521,12 +510,7 @@ class Handlers(EngineRoutes):
                         code="no_endpoint",
                         headers={"Retry-After": "1"},
                     )
-                raise ApiError(
-                    404,
-                    f"The model `{model}` does not exist.",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise model_not_found(model)
             headers = self.headers.of(request, rid)
             # As OpenAI's headers count it: the prompt, and max_tokens for every sequence.
             prompt_est = (hint.chars if hint is not None else len(body)) / CHARS_PER_TOKEN

@@ -45,9 +45,8 @@ class _PrefixCollector(Collector):
 
 class _PoolCollector(Collector):
     """Per-endpoint gauges (in flight, cap, load, state, health, condition, slow clients)
-    and requests served,
-    the queue's depth by priority, the streams and their buffered bytes, and each pool's
-    demand (the autoscaling signal)."""
+    and requests served, the queue's depth by priority, the streams and their buffered
+    bytes, and each pool's demand (the autoscaling signal)."""
 
     def __init__(self, pool: Pool, admission: Admission, sinks: Sized | None = None) -> None:
         self.pool = pool

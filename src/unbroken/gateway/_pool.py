@@ -366,13 +366,12 @@ class Pool:
         runtime) is not served: OpenAI's 404, as vLLM answers, not a wait for a wake-up
         that never comes."""
         live: set[str] = set().union(*(e.models for e in self.endpoints.values()))
-        return live.union(*(n for p, n in self.pool_models.items() if not self._awake(p)))
+        awake = self._awake()
+        return live.union(*(n for p, n in self.pool_models.items() if p not in awake))
 
-    def _awake(self, pool: str) -> bool:
-        """Has `pool` a ready replica whose models were read (what it serves is known)?"""
-        return any(
-            e.pool == pool and e.state == State.READY and e.models for e in self.endpoints.values()
-        )
+    def _awake(self) -> set[str]:
+        """The pools with a ready replica whose models were read (what they serve is known)."""
+        return {e.pool for e in self.endpoints.values() if e.state == State.READY and e.models}
 
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self.endpoints.values() if e.state != State.GONE)
@@ -381,8 +380,9 @@ class Pool:
         """The first sleeping pool (no ready replica: `known_models`) the spec says serves
         `model`; None when every pool that declares it is up (then a ready replica lists
         it, or it is not served)."""
+        awake = self._awake()
         return next(
-            (p for p, names in self.pool_models.items() if model in names and not self._awake(p)),
+            (p for p, names in self.pool_models.items() if model in names and p not in awake),
             None,
         )
 

@@ -8,10 +8,10 @@ L/60 per second, and the time it was last written. A request is admitted when ev
 bucket of its tenant holds at least one unit (`level + 1 <= L`); the request bucket takes
 its one at once, the token buckets take the tokens as the engine reports them (usage), so
 one long answer may drive a token level past L, and the tenant's next requests wait until it
-has drained again. A stream in progress is never cut. A request whose own estimate (prompt
-length / 4, max_tokens x n) exceeds a whole token limit L could never fit: refused at once
-(`TooLarge`, OpenAI's "Request too large"), without a Retry-After. This is what OpenAI's headers
-describe: `remaining` is what the bucket holds now, `reset` when it is full again.
+has drained again. A stream in progress is never cut. A request whose max_tokens x n exceeds
+its whole completion-token limit L could never be served in full: refused at once
+(`TooLarge`, OpenAI's "Request too large"), without a Retry-After. This is what OpenAI's
+headers describe: `remaining` is what the bucket holds now, `reset` when it is full again.
 
 Where the levels live:
 - `TenantTable` (`_tenant_table.py`): one shared-memory file for all workers of a gateway,

@@ -21,7 +21,7 @@ from unbroken.gateway._headers import Headers
 from unbroken.gateway._messages import LeaseState
 from unbroken.gateway._ratelimit import Lease, Limiter, RateLimited
 from unbroken.gateway._tenants import NONE, Tenants, priority_for
-from unbroken.wire.errors import ApiError
+from unbroken.wire.errors import ApiError, model_not_found
 from unbroken.wire.openai import usage_of
 
 if TYPE_CHECKING:
@@ -102,9 +102,7 @@ class Tenancy:
         """404 for a model the tenant may not use, the very answer an unknown model gets
         (a tenant learns nothing of what others are served)."""
         if not self.may_use(tenant, model):
-            raise ApiError(
-                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-            )
+            raise model_not_found(model)
 
     def _asked(self, value: str) -> str:
         value = value.strip().lower()
@@ -120,12 +118,13 @@ class Tenancy:
     async def admit(
         self,
         tenant: TenantSpec | None,
-        headers: dict[str, str],
+        headers: dict[str, str] | None,
         estimate: tuple[float, float] = (0.0, 0.0),
     ) -> Lease | None:
         """Take the request from its tenant's limits (429 when over one); its x-ratelimit
-        headers go on every response it gets (`_headers.Headers.response`), its token
-        headers net of `estimate` (its prompt and completion tokens, guessed)."""
+        headers go on every response made from `headers` (`_headers.Headers.response`;
+        None: the caller puts the lease's own on its answer), its token headers net of
+        `estimate` (its prompt and completion tokens, guessed)."""
         if tenant is None or self.limiter is None:
             return None
         try:
@@ -133,7 +132,7 @@ class Tenancy:
         except RateLimited as e:
             self.metrics.tenant_rejections.labels(tenant.name, e.reason).inc()
             raise
-        if lease.headers:
+        if lease.headers and headers is not None:
             self.headers.rate[id(headers)] = lease.headers
         return lease
 

@@ -32,7 +32,6 @@ __all__ = [
     "autoscale_cautions",
     "autoscaled",
     "behavior",
-    "cap_of",
     "demand_query",
     "drain_deadline",
     "horizontal_pod_autoscaler",
@@ -97,12 +96,6 @@ def spill_chain(spec: PipelineSpec, pool: PoolSpec) -> list[PoolSpec]:
         chain.insert(0, prev)
 
 
-def cap_of(spec: PipelineSpec, pool: PoolSpec) -> int:
-    """The pool's in-flight cap per engine, over every gateway pod together (their shares
-    add up to it, docs/kubernetes.md): its `cap`, else `gateway.default_cap`."""
-    return pool.cap if pool.cap is not None else spec.gateway.default_cap
-
-
 def wanted_query(namespace: str, spec: PipelineSpec, pool: PoolSpec) -> str:
     """PromQL of the demand the pool is sized for: its own, plus what the pools before it
     in its spill chain cannot hold at their `max` (demand above max x cap, never below 0).
@@ -119,7 +112,7 @@ def wanted_query(namespace: str, spec: PipelineSpec, pool: PoolSpec) -> str:
     for prev, nxt in itertools.pairwise(chain):
         a = prev.autoscale
         assert a is not None
-        room = a.max * cap_of(spec, prev)
+        room = a.max * spec.pool_cap(prev)
         q = f"{demand_query(namespace, nxt.name)} + clamp_min({q} - {room:g}, 0)"
     return q
 

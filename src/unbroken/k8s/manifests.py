@@ -654,7 +654,7 @@ def gateway_objects(spec: PipelineSpec, o: RenderOptions) -> list[Obj]:
     args = ["gateway", "--config", "/etc/unbroken/gateway.yaml"]
     for pool in spec.pools:
         args += ["--k8s-service", f"{pool.name}={o.namespace}/{o.prefix}-{pool.name}:http"]
-        args += ["--pool-cap", f"{pool.name}={pool.cap or spec.gateway.default_cap}"]
+        args += ["--pool-cap", f"{pool.name}={spec.pool_cap(pool)}"]
     args += ["--k8s-peers", f"{o.namespace}/{o.prefix}-gateway-admin:admin"]
     # On SIGTERM open streams may finish for the drain deadline (else the CLI's 30 s, which
     # a shorter drain_deadline_s left past the grace period: SIGKILL mid-drain, the clients'

@@ -139,8 +139,7 @@ class Supervisor:
         self.closing = False  # stop() has begun: nothing is replaced or restarted any more
         self.stopped = asyncio.Event()  # set when the pipeline should end (gateway exit 0)
         self.change_lock = asyncio.Lock()  # rollouts, conversions, scaling, reloads: one at a time
-        self.scaling: str | None = None  # the resize under way ("pool -> n"), if any
-        self.resizing: tuple[str, int] | None = None  # the same as (pool, n)
+        self.resizing: tuple[str, int] | None = None  # the resize under way: (pool, n)
         self._tasks: set[asyncio.Task[Any]] = set()
         # The parts.
         self.statelock = StateLock(state)
@@ -265,12 +264,10 @@ class Supervisor:
         from unbroken.pipeline.scale import run_scale
 
         async with self.change_lock:
-            self.scaling = f"{req.pool} -> {req.replicas}"
             self.resizing = (req.pool, req.replicas)
             try:
                 return await run_scale(self, req, progress)
             finally:
-                self.scaling = None
                 self.resizing = None
                 self.save_plane()
 
@@ -360,18 +357,24 @@ class Supervisor:
             **await self.companions.status(),
         }
 
+    @property
+    def scaling(self) -> str | None:
+        """The resize under way as status shows it ("pool -> n"), if any."""
+        return None if self.resizing is None else f"{self.resizing[0]} -> {self.resizing[1]}"
+
     def _pool_status(self, p: PoolSpec) -> dict[str, Any]:
         """A pool in `status`: an autoscaled one also with its range and, while a resize of
         this pool (not another's) is under way, `scaling` ("pool -> n") and `wanted`, the
         size it goes to; else `wanted` is the declared size."""
         out: dict[str, Any] = {"declared": p.replicas, "live": self.replica_set.serving(p.name)}
         if p.autoscale:
-            mine = self.resizing is not None and self.resizing[0] == p.name
+            r = self.resizing
+            mine = r is not None and r[0] == p.name
             out |= {
                 "min": p.autoscale.min,
                 "max": p.autoscale.max,
                 "scaling": self.scaling if mine else None,
-                "wanted": self.resizing[1] if mine and self.resizing else p.replicas,
+                "wanted": r[1] if r is not None and mine else p.replicas,
             }
         return out
 
@@ -391,7 +394,7 @@ class Supervisor:
                     "scaling": p.scaling.model_dump(),
                     # The gateway's cap per replica: what a replica holds before the gateway
                     # spills to the next pool (controller/autoscale.py, PoolScaling.cap).
-                    "cap": p.cap if p.cap is not None else self.spec.gateway.default_cap,
+                    "cap": self.spec.pool_cap(p),
                 }
                 for p in self.spec.pools
             ],

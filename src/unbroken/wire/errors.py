@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-__all__ = ["ApiError", "error_body", "error_response"]
+__all__ = ["ApiError", "error_body", "error_response", "model_not_found"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -70,6 +70,14 @@ class ApiError(Exception):
             code=self.code,
             headers=self.headers,
         )
+
+
+def model_not_found(model: object) -> ApiError:
+    """The 404 of a model not served (vLLM's message; OpenAI's type and code): one answer
+    for an unknown model and for one a tenant may not use, so that neither says more."""
+    return ApiError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
 
 
 def error_body(
