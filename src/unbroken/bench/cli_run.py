@@ -34,8 +34,11 @@ class BenchOptions:
 
     url: str | None = None
     scenario: str = "steady"
-    users: int = 50
-    spawn_rate: float = 10.0
+    users: int | None = None  # None: 50 (closed loop)
+    spawn_rate: float | None = None  # None: 10
+    rate: float | None = None  # open loop: requests per second
+    arrival: str = "poisson"
+    max_concurrency: int | None = None
     duration: float = 60.0
     at: float = 20.0
     pool: str = "primary"
@@ -141,15 +144,46 @@ def _priority_mix(text: str) -> dict[str, float]:
     return mix
 
 
+DEFAULT_USERS, DEFAULT_SPAWN_RATE = 50, 10.0
+
+
+def _check_loop(o: BenchOptions) -> tuple[int, float]:
+    """The closed loop's (users, spawn rate), or the open loop's options checked: each
+    loop's options refused with the other (they would be ignored)."""
+    if o.rate is None:
+        if o.max_concurrency is not None:
+            raise BenchOptionError(
+                "--max-concurrency caps an open loop (--rate); a closed loop's cap is --users"
+            )
+        if o.arrival != "poisson":
+            raise BenchOptionError("--arrival is --rate's (the open loop's) option")
+        users = DEFAULT_USERS if o.users is None else o.users
+        spawn = DEFAULT_SPAWN_RATE if o.spawn_rate is None else o.spawn_rate
+        if users < 1:
+            raise BenchOptionError("--users must be at least 1")
+        if not spawn >= 0:
+            raise BenchOptionError("--spawn-rate must be >= 0 (0 starts every user at once)")
+        return users, spawn
+    named = [n for n, v in (("--users", o.users), ("--spawn-rate", o.spawn_rate)) if v is not None]
+    if named:
+        raise BenchOptionError(
+            f"{' and '.join(named)}: the closed loop's; with --rate the load is an open loop "
+            "(cap its open requests with --max-concurrency)"
+        )
+    if not (o.rate > 0 and o.rate != float("inf")):
+        raise BenchOptionError(f"--rate must be requests per second, more than 0: got {o.rate:g}")
+    if o.arrival not in ("poisson", "constant"):
+        raise BenchOptionError(f"--arrival must be poisson or constant, got {o.arrival!r}")
+    if o.max_concurrency is not None and o.max_concurrency < 1:
+        raise BenchOptionError("--max-concurrency must be at least 1")
+    return 0, 0.0
+
+
 def _check_numbers(o: BenchOptions) -> None:
     """Ranges the load generator would otherwise take silently (0 users ran nothing and
     failed; --duration 0 or less still sent a spawn interval's worth of requests)."""
-    if o.users < 1:
-        raise BenchOptionError("--users must be at least 1")
     if not o.duration > 0:
         raise BenchOptionError("--duration must be more than 0 seconds")
-    if not o.spawn_rate >= 0:
-        raise BenchOptionError("--spawn-rate must be >= 0 (0 starts every user at once)")
     for name, v in (("--chat-fraction", o.chat_fraction), ("--slow-fraction", o.slow_fraction)):
         if not 0 <= v <= 1:
             raise BenchOptionError(f"{name} must be between 0 and 1, got {v:g}")
@@ -259,6 +293,7 @@ def run(o: BenchOptions, console: Console) -> int:
 
     if o.scenario not in ("steady", "rollout", "chaos"):
         raise BenchOptionError("--scenario must be steady, rollout or chaos")
+    users, spawn_rate = _check_loop(o)
     _check_numbers(o)
     spec = _workload(o)
     for u in o.engine_metrics or ():
@@ -301,8 +336,11 @@ def run(o: BenchOptions, console: Console) -> int:
     cfg = LoadConfig(
         url=url.rstrip("/"),
         model=o.model,
-        users=o.users,
-        spawn_rate=o.spawn_rate,
+        users=users,
+        spawn_rate=spawn_rate,
+        rate=o.rate,
+        arrival=o.arrival,
+        max_concurrency=o.max_concurrency,
         duration=o.duration,
         prompt_words=parse_range(o.prompt_words, "--prompt-words"),
         max_tokens=parse_range(o.max_tokens, "--max-tokens"),

@@ -22,6 +22,17 @@ where an engine sends no usage. TPOT and the inter-token gaps follow those count
 A user backs off after an error (exponentially, 0.1 s to 5 s) and after a rejection
 (Retry-After when given), so a wrong URL costs a few requests, not a flood.
 
+Open loop (`LoadConfig.rate`): requests arrive at `rate` a second, whatever the server
+does with them (Poisson arrivals, or evenly spaced), as `vllm bench serve --request-rate`,
+inference-perf and guidellm load a server: a closed loop slows its own arrivals when the
+server slows (a user waits for its answer before asking again), which hides the queueing a
+slow server makes. `max_concurrency` caps the requests open at once (vllm bench serve's
+`--max-concurrency`): an arrival past the cap waits in the client, and that wait is
+recorded (`Record.wait`) and reported, not hidden. Rejections and errors are recorded and
+the arrivals go on (no back-off). A multi-turn workload's conversation takes its next turn
+at the first arrival after its last answer; a new conversation starts when none is idle.
+Arrivals still waiting for a slot when the run stops are not sent (`LoadRun.unsent`).
+
 `LoadConfig.workload` replaces the random prompts with a prefix-heavy workload
 (`bench/workloads.py`: shared system prompts, multi-turn conversations with a session id);
 its texts are verified the same way, against the messages actually sent.
@@ -32,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import heapq
 import random
 import time
 from collections import Counter
@@ -89,6 +101,10 @@ class LoadConfig:
     request_timeout_s: float = 300.0
     workload: WorkloadSpec | None = None  # None: random prompts (prompt_words, chat_fraction)
     session_header: str = "x-session-id"  # a workload's session id; also the body's `user`
+    # Open loop (module doc): requests per second; None: the closed loop of `users`.
+    rate: float | None = None
+    arrival: str = "poisson"  # "poisson" or "constant" (evenly spaced)
+    max_concurrency: int | None = None  # with `rate`: requests open at once (None: no cap)
 
 
 @dataclass(slots=True)
@@ -110,6 +126,9 @@ class Record:
     profile: str | None = None  # the simulator's X-Unbroken-Profile (fp16, fp8) where it passes
     session: str | None = None
     turn: int = 0  # its turn in a multi-turn conversation
+    # Open loop: seconds from its arrival to its send (waiting in the client for a slot
+    # under `max_concurrency`); `start` is the send, as TTFT is measured from it.
+    wait: float = 0.0
 
     @property
     def e2e(self) -> float | None:
@@ -144,6 +163,8 @@ class LoadRun:
         self.workload: WorkloadGen | None = (
             make_generator(cfg.workload, cfg.seed) if cfg.workload is not None else None
         )
+        self.unsent = 0  # open loop: arrivals still waiting for a slot when the run stopped
+        self.max_active = 0
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -193,13 +214,69 @@ class LoadRun:
                 max(0.0, cfg.duration - self.now()), self._stop.set
             )
             try:
-                tasks = await self._start_users(session)
-                await self._stop.wait()
+                if cfg.rate is not None:
+                    tasks = await self._arrivals(session, cfg.rate)
+                else:
+                    tasks = await self._start_users(session)
+                    await self._stop.wait()
             finally:
                 deadline.cancel()
             self._stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         return self.records
+
+    async def _arrivals(
+        self, session: aiohttp.ClientSession, rate: float
+    ) -> list[asyncio.Task[None]]:
+        """Open loop: start a request at each arrival until the run stops; the requests
+        still open then."""
+        cfg = self.cfg
+        rng = random.Random(f"arrivals:{cfg.seed}")  # its own draws: prompts stay as seeded
+        slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        open_: set[asyncio.Task[None]] = set()
+        idle: list[int] = []  # conversations whose last turn has ended (lowest first)
+        fresh = 0  # the next new conversation
+        at = self.now()
+        while not self._stop.is_set():
+            at += rng.expovariate(rate) if cfg.arrival == "poisson" else 1.0 / rate
+            delay = at - self.now()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+            if self._stop.is_set():
+                break
+            if idle:
+                user = heapq.heappop(idle)
+            else:
+                user, fresh = fresh, fresh + 1
+            slow = rng.random() < cfg.slow_fraction
+            task = asyncio.create_task(self._arrival(session, user, slow, at, slots, idle))
+            open_.add(task)
+            task.add_done_callback(open_.discard)
+        return list(open_)
+
+    async def _arrival(
+        self,
+        session: aiohttp.ClientSession,
+        user: int,
+        slow: bool,
+        arrived: float,
+        slots: asyncio.Semaphore | None,
+        idle: list[int],
+    ) -> None:
+        try:
+            if slots is not None:
+                await slots.acquire()
+            try:
+                if self._stop.is_set():
+                    self.unsent += 1
+                    return
+                await self._one(session, user, slow, wait=self.now() - arrived)
+            finally:
+                if slots is not None:
+                    slots.release()
+        finally:
+            heapq.heappush(idle, user)
 
     async def _start_users(self, session: aiohttp.ClientSession) -> list[asyncio.Task[None]]:
         """Start the users, `spawn_rate` per second (all at once when 0)."""
@@ -316,7 +393,7 @@ class LoadRun:
                 pass
 
     async def _one(
-        self, session: aiohttp.ClientSession, user: int, slow: bool
+        self, session: aiohttp.ClientSession, user: int, slow: bool, wait: float = 0.0
     ) -> tuple[Record, float | None]:
         cfg = self.cfg
         turn = self._next_turn(user)
@@ -331,6 +408,7 @@ class LoadRun:
             max_tokens=max_tokens,
             session=turn.session,
             turn=turn.turn,
+            wait=wait,
         )
         body: dict[str, Any] = {
             "model": cfg.model,
@@ -353,6 +431,7 @@ class LoadRun:
         if cfg.api_key:
             headers["Authorization"] = f"Bearer {cfg.api_key}"
         self.active += 1
+        self.max_active = max(self.max_active, self.active)
         t0 = time.monotonic()
         texts: list[str] = []
         finish = None

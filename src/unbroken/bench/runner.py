@@ -347,6 +347,9 @@ async def run_bench(
     if cfg.workload is not None:
         extra["workload"] = ", ".join(f"{k}={v}" for k, v in asdict(cfg.workload).items())
     extra["engines"] = " / ".join(engine_lines)
+    load_line = open_loop_line(cfg, load, windows["whole run"]["summary"])
+    if load_line:
+        extra["load"] = load_line
     meta = run_metadata(command=command or " ".join(sys.argv), started=started, extra=extra)
     checks = [
         {
@@ -385,6 +388,8 @@ async def run_bench(
         raw["engines"] = engines
         path.write_text(results_json(raw))
     console.print(md, markup=False, highlight=False)
+    if load_line:
+        console.print(load_line, markup=False, highlight=False)
     for line in engine_lines:
         console.print(line, markup=False, highlight=False)
     console.print(f"report: {report}", markup=False, highlight=False)
@@ -399,13 +404,39 @@ async def run_bench(
     }
 
 
+def open_loop_line(cfg: LoadConfig, load: LoadRun, whole: dict[str, Any]) -> str | None:
+    """What an open loop offered and sent: the rate asked and the rate achieved (a load
+    generator that fell behind says so here), the most requests open at once, the wait for a
+    slot under --max-concurrency, and the arrivals left unsent at the end."""
+    if cfg.rate is None:
+        return None
+    line = (
+        f"open loop: {cfg.rate:g} requests/s offered ({cfg.arrival} arrivals), "
+        f"{whole['requests_per_s']:.2f}/s sent; at most {load.max_active} open at once"
+    )
+    if cfg.max_concurrency is not None:
+        w = whole["wait"]
+        p50, p99 = (1e3 * (w[k] or 0.0) for k in ("p50", "p99"))
+        line += (
+            f" (--max-concurrency {cfg.max_concurrency}: waited for a slot p50 {p50:.1f} ms, "
+            f"p99 {p99:.1f} ms; TTFT is timed from the send)"
+        )
+    if load.unsent:
+        line += f"; {load.unsent} arrivals still waiting for a slot at the end were not sent"
+    return line
+
+
 def _config(cfg: LoadConfig) -> dict[str, Any]:
     """The run's settings for results.json: a workload's run without the random prompts'
-    settings it did not use (a review read them as the prompts sent)."""
+    settings it did not use (a review read them as the prompts sent), an open loop's without
+    the closed loop's users, and the other way round."""
     d = asdict(cfg)
     if cfg.workload is not None:
         for k in ("prompt_words", "max_tokens", "chat_fraction"):
             d.pop(k, None)
     else:
         d.pop("session_header", None)
+    closed = ("users", "spawn_rate")
+    for k in closed if cfg.rate is not None else ("rate", "arrival", "max_concurrency"):
+        d.pop(k, None)
     return d

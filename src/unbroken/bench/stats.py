@@ -38,6 +38,8 @@ def summarize(
     itl = [g for r in rs for g in r.gaps]
     tokens = sum(r.tokens for r in rs)
     span = (max((r.end or r.start) for r in rs) - min(r.start for r in rs)) if rs else 0.0
+    # Requests sent per second over the span of their sends (an open loop's achieved rate).
+    starts = (max(r.start for r in rs) - min(r.start for r in rs)) if len(rs) > 1 else 0.0
     return {
         "window": [start, None if end == math.inf else end],
         "requests": len(rs),
@@ -46,8 +48,11 @@ def summarize(
         "corrupted": outcomes.get("corrupted", 0),
         "tokens": tokens,
         "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "requests_per_s": (len(rs) - 1) / starts if starts > 0 else 0.0,
         "ttft": {f"p{p:g}": percentile(ttft, p) for p in PCTS},
         "itl": {f"p{p:g}": percentile(itl, p) for p in PCTS},
         "tpot": {f"p{p:g}": percentile(tpot, p) for p in PCTS},
         "e2e": {f"p{p:g}": percentile(e2e, p) for p in PCTS},
+        # Open loop under --max-concurrency: the wait in the client before the send.
+        "wait": {f"p{p:g}": percentile([r.wait for r in rs], p) for p in PCTS},
     }

@@ -19,10 +19,35 @@ def bench(
         typer.Option(help="OpenAI-compatible base URL [the running pipeline's gateway]."),
     ] = None,
     scenario: Annotated[str, typer.Option(help="steady, rollout or chaos.")] = "steady",
-    users: Annotated[int, typer.Option(help="Concurrent streaming users.")] = 50,
+    users: Annotated[
+        int | None,
+        typer.Option(
+            help="Concurrent streaming users, each sending its next request when the last "
+            "ends (closed loop) [default: 50]."
+        ),
+    ] = None,
     spawn_rate: Annotated[
-        float, typer.Option(help="Users started per second (0: all at once).")
-    ] = 10.0,
+        float | None,
+        typer.Option(help="Users started per second (0: all at once) [default: 10]."),
+    ] = None,
+    rate: Annotated[
+        float | None,
+        typer.Option(
+            help="Open loop instead of users: requests per second, sent whether or not "
+            "earlier ones have ended (vllm bench serve's --request-rate)."
+        ),
+    ] = None,
+    arrival: Annotated[
+        str,
+        typer.Option(help="--rate's arrivals: poisson (random) or constant (evenly spaced)."),
+    ] = "poisson",
+    max_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help="With --rate: at most this many requests open at once; arrivals past it "
+            "wait in the client (the wait is reported)."
+        ),
+    ] = None,
     duration: Annotated[
         float,
         typer.Option(help="Seconds of load (more while a scenario's window is not over)."),
@@ -135,6 +160,9 @@ def bench(
         scenario=scenario,
         users=users,
         spawn_rate=spawn_rate,
+        rate=rate,
+        arrival=arrival,
+        max_concurrency=max_concurrency,
         duration=duration,
         at=at,
         pool=pool,
