@@ -44,7 +44,7 @@ def _main_pool(shared: SharedCounters) -> Pool:
     busy.set_state(State.READY)
     busy.healthy = False
     busy.models = {"m", "m-lora"}
-    busy.last_error = "ttfb: no answer within 5.0 s"
+    busy.note_error("ttfb: no answer within 5.0 s")
     busy.waiting, busy.running, busy.kv_usage = 3.0, 9.0, 0.42
     busy.adapters = {"m-lora": "m"}
     busy.lora = LoraInfo(4, frozenset({"m-lora"}), frozenset(), frozenset({"x"}), 12.5)

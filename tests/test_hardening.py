@@ -419,6 +419,8 @@ def test_hung_engine_is_routed_around(tmp_path: Path) -> None:
             assert took < 12, took
         eps = {e["name"]: e for e in admin(g, "GET", "/admin/endpoints").json()["endpoints"]}
         assert not eps[name_a]["healthy"] and "ttfb" in (eps[name_a]["last_error"] or "")
+        # ... stamped with when (a record that outlives the recovery says how old it is)
+        assert time.time() - 30 < eps[name_a]["last_error_at"] <= time.time()
         assert metric(g.url, "unbroken_gateway_retries_total", reason="ttfb") >= 1
         # Out of rotation despite its green /health: every request goes to b at once.
         for _ in range(4):

@@ -326,7 +326,7 @@ class EndpointHealth:
         out of rotation when it says the engine is gone or hangs; not when it is only slow
         (`alive`)."""
         self.metrics.upstream_errors.labels(ep.name, kind).inc()
-        ep.last_error = f"{kind}: {detail}"
+        ep.note_error(f"{kind}: {detail}")
         run = 0
         if kind.startswith("status_5"):
             run = self._5xx[ep.name] = self._5xx.get(ep.name, 0) + 1

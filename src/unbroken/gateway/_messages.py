@@ -78,6 +78,7 @@ class EndpointState(TypedDict):
     down: bool
     models: list[str]
     error: str | None
+    error_at: float | None  # when (time.time)
     waiting: float
     running: float
     foreign: float
@@ -206,6 +207,7 @@ def endpoint_state(ep: Endpoint, now: float) -> EndpointState:
         "down": ep.down,
         "models": sorted(ep.models),
         "error": ep.last_error,
+        "error_at": ep.last_error_at,
         "waiting": ep.waiting,
         "running": ep.running,
         "foreign": ep.foreign,
@@ -227,6 +229,7 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
     ep.condition, ep.condition_since = d["condition"], d["condition_since"]
     ep.healthy, ep.models, ep.last_error = d["healthy"], set(d["models"]), d["error"]
     ep.down = d.get("down", False)  # a main process of an older version sends none
+    ep.last_error_at = d.get("error_at")
     ep.waiting, ep.running, ep.kv_usage = d["waiting"], d["running"], d["kv"]
     ep.foreign = d.get("foreign", 0.0)  # a main process of an older version sends none
     ep.progress_at = d.get("progress_at", 0.0)

@@ -163,7 +163,9 @@ class Endpoint:
     # Out of rotation because its /health probes fail (unreachable, refusing): the prober's
     # verdict, which a hang suspicion (held out, and tried again) is not.
     down: bool = False
+    # The latest failure seen of it (kept after it recovers: a record), and when (time.time).
     last_error: str | None = None
+    last_error_at: float | None = None
     drain_deadline: float | None = None  # monotonic
     # Seconds its last warm-up (or hang check) completion took: the first sample of how long
     # a non-streaming answer takes here (`_health.EndpointHealth.answer_limit`), before real
@@ -232,6 +234,10 @@ class Endpoint:
                 n += 1
         return n
 
+    def note_error(self, text: str) -> None:
+        """A failure seen of it: its record, stamped."""
+        self.last_error, self.last_error_at = text, time.time()
+
     def set_state(self, state: State) -> None:
         if state != self.state:
             self.state = state
@@ -266,6 +272,7 @@ class Endpoint:
             "served": self.slot.served(),
             "routing": self.latency.as_dict(time.monotonic()),
             "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
             "state_since": self.state_since,
             "drain_deadline_s": None
             if self.drain_deadline is None

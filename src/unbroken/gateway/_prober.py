@@ -198,7 +198,7 @@ class Prober:
         if not ok:
             ep.failures += 1
             ep.down = ep.failures >= self.fail_threshold
-            ep.last_error = err
+            ep.note_error(err or "/health failed")
             if ep.healthy and ep.failures >= self.fail_threshold and ep.state == State.READY:
                 ep.healthy = False
                 log.warning("%s out of rotation: %s", ep.name, err)
@@ -218,7 +218,7 @@ class Prober:
             try:
                 took = await self._complete(ep, sorted(ep.models)[0] if ep.models else "")
             except (aiohttp.ClientError, TimeoutError, ConnectionError, RuntimeError) as e:
-                ep.last_error = f"hang check: {type(e).__name__}: {e}"
+                ep.note_error(f"hang check: {type(e).__name__}: {e}")
                 return
             self.suspects.discard(ep.name)
             if h is not None:
@@ -267,12 +267,12 @@ class Prober:
             KeyError,
             orjson.JSONDecodeError,
         ) as e:
-            ep.last_error = f"warm-up: {type(e).__name__}: {e}"
+            ep.note_error(f"warm-up: {type(e).__name__}: {e}")
             log.warning("%s not ready: %s", ep.name, ep.last_error)
             return
         if ep.state == State.WARMING:
             ep.healthy = True
-            ep.last_error = None
+            ep.last_error = ep.last_error_at = None
             ep.set_state(State.READY)
             log.info("%s ready (pool %s)", ep.name, ep.pool)
             self.on_change(ep)
