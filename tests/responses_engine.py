@@ -1,7 +1,8 @@
 """A stand-in for vLLM's Responses API routes, which the simulator does not serve: what
 tests/test_gateway_engine_routes.py needs of an engine to check the gateway's handling of
 stored responses (they live on the replica that made them), Responses usage, `/ping` and
-runtime LoRA adapters. Answers follow vLLM 0.32's shapes
+runtime LoRA adapters; and Anthropic's Messages API (`/v1/messages`, its `count_tokens`),
+which vLLM 0.32 serves too, answering with the replica's name. Answers follow vLLM 0.32's shapes
 (vllm/entrypoints/openai/responses/serving.py: the 404 of an unknown id, `usage` with
 `input_tokens` / `output_tokens`, the `response.created` / `response.completed` events).
 
@@ -115,6 +116,44 @@ def main() -> None:
         adapters.append(body["lora_name"])
         return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
+    async def messages(request: web.Request) -> web.StreamResponse:
+        """vLLM 0.32's `/v1/messages` shapes (entrypoints/anthropic): a message, or its
+        stream of named events."""
+        body = orjson.loads(await request.read())
+        msg = {
+            "id": f"msg_{name}_{next(_ids)}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model", MODEL),
+            "content": [{"type": "text", "text": name}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 7, "output_tokens": 1},
+        }
+        if not body.get("stream"):
+            return web.json_response(msg)
+        s = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await s.prepare(request)
+        events = (
+            ("message_start", {"type": "message_start", "message": {**msg, "content": []}}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "text_delta", "text": name}}),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                               "usage": {"output_tokens": 1}}),
+            ("message_stop", {"type": "message_stop"}),
+        )  # fmt: skip
+        for kind, ev in events:
+            await s.write(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
+        await s.write_eof()
+        return s
+
+    async def count_tokens(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"input_tokens": 7})
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -124,6 +163,8 @@ def main() -> None:
     app.router.add_get("/v1/responses/{rid}", get_response)
     app.router.add_post("/v1/responses/{rid}/cancel", cancel)
     app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 

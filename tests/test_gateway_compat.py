@@ -59,6 +59,30 @@ def test_the_engine_judges_what_the_gateway_does_not_need(gw: tuple[Proc, Proc])
     assert httpx.post(g.url + "/v1/completions", content=b"[1]", timeout=10).status_code == 400
     r = httpx.post(g.url + "/v1/completions", json={"model": 5, "prompt": "x"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    # An empty model is a missing one, as vLLM serves it (the gateway answered 400).
+    for path, req in (
+        ("/v1/completions", {"model": "", "prompt": "hi", "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            {"model": "", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        ),
+    ):
+        assert _same(g, e, path, req).status_code == 200
+
+
+def test_an_echo_stream_asks_no_token_ids() -> None:
+    """With `echo`, vLLM 0.32 sends the echoed prompt's text empty when token ids are asked
+    for (they carry the prompt instead): the gateway asked for them on every stream, and an
+    echoing client lost its prompt (tests/vllm/test_vllm_gateway.py shows it on vLLM)."""
+    from unbroken.gateway._continuation import augment
+
+    plain = augment({"prompt": "hi", "stream": True})
+    assert plain["return_token_ids"] is True and plain["stream_options"]["include_usage"]
+    echo = augment({"prompt": "hi", "stream": True, "echo": True})
+    assert "return_token_ids" not in echo and echo["stream_options"]["continuous_usage_stats"]
+    # A client's own ask stays its own.
+    mine = augment({"prompt": "hi", "echo": True, "return_token_ids": True})
+    assert mine["return_token_ids"] is True
 
 
 def _usage_chunks(events: list[Any]) -> list[dict[str, Any]]:
@@ -175,27 +199,46 @@ def test_a_run_of_5xx_takes_an_endpoint_out_until_readiness(tmp_path: Path) -> N
 
 
 def test_cors_as_vllm(gw: tuple[Proc, Proc], tmp_path: Path) -> None:
-    """vLLM answers browsers' CORS preflights and marks its answers for every origin by
-    default (`--allowed-origins`); so do the simulator and the gateway (streams included).
-    Both answered a preflight 405 and sent no CORS header, so a browser app could not call
-    them."""
+    """vLLM 0.32's CORS (`--allowed-origins`, default []: "cross-origin browser access is
+    disabled by default"): a browser's preflight is answered 400 and no answer is marked
+    for another origin, by the simulator and the gateway alike (the gateway's default was
+    every origin: it opened browser access to an unauthenticated API that vLLM refuses).
+    Origins allowed (every one, or those named): preflights answered on every path, answers
+    marked, streams included."""
     g, e = gw
     pre = {
         "Origin": "http://app.example",
         "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type",
     }
+    body = {"model": MODEL, "prompt": "cors", "max_tokens": 3, "stream": True}
     for url in (e.url, g.url):
         r = httpx.options(url + "/v1/chat/completions", headers=pre, timeout=10)
-        assert r.status_code == 200, (url, r.text)
-        assert r.headers["access-control-allow-origin"] == "*"
-        assert "POST" in r.headers["access-control-allow-methods"]
-        assert r.headers["access-control-allow-headers"] == "authorization,content-type"
-        body = {"model": MODEL, "prompt": "cors", "max_tokens": 3, "stream": True}
+        assert r.status_code == 400 and r.text == "Disallowed CORS origin", (url, r.text)
+        assert "access-control-allow-origin" not in r.headers
         events, r = stream(url, "/v1/completions", body, headers={"Origin": "http://app.example"})
-        assert r.headers["access-control-allow-origin"] == "*" and events[-1] == "[DONE]"
-        r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
-        assert "access-control-allow-origin" not in r.headers  # no Origin, no CORS
+        assert "access-control-allow-origin" not in r.headers and events[-1] == "[DONE]"
+    # Every origin, as vLLM's `--allowed-origins '["*"]'`.
+    e2 = engine(tmp_path, "--allowed-origins", '["*"]', name="cors-any")
+    cfg = tmp_path / "any.yaml"
+    cfg.write_text("cors_allowed_origins: ['*']\n")
+    g1 = gateway(tmp_path, e.url, args=("--config", str(cfg)))
+    try:
+        for url in (e2.url, g1.url):
+            r = httpx.options(url + "/v1/chat/completions", headers=pre, timeout=10)
+            assert r.status_code == 200, (url, r.text)
+            assert r.headers["access-control-allow-origin"] == "*"
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert r.headers["access-control-allow-headers"] == "authorization,content-type"
+            events, r = stream(
+                url, "/v1/completions", body, headers={"Origin": "http://app.example"}
+            )
+            assert r.headers["access-control-allow-origin"] == "*" and events[-1] == "[DONE]"
+            r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+            assert "access-control-allow-origin" not in r.headers  # no Origin, no CORS
+    finally:
+        g1.stop()
+        e2.stop()
     # Origins named in the settings: only those.
     cfg = tmp_path / "gw.yaml"
     cfg.write_text("cors_allowed_origins: ['http://good.example']\n")

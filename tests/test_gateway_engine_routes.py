@@ -261,3 +261,45 @@ def test_a_conversation_on_simulators_stays_where_its_turns_are(tmp_path: Path) 
     finally:
         for p in (g, a, b):
             p.stop()
+
+
+def test_anthropic_messages_pass_through_and_route_by_prefix(tmp_path: Path) -> None:
+    """vLLM 0.32 serves Anthropic's Messages API (Claude Code pointed at vLLM); through the
+    gateway it was a 404. Now it passes (its event stream byte for byte), with
+    `count_tokens`, and routes by prefix as chat: an agent's turns, each carrying the
+    whole conversation (a long system prompt, tool calls and their results), stay on one
+    replica, where the earlier turns' KV cache is."""
+    a, b = _engine(tmp_path, "a"), _engine(tmp_path, "b")
+    g = gateway(tmp_path, a.url, b.url)  # the default routing: prefix
+    try:
+        system = [{"type": "text", "text": "You are a careful coding agent. " * 60}]
+        msgs: list[dict[str, object]] = [{"role": "user", "content": "list the files"}]
+        homes = set()
+        for turn in range(4):
+            body = {"model": "resp-model", "max_tokens": 64, "system": system, "messages": msgs}
+            r = httpx.post(g.url + "/v1/messages", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["type"] == "message"
+            home = r.headers["x-unbroken-endpoint"]
+            assert r.json()["content"][0]["text"] == ("a" if home.endswith(str(a.port)) else "b")
+            homes.add(home)
+            call = {"type": "tool_use", "id": f"t{turn}", "name": "ls", "input": {"d": turn}}
+            result = {"type": "tool_result", "tool_use_id": f"t{turn}", "content": "x.py " * 40}
+            msgs = [
+                *msgs,
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [result]},
+            ]
+        assert len(homes) == 1, homes
+        # Streamed: Anthropic's named events, relayed as the engine sent them.
+        body = {"model": "resp-model", "max_tokens": 8, "stream": True, "messages": msgs[:1]}
+        with httpx.stream("POST", g.url + "/v1/messages", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        kinds = [ln.removeprefix("event: ") for ln in text.splitlines() if ln.startswith("event:")]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+        r = httpx.post(g.url + "/v1/messages/count_tokens", json=body, timeout=30)
+        assert r.status_code == 200 and r.json() == {"input_tokens": 7}
+    finally:
+        for p in (g, a, b):
+            p.stop()

@@ -262,6 +262,28 @@ def test_events_carry_several_tokens_and_extras_are_stripped(stack_random: Stack
     assert len(got) == 200
 
 
+def test_an_echoed_prompt_reaches_the_client(stack_random: Stack) -> None:
+    """`echo` on a stream: vLLM 0.32 sends the echoed prompt's text empty when asked for
+    token ids (the prompt is then in `prompt_token_ids` only), and the gateway asked for
+    them on every stream: through it the echo was lost (a review against vLLM 0.32)."""
+    s = stack_random
+    prompt = "Once upon a time there was a"
+    for body in (comp(prompt, 6, echo=True), comp(prompt, 6, echo=True, logprobs=1)):
+        ref = reference(s.b.url, "/v1/completions", body)
+        assert ref_text(ref, False).startswith(prompt)
+        r = Reader(s.g.url, "/v1/completions", body)
+        r.run()
+        check_exact(r, ref)
+    two = {"model": MODEL, "prompt": [prompt, "Hi"], "max_tokens": 3, "temperature": 0}
+    r = Reader(s.g.url, "/v1/completions", {**two, "echo": True})
+    r.run()
+    texts: dict[int, str] = {}
+    for e in r.events:
+        for c in e["choices"] if isinstance(e, dict) else ():
+            texts[c["index"]] = texts.get(c["index"], "") + (c.get("text") or "")
+    assert texts[0].startswith(prompt) and texts[1].startswith("Hi"), texts
+
+
 # -- items 5, 6: what the engine accepts passes; engine routes pass through -------------------
 def test_gateway_is_not_stricter_than_vllm(stack_random: Stack) -> None:
     s = stack_random
@@ -297,10 +319,18 @@ def test_engine_routes_pass_through(stack_random: Stack) -> None:
     for path, body in [
         ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
         ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
+        # Anthropic's Messages API and its token count (vLLM 0.32 serves both; a 404
+        # through the gateway until 2026-12-07), SageMaker's /invocations.
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [MSGS[0]]}),
+        ("/v1/messages/count_tokens", {"model": MODEL, "messages": [MSGS[0]]}),
+        ("/invocations", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
     ]:
         direct = httpx.post(s.b.url + path, json=body, timeout=60)
         via = httpx.post(s.g.url + path, json=body, timeout=60)
         assert via.status_code == direct.status_code, (path, via.text, direct.text)
+        if path in ("/v1/messages", "/v1/messages/count_tokens", "/invocations"):
+            assert direct.status_code == 200, (path, direct.text)
+            assert via.json().keys() == direct.json().keys(), path
     with httpx.stream(
         "POST",
         s.g.url + "/v1/responses",

@@ -177,9 +177,10 @@ class GatewaySettings(_Spec):
         "0: off; a negative value needs root (CAP_SYS_NICE), else it is skipped with a warning",
     )
     cors_allowed_origins: list[str] = Field(
-        default_factory=lambda: ["*"],
+        default_factory=list,
         description="origins a browser app may call the API from (CORS, as vLLM's "
-        "--allowed-origins, whose default is every origin); [] turns CORS off",
+        "--allowed-origins; [] as vLLM 0.32's default: no cross-origin browser access, "
+        "preflights answered 400; ['*'] for every origin)",
     )
     accept_pack_cpu: Annotated[float, Field(ge=0, le=8)] = Field(
         default=0.5,

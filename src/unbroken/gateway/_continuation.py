@@ -86,14 +86,21 @@ def augmentable(raw: dict[str, Any]) -> bool:
 
 def augment(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` asking the engine for what exact continuation needs: usage on every chunk (the
-    exact token count) and the token ids. The relay strips what the client did not ask for."""
+    exact token count) and the token ids. The relay strips what the client did not ask for.
+
+    Not the token ids of an `echo` request: vLLM 0.32 then sends the echoed prompt's text
+    empty (its prompt is in `prompt_token_ids` only, serving.py: `if
+    request.return_token_ids: prompt_text = ""`), and the client, who asked for neither,
+    lost its echo. Such a stream continues on the text path (`continuation_body`'s echo
+    rule)."""
     body = dict(raw)
     so = raw.get("stream_options")
     so = dict(so) if isinstance(so, dict) else {}
     so["include_usage"] = True
     so["continuous_usage_stats"] = True
     body["stream_options"] = so
-    body["return_token_ids"] = True
+    if not raw.get("echo"):
+        body["return_token_ids"] = True
     return body
 
 

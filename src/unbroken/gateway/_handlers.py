@@ -25,7 +25,13 @@ from unbroken.gateway._headers import Headers, request_id
 from unbroken.gateway._health import EndpointHealth
 from unbroken.gateway._legs import Legs
 from unbroken.gateway._pool import Endpoint, Pool, State
-from unbroken.gateway._prefix import CHARS_PER_TOKEN, RouteHint, hint_of, responses_as_chat
+from unbroken.gateway._prefix import (
+    CHARS_PER_TOKEN,
+    RouteHint,
+    hint_of,
+    messages_as_chat,
+    responses_as_chat,
+)
 from unbroken.gateway._ratelimit import Lease, RateLimited
 from unbroken.gateway._tenancy import Tenancy
 from unbroken.gateway._upstream import UPSTREAM_ERRORS, Retry
@@ -62,7 +68,13 @@ PASSTHROUGH_ROUTES = (
     ("POST", "/v2/rerank"),
     ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v1/audio/translations"),
+    # Anthropic's Messages API (Claude Code and its SDK pointed at vLLM), SageMaker's.
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/invocations"),
 )
+# Routes whose body is a conversation in another API's shape, read as chat's for routing.
+_AS_CHAT = {"/v1/responses": responses_as_chat, "/v1/messages": messages_as_chat}
 
 
 class Handlers(EngineRoutes):
@@ -257,8 +269,9 @@ class Handlers(EngineRoutes):
                 del headers["Content-Type"]
             lease = await self.tenancy.admit(tenant, headers)
             hint = None
-            if home is None and request.path == "/v1/responses" and isinstance(obj, dict):
-                hint = self._hint(request, obj, True, model, responses=True)
+            as_chat = _AS_CHAT.get(request.path)
+            if home is None and as_chat is not None and isinstance(obj, dict):
+                hint = self._hint(request, obj, True, model, as_chat=as_chat)
             resp, pool_label = await self._pass(
                 request,
                 model,
@@ -562,15 +575,15 @@ class Handlers(EngineRoutes):
         chat: bool,
         model: str,
         *,
-        responses: bool = False,
+        as_chat: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> RouteHint | None:
         """What a cache- or session-aware policy needs of this request (None for others).
-        `responses`: `raw` is a Responses API request, named as its conversation in chat's
-        messages (`responses_as_chat`, only for a policy that wants it)."""
+        `as_chat`: `raw` is another API's conversation (the Responses API's, Anthropic's
+        Messages), named in chat's messages (only for a policy that wants it)."""
         if not getattr(self.pool.policy, "wants_hint", False):
             return None
-        if responses:
-            raw = responses_as_chat(raw)
+        if as_chat is not None:
+            raw = as_chat(raw)
         return hint_of(
             raw,
             chat,

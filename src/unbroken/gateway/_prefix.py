@@ -46,6 +46,7 @@ __all__ = [
     "PrefixIndex",
     "RouteHint",
     "hint_of",
+    "messages_as_chat",
     "prompt_text",
     "responses_as_chat",
 ]
@@ -245,6 +246,47 @@ def responses_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
         "prompt_cache_key": raw.get("prompt_cache_key"),
         "user": raw.get("user"),
         "cache_salt": raw.get("cache_salt"),
+    }
+
+
+def _blocks_text(content: Any) -> Any:
+    """An Anthropic message's content as text: its text blocks, a tool call's name and
+    input, a tool result's content, in order (a string passes as is)."""
+    if not isinstance(content, list):
+        return content
+    out: list[str] = []
+    for b in content:
+        if not isinstance(b, dict):
+            continue
+        kind = b.get("type")
+        if kind == "text":
+            out.append(str(b.get("text", "")))
+        elif kind == "tool_use":
+            out.append(f"{b.get('name', '')}{b.get('input', '')}")
+        elif kind == "tool_result":
+            inner = _blocks_text(b.get("content"))
+            out.append(inner if isinstance(inner, str) else "")
+    return "\n".join(out)
+
+
+def messages_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages API request (`/v1/messages`, which vLLM 0.32 serves) as chat
+    messages: `system` first, then each message's role and the text of its blocks, so that an
+    agent's growing conversation (a long system prompt and tool results: the most
+    prefix-heavy traffic there is) routes by prefix and session as a chat conversation does;
+    `metadata.user_id` names the session as chat's `user`."""
+    msgs: list[dict[str, Any]] = []
+    system = _blocks_text(raw.get("system"))
+    if isinstance(system, str) and system:
+        msgs.append({"role": "system", "content": system})
+    for m in raw.get("messages") or ():
+        if isinstance(m, dict):
+            msgs.append({"role": m.get("role", "user"), "content": _blocks_text(m.get("content"))})
+    meta = raw.get("metadata")
+    return {
+        "messages": msgs,
+        "tools": raw.get("tools"),
+        "user": meta.get("user_id") if isinstance(meta, dict) else None,
     }
 
 

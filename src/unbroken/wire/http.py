@@ -55,11 +55,13 @@ _CORS_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
 
 
 class Cors:
-    """vLLM's CORS: FastAPI's CORSMiddleware with `--allowed-origins` (default `["*"]`),
-    every method and header, no credentials, so that a browser app on another origin may
-    call the API. A preflight (OPTIONS with `Origin` and `Access-Control-Request-Method`)
-    is answered 200 on any path, as Starlette does; every other answer to a request from an
-    allowed origin says so (`on_prepare`, streams included). An empty `origins`: off."""
+    """vLLM's CORS: Starlette's CORSMiddleware with `--allowed-origins` (vLLM 0.32's default
+    `[]`: "cross-origin browser access is disabled by default"; `["*"]` for any origin),
+    every method and header, no credentials. A preflight (OPTIONS with `Origin` and
+    `Access-Control-Request-Method`) is answered on any path, as Starlette does: 200 for an
+    allowed origin, 400 "Disallowed CORS origin" for any other (with no origin allowed, every
+    preflight); every other answer to a request from an allowed origin says so
+    (`on_prepare`, streams included)."""
 
     def __init__(self, origins: Sequence[str]) -> None:
         self.any = "*" in origins
@@ -113,10 +115,9 @@ class Cors:
 
     def install(self, app: web.Application) -> None:
         """Before the app starts: the preflight answer first of its middlewares."""
-        if not self.origins:
-            return
         app.middlewares.insert(0, self.preflight)
-        app.on_response_prepare.append(self.on_prepare)
+        if self.origins:
+            app.on_response_prepare.append(self.on_prepare)
 
 
 @web.middleware

@@ -258,18 +258,18 @@ def lax_int(v: Any) -> int | None:
 
 def gateway_view(body: bytes, chat: bool) -> GatewayView:
     """The gateway's reading of a request body. 400 only for what the gateway cannot route: a
-    body that is not a JSON object, or a model that is not a non-empty string."""
+    body that is not a JSON object, or a model that is not a string. An empty `model` is a
+    missing one, as vLLM 0.32 takes it (it serves its model; some clients send "" when none
+    is configured)."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    model = raw.get("model")
-    if model is not None and (not isinstance(model, str) or not model or len(model) > 512):
-        raise ApiError(
-            400, "model: a non-empty string is required", param="model", code="invalid_value"
-        )
+    model = raw.get("model") or None
+    if model is not None and (not isinstance(model, str) or len(model) > 512):
+        raise ApiError(400, "model: a string is required", param="model", code="invalid_value")
     # An unreadable `stream` is left to the engine to refuse: sent as a plain request.
     stream = bool(lax_bool(raw.get("stream", False)))
     fan = max(lax_int(raw.get("n")) or 1, lax_int(raw.get("best_of")) or 1, 1)
