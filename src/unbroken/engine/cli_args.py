@@ -10,6 +10,7 @@ parsed the rest itself.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -23,9 +24,20 @@ from unbroken.engine.lora import LoRAModule, parse_lora_modules
 __all__ = ["add_vllm_args", "build_parser", "main", "vllm_options"]
 
 
+def _origins(raw: str) -> list[str]:
+    """vLLM's `--allowed-origins`: a JSON list (vLLM parses it with json.loads)."""
+    try:
+        v = json.loads(raw)
+    except json.JSONDecodeError:
+        v = None
+    if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
+        raise argparse.ArgumentTypeError(f"a JSON list of origins, e.g. '[\"*\"]', not {raw!r}")
+    return v
+
+
 def add_vllm_args(p: argparse.ArgumentParser, *, names: bool = True) -> None:
-    """vLLM's flags for names, LoRA and the step's token budget (vllm/entrypoints/openai/
-    cli_args.py, arg_utils)."""
+    """vLLM's flags for names, LoRA, the step's token budget and CORS (vllm/entrypoints/
+    openai/cli_args.py, launchers/cli_args.py, arg_utils)."""
     if names:
         p.add_argument(
             "--served-model-name",
@@ -62,6 +74,14 @@ def add_vllm_args(p: argparse.ArgumentParser, *, names: bool = True) -> None:
         default=None,
         help="Tokens one step may compute; longer prefills are chunked (profile: 8192).",
     )
+    p.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        metavar="JSON",
+        help="CORS origins, e.g. '[\"*\"]'; vLLM 0.32's default []: cross-origin browser "
+        "access is disabled.",
+    )
 
 
 def _kv_events(ns: argparse.Namespace) -> KVEventsConfig | None:
@@ -90,7 +110,8 @@ def vllm_options(extra: Sequence[str]) -> dict[str, Any]:
     """EngineConfig keyword arguments from what another parser left over: further served
     names (the values after the first of `--served-model-name A B`), `--enable-lora`,
     `--lora-modules ...`, `--max-loras N`, `--max-lora-rank N`, `--max-num-batched-tokens N`
-    (applied to the profile by EngineConfig). ValueError on anything else."""
+    (applied to the profile by EngineConfig), `--kv-events-config JSON`, `--allowed-origins
+    JSON`. ValueError on anything else."""
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     p.add_argument("aliases", nargs="*")
     add_vllm_args(p, names=False)
@@ -106,6 +127,7 @@ def vllm_options(extra: Sequence[str]) -> dict[str, Any]:
         "aliases": tuple(ns.aliases),
         "kv_events": _kv_events(ns),
         "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "allowed_origins": tuple(ns.allowed_origins),
         **_lora_kwargs(ns),
     }
 
@@ -194,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         shutdown_timeout=ns.shutdown_timeout,
         use_cuda_stub=not ns.no_cuda_stub,
         kv_events=kv_events,
+        allowed_origins=tuple(ns.allowed_origins),
         **lora,
     )
     try:

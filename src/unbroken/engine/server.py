@@ -98,6 +98,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # vLLM's `--kv-events-config` (kvevents.py; None: no KV events).
     kv_events: KVEventsConfig | None = None
+    # vLLM's `--allowed-origins`: CORS off by default, as vLLM 0.32 (`("*",)`: any origin).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -340,7 +342,7 @@ class Engine:
             resp.headers["X-Unbroken-Profile"] = profile
 
         app.on_response_prepare.append(say_profile)
-        Cors(["*"]).install(app)  # vLLM's default --allowed-origins
+        Cors(self.cfg.allowed_origins).install(app)
         app.router.add_get("/v1/models", self.models)
         if self.runtime_lora:
             log.warning(
