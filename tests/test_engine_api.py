@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers import MODEL, TOKEN, Proc, metric, stream, stream_text
-from unbroken.engine.textmodel import expected_chat, expected_completion
+from helpers import MODEL, TOKEN, Proc, engine, metric, stream, stream_text
+from unbroken.engine.cli_args import vllm_options
+from unbroken.engine.textmodel import expected_chat, expected_completion, sampling_salt
 
 
 def _post(p: Proc, path: str, body: object, **kw: object) -> httpx.Response:
@@ -99,9 +101,13 @@ def test_n_choices_and_stop_strings(shared_engine: Proc) -> None:
     r = _post(
         shared_engine,
         "/v1/completions",
-        {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "n": 3},
+        {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 1, "seed": 7, "n": 3},
     )
     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    # Each choice's text is known: the seed's salt for its index (vLLM refuses n>1 greedy).
+    assert [c["text"] for c in r.json()["choices"]] == [
+        expected_completion("abc", 5, salt=sampling_salt(7, i)).text for i in range(3)
+    ]
     # The prompt counted once, whatever n (vLLM 0.32 sums it per prompt): it was 3x.
     assert r.json()["usage"] == {"prompt_tokens": 1, "completion_tokens": 15, "total_tokens": 16}
     full = expected_completion("abc", 30).text
@@ -113,6 +119,24 @@ def test_n_choices_and_stop_strings(shared_engine: Proc) -> None:
     )
     c = r.json()["choices"][0]
     assert c["finish_reason"] == "stop" and c["text"] == full[: full.index(" " + stop)]
+
+
+USER_HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions"], ids=["completions", "chat"]
+)
+def test_n_with_greedy_sampling_is_refused_as_vllm(shared_engine: Proc, path: str) -> None:
+    """vLLM 0.32's SamplingParams: several choices of one greedy request are a 400."""
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 2, "temperature": 0, "n": 2}
+    body.update({"prompt": "Hi"} if "chat" not in path else {"messages": [USER_HI]})
+    r = _post(shared_engine, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "n must be 1 when using greedy sampling, got 2."
+    # Sampled (a temperature, no seed) or n=1: served.
+    assert _post(shared_engine, path, {**body, "temperature": 0.5}).status_code == 200
+    assert _post(shared_engine, path, {**body, "n": 1}).status_code == 200
 
 
 def test_stop_reason_names_the_stop_string_as_vllm_does(shared_engine: Proc) -> None:
@@ -350,3 +374,82 @@ def test_admin_requires_token(shared_engine: Proc) -> None:
         headers={"Authorization": f"Bearer {TOKEN}"},
     )
     assert r.status_code == 400
+
+
+def test_max_tokens_is_clipped_to_the_context_left_as_vllm(tmp_path: Path) -> None:
+    """vLLM 0.32 refuses only max_tokens beyond max_model_len or a prompt that alone exceeds
+    it (TokenizeParams); otherwise get_max_tokens clips the request to the context left."""
+    p = engine(tmp_path, "--max-model-len", "64")
+    try:
+        prompt = " ".join(["the"] * 10)  # 10 tokens: 54 left
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 60, "temperature": 0}
+        r = _post(p, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "length"
+        assert c["text"] == expected_completion(prompt, 54).text
+        usage = {"prompt_tokens": 10, "completion_tokens": 54, "total_tokens": 64}
+        assert r.json()["usage"] == usage
+        msgs = [{"role": "user", "content": prompt}]
+        for limit in ("max_tokens", "max_completion_tokens"):
+            r = _post(p, "/v1/chat/completions", {"model": MODEL, "messages": msgs, limit: 64})
+            assert r.status_code == 200, r.text
+            u = r.json()["usage"]
+            assert u["total_tokens"] == 64 and r.json()["choices"][0]["finish_reason"] == "length"
+        # Refused as vLLM refuses, in its words.
+        r = _post(p, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 65})
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "max_tokens=65 cannot be greater than max_model_len=64. Please request fewer "
+            "output tokens. (parameter=max_tokens, value=65)"
+        )
+        body = {"model": MODEL, "messages": msgs, "max_completion_tokens": 99}
+        r = _post(p, "/v1/chat/completions", body)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("max_completion_tokens=99 cannot be")
+        long = " ".join(["the"] * 70)
+        r = _post(p, "/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "This model's maximum context length is 64 tokens. However, your prompt contains "
+            "at least 65 input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt. (parameter=input_tokens, value=65)"
+        )  # vLLM tokenizes a text prompt truncated to max_model_len + 1
+        r = _post(p, "/v1/completions", {"model": MODEL, "prompt": [5] * 70, "max_tokens": 1})
+        assert r.status_code == 400
+        assert "contains 70 input tokens" in r.json()["error"]["message"]  # ids: counted whole
+        full = " ".join(["the"] * 64)  # fills the context: 0 tokens left
+        r = _post(p, "/v1/completions", {"model": MODEL, "prompt": full, "max_tokens": 5})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("max_tokens must be at least 1, got 0.")
+    finally:
+        p.stop()
+
+
+def test_cors_is_off_by_default_as_vllm(shared_engine: Proc) -> None:
+    """vLLM 0.32's `--allowed-origins` defaults to []: every preflight is refused (Starlette's
+    400) and no answer says an origin may read it."""
+    pre = {"Origin": "http://x.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(shared_engine.url + "/v1/chat/completions", headers=pre)
+    assert r.status_code == 400 and r.text == "Disallowed CORS origin"
+    r = httpx.get(shared_engine.url + "/v1/models", headers={"Origin": "http://x.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_allowed_origins_flag_as_vllm(tmp_path: Path) -> None:
+    assert vllm_options(["--allowed-origins", '["*"]'])["allowed_origins"] == ("*",)
+    assert vllm_options([])["allowed_origins"] == ()
+    for bad in ("*", '{"a": 1}', "[1]"):
+        with pytest.raises(ValueError, match="allowed-origins"):
+            vllm_options(["--allowed-origins", bad])
+    p = engine(tmp_path, "--allowed-origins", '["http://ok.example"]')
+    try:
+        url = p.url + "/v1/completions"
+        ok = {"Origin": "http://ok.example", "Access-Control-Request-Method": "POST"}
+        r = httpx.options(url, headers=ok)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://ok.example"
+        r = httpx.options(url, headers={**ok, "Origin": "http://evil.example"})
+        assert r.status_code == 400
+        r = httpx.get(p.url + "/v1/models", headers={"Origin": "http://ok.example"})
+        assert r.headers["access-control-allow-origin"] == "http://ok.example"
+    finally:
+        p.stop()

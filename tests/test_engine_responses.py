@@ -273,19 +273,27 @@ def test_stop_completes_and_max_output_tokens_is_clipped(store_engine: Proc) -> 
     )
     assert done.status == "completed" and done.incomplete_details is None
     assert done.output_text == " ".join(words[:3])
-    # vLLM clips max_output_tokens to the context left rather than refusing it (chat's
-    # max_tokens gets a 400); the echo says what it sampled with.
+    # vLLM 0.32 clips max_output_tokens to the context left (get_max_tokens); only a value
+    # beyond max_model_len itself is refused (TokenizeParams); the echo says what it sampled
+    # with.
+    card = httpx.get(store_engine.url + "/v1/models", timeout=10).json()["data"][0]
+    max_len = card["max_model_len"]
     big = client.responses.create(
         model=MODEL,
         input="count",
-        max_output_tokens=10**9,
+        max_output_tokens=max_len,
         temperature=0,
         extra_body={"stop": [" " + words[3]]},
     )
-    card = httpx.get(store_engine.url + "/v1/models", timeout=10).json()["data"][0]
     assert big.usage is not None
-    assert big.max_output_tokens == card["max_model_len"] - big.usage.input_tokens
+    assert big.max_output_tokens == max_len - big.usage.input_tokens
     assert big.output_text == done.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="count", max_output_tokens=10**9)
+    assert e.value.body["message"] == (  # type: ignore[index]
+        f"max_output_tokens=1000000000 cannot be greater than max_model_len={max_len}. Please "
+        "request fewer output tokens. (parameter=max_output_tokens, value=1000000000)"
+    )
 
 
 def test_bad_requests_answer_400_in_openai_format(plain_engine: Proc) -> None:

@@ -35,7 +35,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("suffix", {"suffix": " the end"}),
     ("logprobs_echo", {"logprobs": 1, "echo": True}),
     ("best_of", {"best_of": 2, "n": 1}),
-    ("n", {"n": 2}),
+    # Sampled and seeded: vLLM refuses n>1 with greedy sampling (BASE's temperature 0).
+    ("n", {"n": 2, "temperature": 1, "seed": 7}),
 ]
 
 

@@ -8,8 +8,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from unbroken.engine.core import Output
+from unbroken.wire.errors import ApiError
 
-__all__ = ["INT64_MAX", "INT64_MIN", "RequestState", "client_request_id"]
+__all__ = ["INT64_MAX", "INT64_MIN", "RequestState", "client_request_id", "max_tokens_for"]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A direct write goes out only while the client's socket holds less than this unsent (below
@@ -22,6 +23,50 @@ def client_request_id(header: str | None) -> str:
     response and the logs only: two requests may carry the same one."""
     rid = header or ""
     return rid if 0 < len(rid) <= 128 and rid.isprintable() else uuid.uuid4().hex
+
+
+def _vllm_invalid(message: str, param: str, value: int, code: str = "invalid_value") -> ApiError:
+    """A 400 in the words of vLLM's VLLMValidationError (its parameter and value appended)."""
+    return ApiError(400, f"{message} (parameter={param}, value={value})", param=param, code=code)
+
+
+def max_tokens_for(
+    prompt_tokens: int,
+    requested: int | None,
+    max_model_len: int,
+    param: str,
+    *,
+    token_prompt: bool = False,
+) -> int:
+    """A sequence's max_tokens as vLLM 0.32 sets it: TokenizeParams refuses a `param`
+    (max_tokens, max_completion_tokens, max_output_tokens) beyond max_model_len and a prompt
+    that alone exceeds it (a text prompt is tokenized truncated to max_model_len + 1, hence
+    its "at least"; a `token_prompt` is counted whole); get_max_tokens then clips the request
+    to the context left, and a prompt that fills the context leaves 0, which SamplingParams
+    refuses. A requested 0 (completions' echo) stays 0."""
+    if requested is not None and requested > max_model_len:
+        raise _vllm_invalid(
+            f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param,
+            requested,
+        )
+    if prompt_tokens > max_model_len:
+        n = prompt_tokens if token_prompt else max_model_len + 1
+        raise _vllm_invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {'' if token_prompt else 'at least '}{n} input tokens, which "
+            "exceeds this limit even without any output tokens. Please reduce the length of "
+            "the input prompt.",
+            "input_tokens",
+            n,
+            code="context_length_exceeded",
+        )
+    left = max_model_len - prompt_tokens
+    limit = left if requested is None else min(requested, left)
+    if limit < 1 and requested != 0:
+        raise _vllm_invalid(f"max_tokens must be at least 1, got {limit}.", "max_tokens", limit)
+    return limit
 
 
 class RequestState:

@@ -27,7 +27,7 @@ from pydantic import ConfigDict, Field
 from unbroken.engine import structured
 from unbroken.engine.core import Output
 from unbroken.engine.render import alternatives, tool_call_id
-from unbroken.engine.request import RequestState
+from unbroken.engine.request import RequestState, max_tokens_for
 from unbroken.wire.errors import ApiError
 from unbroken.wire.openai import CacheSalted
 
@@ -397,17 +397,18 @@ def chat_pairs(messages: list[Message]) -> list[tuple[str, str]]:
 
 
 def output_limit(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
-    """vLLM's Responses limits: a prompt must leave room for one token, and
-    max_output_tokens is clipped to the context left (no 400, unlike chat's max_tokens)."""
-    if prompt_tokens >= max_model_len:
+    """vLLM's Responses limits: max_output_tokens beyond max_model_len, or a prompt longer
+    than it, refused as chat's max_tokens is (TokenizeParams); a prompt that fills the
+    context refused in the words of _validate_generator_input; else max_output_tokens is
+    clipped to the context left (get_max_tokens)."""
+    if prompt_tokens == max_model_len and (requested or 0) <= max_model_len:
         raise ApiError(
             400,
             f"The engine prompt length {prompt_tokens} exceeds the max_model_len "
             f"{max_model_len}. Please reduce prompt.",
             param="input",
         )
-    left = max_model_len - prompt_tokens
-    return left if requested is None else min(requested, left)
+    return max_tokens_for(prompt_tokens, requested, max_model_len, "max_output_tokens")
 
 
 # -- the response object and its events --------------------------------------------------------

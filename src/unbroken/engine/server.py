@@ -36,12 +36,19 @@ from unbroken.engine.lora import LoadedAdapter, LoRAModule, LoRARegistry, runtim
 from unbroken.engine.metrics import EngineMetrics, FinishedSeq, cache_config_info
 from unbroken.engine.profiles import EngineProfile
 from unbroken.engine.render import ChatFormat, CompletionFormat
-from unbroken.engine.request import INT64_MAX, INT64_MIN, RequestState, client_request_id
+from unbroken.engine.request import (
+    INT64_MAX,
+    INT64_MIN,
+    RequestState,
+    client_request_id,
+    max_tokens_for,
+)
 from unbroken.engine.textmodel import (
     StopChecker,
     TextModel,
     count_tokens,
     render_chat,
+    sampling_salt,
     token_ids,
 )
 from unbroken.engine.weights import LoadReport, WeightError, WeightLoader, start_weights
@@ -61,6 +68,8 @@ from unbroken.wire.openai import (
     parse_request,
     validation_message,
 )
+
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy sampling
 
 _Format = CompletionFormat | ChatFormat | responses_mod.ResponsesFormat
 
@@ -546,30 +555,6 @@ class Engine:
             )
         return m
 
-    def _limit(self, prompt_tokens: int, requested: int | None, what: str) -> int:
-        max_len = self.cfg.profile.max_model_len
-        if requested is None:
-            requested = max_len - prompt_tokens
-            if requested <= 0:
-                raise ApiError(
-                    400,
-                    f"This model's maximum context length is {max_len} tokens. "
-                    f"However, your {what} has {prompt_tokens} tokens.",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-        if prompt_tokens + requested > max_len:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {max_len} tokens. However, you "
-                f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the {what}, "
-                f"{requested} in the completion). Please reduce the length of the {what} or "
-                "completion.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested
-
     def _maybe_fail(self, state: RequestState) -> None:
         after = self.faults.draw_failure()
         if after == 0:
@@ -589,11 +574,24 @@ class Engine:
                 code="invalid_value",
             )
 
+    @staticmethod
+    def _check_greedy_n(req: CompletionRequest | ChatRequest) -> None:
+        """vLLM's SamplingParams refuse several choices of one greedy (temperature 0)
+        request, which would all be the same text; a seeded sampled request is the
+        reproducible way to ask for n (`textmodel.sampling_salt`)."""
+        if req.n > 1 and req.temperature is not None and req.temperature < _SAMPLING_EPS:
+            raise ApiError(
+                400,
+                f"n must be 1 when using greedy sampling, got {req.n}.",
+                param="n",
+                code="invalid_value",
+            )
+
     def _salt(self, req: CompletionRequest | ChatRequest, index: int) -> bytes:
         if req.greedy:
             return b""
         if req.seed is not None:
-            return req.seed.to_bytes(8, "little", signed=True) + index.to_bytes(4, "little")
+            return sampling_salt(req.seed, index)
         return os.urandom(12)
 
     def _seqs(
@@ -676,6 +674,7 @@ class Engine:
         req, raw = parse_request(CompletionRequest, await request.read())
         adapter = self._resolve(req.model)
         self._check_seed(req)
+        self._check_greedy_n(req)
         constraint = structured.completion_constraint(raw)
         prompts = self._prompts(req.prompt)
         if req.max_tokens == 0 and not req.echo:
@@ -690,7 +689,12 @@ class Engine:
             # this one); the engine would never schedule it (a step samples a sequence's
             # token only once it computes its last prompt token).
             raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")
-        limits = [self._limit(t, req.max_tokens, "prompt") for _, t in contexts]
+        max_len = self.cfg.profile.max_model_len
+        ids = not isinstance(req.prompt, str) and not all(isinstance(p, str) for p in req.prompt)
+        limits = [
+            max_tokens_for(t, req.max_tokens, max_len, "max_tokens", token_prompt=ids)
+            for _, t in contexts
+        ]
         rid = f"cmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, len(prompts) * req.n)
         self._maybe_fail(state)
@@ -726,6 +730,7 @@ class Engine:
         req, raw = parse_request(ChatRequest, await request.read())
         adapter = self._resolve(req.model)
         self._check_seed(req)
+        self._check_greedy_n(req)
         constraint, tools = structured.chat_constraint(raw)
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -738,7 +743,8 @@ class Engine:
             continue_final_message=req.continue_final_message,
         )
         ptoks = count_tokens(ctx)
-        max_tokens = self._limit(ptoks, limit, "messages")
+        param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = max_tokens_for(ptoks, limit, self.cfg.profile.max_model_len, param)
         rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, req.n)
         self._maybe_fail(state)

@@ -28,6 +28,7 @@ __all__ = [
     "model_key",
     "piece_id",
     "render_chat",
+    "sampling_salt",
     "text_piece_id",
     "token_ids",
 ]
@@ -253,6 +254,12 @@ def generate(
     return Expected(checker.text, "length", n)
 
 
+def sampling_salt(seed: int, index: int) -> bytes:
+    """The salt of choice `index` of a sampled request with this `seed` (the engine's): its
+    text is then as reproducible as a greedy one's; pass it to expected_* as `salt`."""
+    return seed.to_bytes(8, "little", signed=True) + index.to_bytes(4, "little")
+
+
 def expected_completion(
     prompt: str,
     max_tokens: int,
@@ -263,7 +270,8 @@ def expected_completion(
     **kw: object,
 ) -> Expected:
     """What a greedy /v1/completions request returns from a simulator with this seed (and,
-    with `adapter`, for a request naming that LoRA adapter)."""
+    with `adapter`, for a request naming that LoRA adapter); with `salt=sampling_salt(s, i)`,
+    choice i of a sampled request with `"seed": s`."""
     model = TextModel(seed, eos_rate, adapter)
     return generate(model, prompt, max_tokens, **kw)  # type: ignore[arg-type]
 
