@@ -44,7 +44,7 @@ def test_the_engine_judges_what_the_gateway_does_not_need(gw: tuple[Proc, Proc])
         g,
         e,
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}]},
+        {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}], "max_tokens": 3},
     )
     ok = _same(g, e, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert ok.status_code == 200

@@ -1,17 +1,19 @@
 """OpenAI request models, shared by the engine (which serves them) and the gateway (which
 refuses malformed requests before they reach an engine).
 
-The engine's models are strict: `"5"` is not an integer and `"true"` is not a boolean, as
-with OpenAI's API. The gateway does not use them: it must never refuse what its engine
-accepts (vLLM takes `max_tokens: "5"` and custom chat roles), so `gateway_view` reads only
-what the gateway itself needs (model, stream, fan-out) and leaves every other verdict, status
-and body, to the engine.
+The engine's models are as lax as vLLM 0.32's pydantic models (its default, lax mode):
+`"5"` and `5.0` are the integer 5, `"true"`, `"yes"` and `1` are true, `"0"` is the number
+0; `"five"`, `5.5` for an integer or a number for a string are still refused. Custom chat
+roles pass, as vLLM's custom message parameter takes any role. The gateway does not use
+them: it must never refuse what its engine accepts, so `gateway_view` reads only what the
+gateway itself needs (model, stream, fan-out) and leaves every other verdict, status and
+body, to the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -42,7 +44,9 @@ NonNegInt = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    # Lax, as vLLM's request models (a review against vLLM 0.32 found `max_tokens: "5"`,
+    # `stream: "true"`, `n: 2.0`, `seed: "1"` served there and refused here).
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Model):
@@ -140,7 +144,8 @@ class ContentPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # vLLM's CustomChatCompletionMessageParam: any role (a custom one renders as its name).
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
