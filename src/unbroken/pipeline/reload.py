@@ -4,9 +4,13 @@ a running gateway without a restart.
 The gateway's settings are rendered again (`render_gateway_settings`, the same as at start)
 into gateway.json, the gateway is sent SIGHUP and the reload waits until its new generation
 of workers serves; routes and pool caps go through the admin API (the gateway's main process
-keeps them otherwise). What only a restart can change (where the gateway listens, the
-prober's settings, the model, pools, engines, the controller and agent) is listed with the
-spec diff (`not_applied`), never applied. A refused or failed reload changes nothing.
+keeps them otherwise). An autoscaled pool's `scaling` settings are applied with its cap, in
+one step (the controller reads both from the supervisor's `GET /pools`): a lowered cap with
+a lowered `scaling.target` was applied without the target, leaving the pool in the state
+the spec check refuses (a target above the cap: the pool never scaled out). What only a
+restart can change (where the gateway listens, the prober's settings, the model, pools'
+ranges and engines, the controller and agent) is listed with the spec diff
+(`not_applied`), never applied. A refused or failed reload changes nothing.
 """
 
 from __future__ import annotations
@@ -133,6 +137,7 @@ def not_applied(running: PipelineSpec, new: PipelineSpec) -> list[dict[str, Any]
             if pa[name].get("autoscale") and pb[name].get("autoscale"):
                 # The autoscaler's count, not the spec's starting one: not a change.
                 pa[name].pop("replicas"), pb[name].pop("replicas")
+                pa[name].pop("scaling"), pb[name].pop("scaling")  # applied, with the cap
             out += diff(flatten(pa[name], f"pools.{name}."), flatten(pb[name], f"pools.{name}."))
     if list(pa) != list(pb) and pa.keys() == pb.keys():  # the default routes' order
         out.append(change("pools (order)", list(pa), list(pb)))
@@ -164,7 +169,9 @@ class _Plan:
     old: GatewaySettings
     new: GatewaySettings
     changed: list[dict[str, Any]]
-    caps: dict[str, int | None]
+    # Per pool, what a reload applies to it (`cap`, an autoscaled pool's `scaling`), in one
+    # update of the supervisor's pool spec.
+    pools: dict[str, dict[str, Any]]
     not_applied: list[dict[str, Any]]
     spec: PipelineSpec  # the file read again
 
@@ -231,14 +238,23 @@ class Reloader:
             flatten(old_r.model_dump(mode="json"), "gateway."),
             flatten(new_r.model_dump(mode="json"), "gateway."),
         )
-        # A pool's cap is the gateway's in-flight cap per replica: applied too.
-        caps: dict[str, int | None] = {}
+        # A pool's cap is the gateway's in-flight cap per replica: applied too; and an
+        # autoscaled pool's scaling settings, which the new file checked against its cap.
+        pools: dict[str, dict[str, Any]] = {}
         for p in spec.pools:
             q = next((q for q in new.pools if q.name == p.name), None)
-            if q is not None and q.cap != p.cap:
-                caps[p.name] = q.cap
+            if q is None:
+                continue
+            if q.cap != p.cap:
+                pools.setdefault(p.name, {})["cap"] = q.cap
                 changed.append(change(f"pools.{p.name}.cap", p.cap, q.cap))
-        return _Plan(applied, old_r, new_r, changed, caps, not_applied(spec, new), new)
+            if p.autoscale and q.autoscale and q.scaling != p.scaling:
+                pools.setdefault(p.name, {})["scaling"] = q.scaling
+                changed += diff(
+                    flatten(p.scaling.model_dump(mode="json"), f"pools.{p.name}.scaling."),
+                    flatten(q.scaling.model_dump(mode="json"), f"pools.{p.name}.scaling."),
+                )
+        return _Plan(applied, old_r, new_r, changed, pools, not_applied(spec, new), new)
 
     def _applied_spec(self, new: PipelineSpec, gateway: GatewaySettings) -> PipelineSpec:
         """The running spec with what a reload applies taken from `new`: the gateway section
@@ -305,14 +321,17 @@ class Reloader:
                 await sup.admin.set_routes(routes={k: list(v) for k, v in plan.new.routes.items()})
             except AdminError as e:
                 warnings.append(f"gateway.routes not applied: {e}")
-        for name, cap in plan.caps.items():
+        for name, update in plan.pools.items():
             pool = sup.pool_spec(name)
             assert pool is not None
-            sup.set_pool(pool.model_copy(update={"cap": cap}))
+            sup.set_pool(pool.model_copy(update=update))
             for r in list(sup.replicas.values()):
                 if r.pool.name != name:
                     continue
-                r.pool = r.pool.model_copy(update={"cap": cap})  # what a re-registration sends
+                r.pool = r.pool.model_copy(update=update)  # what a re-registration sends
+                if "cap" not in update:
+                    continue
+                cap = update["cap"]
                 if r.alive and not r.stopping:
                     try:
                         await sup.admin.set_cap(name=r.name, cap=cap)
