@@ -208,6 +208,10 @@ class GatewaySettings(_Spec):
     # (autoscaled to 0) pool serves waits in the queue for it instead of a 404, and counts
     # as that pool's demand, which wakes it.
     pool_models: dict[str, list[str]] = Field(default_factory=dict)
+    # The pools that may be at zero replicas on purpose (autoscaled with `min: 0`): only
+    # these are "asleep" when none of their replicas runs; another pool with none is down
+    # (crashing, being replaced), and a client is told that instead.
+    sleeping_pools: list[str] = Field(default_factory=list)
     # Each adapter the spec declares: its base (vLLM's `parent`) and path (`root`), so that
     # /v1/models lists a sleeping pool's adapters as vLLM lists them, under their base.
     adapter_cards: dict[str, dict[str, str]] = Field(default_factory=dict)
@@ -599,6 +603,9 @@ class PipelineSpec(_Spec):
         if "rate_limit" in self.model_fields_set:
             settings.rate_limit = self.rate_limit.model_copy(deep=True)
         settings.pool_models = {p.name: p.served_names(self) for p in self.pools}
+        settings.sleeping_pools = [
+            p.name for p in self.pools if p.autoscale is not None and p.autoscale.min == 0
+        ]
         settings.adapter_cards = {
             a.name: {"parent": a.base or p.model_of(self), "root": a.path or a.name}
             for p in self.pools

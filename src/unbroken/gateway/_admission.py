@@ -183,14 +183,23 @@ class Admission:
         # autoscaled to 0, which this request's demand wakes).
         return next((n for n in route if model in self.pool.pool_models.get(n, ())), None)
 
-    def _asleep(self, model: str, priority: str) -> bool:
-        """A pool of `priority`'s route is declared to serve `model` and no replica of it
-        runs in any pool of the route (in any state): autoscaled to zero."""
+    def _absent(self, model: str, priority: str) -> str | None:
+        """ "asleep" when a pool of `priority`'s route is declared to serve `model`, no
+        replica runs in any pool of the route (in any state), and one such pool may sleep
+        (autoscaled with min 0: `Pool.sleeping`); "down" when none may (its replicas are
+        crashing or being replaced: a review saw a crash loop called "scaled to zero");
+        else None."""
         route = self.pool.pools_for(priority)
-        if not any(model in self.pool.pool_models.get(n, ()) for n in route):
-            return False
+        declared = [n for n in route if model in self.pool.pool_models.get(n, ())]
+        if not declared:
+            return None
         names = set(route)
-        return not any(e.pool in names and model in e.models for e in self.pool.endpoints.values())
+        if any(e.pool in names and model in e.models for e in self.pool.endpoints.values()):
+            return None
+        return "asleep" if self.pool.sleeping.intersection(declared) else "down"
+
+    def _asleep(self, model: str, priority: str) -> bool:
+        return self._absent(model, priority) == "asleep"
 
     def _unserved(self, model: str, priority: str, *, starting: bool) -> str | None:
         """Why nothing of `priority`'s route can serve `model` now, or None: the endpoints
@@ -201,13 +210,20 @@ class Admission:
         route = set(self.pool.pools_for(priority))
         eps = [e for e in self.pool.endpoints.values() if e.pool in route and model in e.models]
         # Ready and not down: in rotation, or held out after a hang (tried again soon).
-        if not eps or any(e.state == State.READY and not e.down for e in eps):
+        if any(e.state == State.READY and not e.down for e in eps):
             return None
         if starting and any(
             e.pool in route and e.state in (State.STARTING, State.WARMING)
             for e in self.pool.endpoints.values()
         ):
             return None
+        if not eps:
+            # None at all: asleep (a pool autoscaled to 0), unknown (said elsewhere), or a
+            # pool that does not sleep with no replica left (a crash loop between its
+            # replacements, which a review saw answered "scaled to zero").
+            if self._absent(model, priority) != "down":
+                return None
+            return "no replica of its pool serves (starting, or being replaced after a crash)"
         down = sum(e.state == State.READY for e in eps)
         parts = [f"{down} down (not answering their health checks)"] if down else []
         if len(eps) > down:

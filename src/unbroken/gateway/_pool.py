@@ -328,6 +328,7 @@ class Pool:
         # Names each pool serves per the spec (`GatewaySettings.pool_models`), known before
         # any of its replicas runs: a pool autoscaled to 0 still takes requests for them.
         self.pool_models: dict[str, list[str]] = {}
+        self.sleeping: set[str] = set()  # pools autoscaled with min 0 (`sleeping_pools`)
 
     def add(self, ep: Endpoint) -> None:
         if ep.name in self.endpoints and self.endpoints[ep.name].state != State.GONE:
@@ -393,8 +394,11 @@ class Pool:
             None,
         )
 
-    def configure(self, pool_models: dict[str, list[str]]) -> None:
+    def configure(
+        self, pool_models: dict[str, list[str]], sleeping: list[str] | None = None
+    ) -> None:
         self.pool_models = {p: list(n) for p, n in pool_models.items()}
+        self.sleeping = set(sleeping or ())
         for p in self.pool_models:  # spec order first, as the default route
             if p not in self.pool_order:
                 self.pool_order.append(p)

@@ -80,7 +80,7 @@ class Gateway:
         self.admin_token = admin_token
         self.pool = Pool(cfg.default_cap, make_policy(cfg, prefix_table))
         self.pool.routes = {k: list(v) for k, v in cfg.routes.items()}
-        self.pool.configure(cfg.pool_models)
+        self.pool.configure(cfg.pool_models, cfg.sleeping_pools)
         self.admission = Admission(
             self.pool,
             queue_timeout=cfg.queue_timeout_s,
