@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from unbroken.clients import AdminError
 from unbroken.config.spec import GatewaySettings, PipelineSpec
+from unbroken.gateway._process import READINESS_LEAD_S
 from unbroken.pipeline.niceness import set_session_nice
 from unbroken.pipeline.procs import (
     Adopted,
@@ -34,11 +35,18 @@ from unbroken.pipeline.replicas import key_var, pool_key
 if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
 
-__all__ = ["GatewayProcess", "render_gateway_settings"]
+__all__ = ["SHUTDOWN_S", "STOP_S", "GatewayProcess", "render_gateway_settings"]
 
 log = logging.getLogger("unbroken.pipeline")
 
 START_TIMEOUT_S = 30.0  # until its admin API answers
+# The gateway's drain at a stop (its --shutdown-timeout): open streams finish within it, and
+# what is still open then ends with its SSE `shutdown` event (docs/gateway.md).
+SHUTDOWN_S = 8.0
+# How long a stop waits for the gateway before SIGKILL: the readiness lead before its
+# listener closes, the drain, the 5 s its main process then allows its workers to exit
+# (_main_gateway.shutdown), and a margin. A SIGKILL before that would cut streams silently.
+STOP_S = READINESS_LEAD_S + SHUTDOWN_S + 5.0 + 2.0
 
 
 def render_gateway_settings(spec: PipelineSpec) -> GatewaySettings:
@@ -88,11 +96,11 @@ class GatewayProcess:
         cfg = self.write_config(render_gateway_settings(self.sup.spec))
         # Workers (at least 2, so that `unbroken reload` can replace them: SIGHUP keeps the
         # main process, and so its pid, which is why a reload never looks like a crash here).
-        # The drain fits in the 10 s that stop() waits before SIGKILL.
+        # The drain fits in the STOP_S that stop() waits before SIGKILL.
         workers = max(2, min(len(os.sched_getaffinity(0)), 8))
         return [
             *[sys.executable, "-m", "unbroken", "gateway", "--config", str(cfg)],
-            *["--workers", str(workers), "--shutdown-timeout", "8"],
+            *["--workers", str(workers), "--shutdown-timeout", f"{SHUTDOWN_S:g}"],
         ]
 
     def adopt(self, proc: Adopted, argv: list[str]) -> None:
@@ -196,6 +204,8 @@ class GatewayProcess:
                             self.proc.kill()
                         await self.proc.wait()
 
-    async def stop(self, timeout: float = 10.0) -> None:
+    async def stop(self, timeout: float = STOP_S) -> None:
+        """SIGTERM: it stops taking requests, lets its streams finish for SHUTDOWN_S and
+        ends the rest with its `shutdown` event; SIGKILL only after `timeout`."""
         if self.proc is not None and self.proc.returncode is None:
-            await terminate(self.proc, timeout)
+            await terminate(self.proc, timeout, "the gateway")

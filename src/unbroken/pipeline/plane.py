@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unbroken.clients import AdminError
+from unbroken.pipeline.gateway_proc import STOP_S as GATEWAY_STOP_S
 from unbroken.pipeline.procs import Adopted, proc_record, terminate
-from unbroken.pipeline.replicas import Replica
+from unbroken.pipeline.replicas import Replica, stop_timeout
 
 if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
@@ -64,18 +65,25 @@ def live_plane(state: Path) -> dict[str, Any] | None:
 
 async def stop_plane(state: Path, timeout: float = 15.0) -> list[int]:
     """Stop an orphaned data plane (no supervisor): SIGTERM every recorded process that is
-    still the one recorded (engines and companions first, then the gateway), SIGKILL what is
-    left after `timeout`; remove plane.json. The pids stopped."""
+    still the one recorded, in the supervisor's order (companions, then the gateway, which
+    drains its streams, then the engines), SIGKILL each after its wait (the gateway's
+    STOP_S, an engine's recorded `stop_s`, else `timeout`); remove plane.json. The pids
+    stopped."""
     plane = read_plane(state)
     if plane is None:
         return []
     gw = plane.get("gateway")
-    waves = [[*plane.get("companions", []), *plane.get("replicas", [])], [gw] if gw else []]
+    waves = [plane.get("companions", []), [gw] if gw else [], plane.get("replicas", [])]
     stopped: list[int] = []
-    for wave in waves:
-        procs = [p for p in (Adopted.verify(r) for r in wave) if p is not None]
-        await asyncio.gather(*(terminate(p, timeout) for p in procs))
-        stopped += [p.pid for p in procs]
+    for n, wave in enumerate(waves):
+        procs = [(r, p) for r, p in ((r, Adopted.verify(r)) for r in wave) if p is not None]
+        await asyncio.gather(
+            *(
+                terminate(p, GATEWAY_STOP_S if n == 1 else float(r.get("stop_s") or timeout))
+                for r, p in procs
+            )
+        )
+        stopped += [p.pid for _, p in procs]
     with contextlib.suppress(FileNotFoundError):
         (state / PLANE_FILE).unlink()
     return stopped
@@ -101,6 +109,7 @@ def plane_of(sup: Supervisor) -> dict[str, Any]:
                 "port": r.port,
                 "started_at": r.started_at,
                 "healthy_at": r.healthy_at,
+                "stop_s": stop_timeout(r.pool),  # for `unbroken down` without a supervisor
             }
             for r in sup.replicas.values()
             if r.proc is not None and r.proc.returncode is None

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import select
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,9 @@ __all__ = [
     "tail",
     "terminate",
 ]
+
+
+log = logging.getLogger("unbroken.pipeline")
 
 
 class StartupError(RuntimeError):
@@ -179,13 +184,22 @@ async def spawn(
     return proc, path
 
 
-async def terminate(proc: Proc, timeout: float) -> int:
-    """SIGTERM (the process finishes what it holds), SIGKILL after `timeout`; its exit code."""
+async def terminate(proc: Proc, timeout: float, name: str | None = None) -> int:
+    """SIGTERM (the process finishes what it holds), SIGKILL after `timeout`; its exit code.
+    With a `name`, the kill is logged (a SIGKILL cuts whatever the process still held)."""
+    t0 = time.monotonic()
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM)
     try:
         return await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
+        if name is not None:
+            log.warning(
+                "%s (pid %s) did not exit %.1f s after SIGTERM: killed",
+                name,
+                proc.pid,
+                time.monotonic() - t0,
+            )
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         return await proc.wait()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
 
 __all__ = [
+    "STOP_MARGIN_S",
     "HealthTimeout",
     "Replica",
     "ReplicaSet",
@@ -40,6 +41,7 @@ __all__ = [
     "key_var",
     "pool_key",
     "serial_of",
+    "stop_timeout",
 ]
 
 log = logging.getLogger("unbroken.pipeline")
@@ -47,6 +49,14 @@ log = logging.getLogger("unbroken.pipeline")
 
 # While a replica starts, a line this often says that its start is still awaited.
 HEALTH_LOG_EVERY_S = 10.0
+# At a stop, what an engine gets beyond its pool's `engine.shutdown_timeout_s` (the time it
+# announces for its in-flight requests) before SIGKILL: its own exit after the drain.
+STOP_MARGIN_S = 5.0
+
+
+def stop_timeout(pool: PoolSpec) -> float:
+    """How long a stop waits for a replica of `pool` before SIGKILL."""
+    return pool.engine.shutdown_timeout_s + STOP_MARGIN_S
 
 
 class HealthTimeout(StartupError):
@@ -407,7 +417,7 @@ class ReplicaSet:
             self._uncap(r)  # an engine that died while starting leaves its cgroup otherwise
             return r.proc.returncode if r.proc else None
         try:
-            return await terminate(r.proc, timeout)
+            return await terminate(r.proc, timeout, r.name)
         finally:
             self._uncap(r)
             self.by_name.pop(r.name, None)

@@ -37,6 +37,7 @@ from typing import Any
 from unbroken.clients import AdminError, GatewayAdmin
 from unbroken.config.paths import RunInfo, engine_token, ensure_state_dir
 from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.pipeline import companions, gateway_proc
 from unbroken.pipeline.backend import ReplicaHandle
 from unbroken.pipeline.companions import Companions
 from unbroken.pipeline.control_api import ControlServer
@@ -69,7 +70,7 @@ from unbroken.pipeline.reload import (
     flatten,
     not_applied,
 )
-from unbroken.pipeline.replicas import HealthTimeout, Replica, ReplicaSet
+from unbroken.pipeline.replicas import HealthTimeout, Replica, ReplicaSet, stop_timeout
 from unbroken.pipeline.rollout import Progress, RolloutRequest, run_rollout
 from unbroken.pipeline.statelock import StateLock
 from unbroken.pipeline.weights import PREWARM_NICE, Weights
@@ -352,6 +353,7 @@ class Supervisor:
             "pools": {p.name: self._pool_status(p) for p in self.spec.pools},
             "replacing": dict(self.replica_set.replacing),
             "restarts": self.restarts,
+            "stop_budget_s": round(self.stop_budget_s(), 1),
             "gateway": gw,
             "events": self.events[-50:],
             **await self.companions.status(),
@@ -400,17 +402,45 @@ class Supervisor:
             ],
         }
 
+    def stop_budget_s(self) -> float:
+        """The longest a stop may take: the companions, the gateway's drain and exit, then
+        the slowest pool's engine shutdown timeout (plus margins) before any SIGKILL."""
+        engines = max((stop_timeout(p) for p in self.spec.pools), default=0.0)
+        return companions.STOP_TIMEOUT_S + gateway_proc.STOP_S + engines
+
     async def stop(self) -> None:
-        """Engines first (they finish what they hold), then the gateway."""
+        """The front end first, then the back ends, as a load balancer's clients expect: the
+        gateway stops taking requests, lets its streams finish for gateway_proc.SHUTDOWN_S and
+        ends the rest with its `shutdown` event (its upstreams serve meanwhile); then each
+        engine gets SIGTERM and its pool's `engine.shutdown_timeout_s` (plus a margin)
+        before SIGKILL. Stopping the engines first cut the gateway's streams as broken."""
         self.closing = True
+        replicas = list(self.replicas.values())
+        log.info(
+            "stopping: the gateway drains its streams for up to %g s, then %d engine(s) "
+            "finish theirs (their shutdown_timeout_s, up to %g s); at most %.0f s in all",
+            gateway_proc.SHUTDOWN_S,
+            len(replicas),
+            max((r.pool.engine.shutdown_timeout_s for r in replicas), default=0),
+            self.stop_budget_s(),
+        )
         await self.companions.stop()  # the controller first: it must not react to the stop
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(
-            *(self.stop_replica(r, timeout=10) for r in list(self.replicas.values())),
+        t0 = time.monotonic()
+        await self.gateway.stop()
+        log.info("the gateway stopped in %.1f s", time.monotonic() - t0)
+        t0 = time.monotonic()
+        codes = await asyncio.gather(
+            *(self.stop_replica(r, timeout=stop_timeout(r.pool)) for r in replicas),
             return_exceptions=True,
         )
-        await self.gateway.stop(timeout=10)
+        if replicas:
+            log.info(
+                "engines stopped in %.1f s: %s",
+                time.monotonic() - t0,
+                ", ".join(f"{r.name} exit {c}" for r, c in zip(replicas, codes, strict=True)),
+            )
         await self.control.stop()
         if self.statelock.held:  # run.json is ours only if the directory was
             for name in ("run.json", PLANE_FILE):

@@ -641,20 +641,50 @@ def _orphan(state: Path) -> dict[str, Any] | None:
     return plane
 
 
+# `unbroken down` waits this much beyond the stop budget the supervisor announces.
+DOWN_MARGIN_S = 10.0
+
+
+def _stop_budget(info: RunInfo) -> float | None:
+    """How long the running supervisor's stop may take (its status says), or None."""
+
+    async def ask() -> dict[str, Any]:
+        return await asyncio.wait_for(SupervisorClient(info.control_socket).status(), 5)
+
+    try:
+        budget = asyncio.run(ask()).get("stop_budget_s")
+    except (SupervisorError, TimeoutError, OSError):
+        return None
+    return float(budget) if isinstance(budget, int | float) else None
+
+
 def down_cli(timeout: float = 60.0) -> int:
     """Stop the pipeline of the state directory: SIGTERM its supervisor and wait (it stops
-    everything, engines first); with no supervisor, stop the data plane it left."""
+    the gateway first, which drains its streams, then the engines within their shutdown
+    timeout), as long as the supervisor says its stop may take (else `timeout`); with no
+    supervisor, stop the data plane it left."""
     import os
     import time
 
     state = state_dir()
     info = RunInfo.read(state)
     if info is not None:
+        budget = _stop_budget(info)
         os.kill(info.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        wait = timeout if budget is None else budget + DOWN_MARGIN_S
+        sys.stdout.write(
+            f"stopping the pipeline (supervisor pid {info.pid}): the gateway drains its "
+            "streams, then the engines finish theirs"
+            + (f"; up to {budget:.0f} s" if budget is not None else "")
+            + "\n"
+        )
+        sys.stdout.flush()
+        deadline = time.monotonic() + wait
         while RunInfo.read(state) is not None:
             if time.monotonic() > deadline:
-                sys.stderr.write(f"error: the supervisor (pid {info.pid}) still runs\n")
+                sys.stderr.write(
+                    f"error: the supervisor (pid {info.pid}) still runs after {wait:.0f} s\n"
+                )
                 return 1
             time.sleep(0.1)
         sys.stdout.write(f"stopped the pipeline (supervisor pid {info.pid})\n")

@@ -1,0 +1,101 @@
+"""Day-2 operation of `unbroken up` (an SRE review, /tmp/review-sre/findings.md): a planned
+stop, SIGHUP, a hung engine, a pool in a crash loop, and what the supervisor logs. Real
+`unbroken up` processes, each with its own state directory and ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from helpers import MODEL, Up, stream, wait_for
+
+
+def _spec(tmp: Path, pools: str, extra: str = "") -> Path:
+    p = tmp / "spec.yaml"
+    p.write_text(f"model: {MODEL}\npools:\n{pools}controller: {{enabled: false}}\n{extra}")
+    return p
+
+
+def _error(events: list[Any]) -> dict[str, Any] | None:
+    return next((e["error"] for e in events if isinstance(e, dict) and "error" in e), None)
+
+
+def _finish(events: list[Any]) -> str | None:
+    for e in events:
+        if isinstance(e, dict):
+            for ch in e.get("choices", []):
+                if ch.get("finish_reason"):
+                    return str(ch["finish_reason"])
+    return None
+
+
+def test_down_drains_the_gateway_first_and_honours_the_engines_shutdown_timeout(
+    tmp_path: Path,
+) -> None:
+    """`unbroken down` SIGTERMed the engines first and SIGKILLed them after a literal 10 s:
+    the gateway's open streams ended `stream_broken` (counted dropped) although the engine
+    announced 30 s. Now the gateway stops first (its streams finish or end with its
+    `shutdown` event), then each engine gets its pool's `shutdown_timeout_s` (here 13 s,
+    over the old 10) before any SIGKILL."""
+    spec = _spec(
+        tmp_path,
+        "  - name: main\n    replicas: 1\n    weights_size: 8MiB\n"
+        "    engine: {shutdown_timeout_s: 13, overrides: {decode_base_s: 0.02}}\n",
+    )
+    u = Up(tmp_path, spec)
+    try:
+        engine_url = next(r["url"] for r in u.status()["replicas"])
+        got: dict[str, tuple[list[Any], int]] = {}
+
+        def one(key: str, url: str, tokens: int) -> None:
+            body = {"model": MODEL, "prompt": key, "max_tokens": tokens, "temperature": 0}
+            try:
+                events, r = stream(url, "/v1/completions", body, timeout=90)
+                got[key] = events, r.status_code
+            except httpx.HTTPError as e:  # a cut connection: what must not happen via the gateway
+                got[key] = [type(e).__name__], -1
+
+        jobs = {f"long {i}": (u.url, 3000) for i in range(3)}
+        jobs["short"] = (u.url, 120)  # finishes within the gateway's drain
+        jobs["direct"] = (engine_url, 3000)  # held by the engine itself at its SIGTERM
+        threads = [threading.Thread(target=one, args=(k, *v)) for k, v in jobs.items()]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        down = u.run("down", timeout=120)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(90)
+        assert down.returncode == 0, down.stdout + down.stderr
+        for i in range(3):
+            events, code = got[f"long {i}"]
+            assert code == 200, (i, events[-3:])
+            err = _error(events)
+            assert err is not None and err["code"] == "shutdown", (i, err)
+            assert events[-1] == "[DONE]", events[-3:]
+        events, code = got["short"]
+        assert code == 200 and _error(events) is None and _finish(events) == "length", events[-3:]
+        # The engine drained for its own 13 s and exited by itself: never SIGKILLed.
+        logs = u.state / "logs"
+        engine_log = (logs / "main-1.log").read_text()
+        assert "waiting up to 13 s" in engine_log and "engine stopped" in engine_log, engine_log[
+            -800:
+        ]
+        up_log = u.log.read_text()
+        assert "killed" not in up_log, up_log[-2000:]
+        assert took > 13, took  # the gateway's drain (8 s), then the engine's 13 s
+        # `down` says how long it may take: the gateway's drain, then the engines' timeout.
+        assert "the gateway drains its streams, then the engines finish theirs; up to" in (
+            down.stdout
+        ), down.stdout
+    finally:
+        u.kill_orphans()
