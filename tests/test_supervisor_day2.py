@@ -99,3 +99,37 @@ def test_down_drains_the_gateway_first_and_honours_the_engines_shutdown_timeout(
         ), down.stdout
     finally:
         u.kill_orphans()
+
+
+def test_sighup_reloads_and_is_logged(tmp_path: Path) -> None:
+    """SIGHUP to `unbroken up` (a closed terminal, systemd's ExecReload) killed the supervisor
+    without a line. Now it reloads the spec, the path of `unbroken reload`, and says so; a
+    spec that does not validate is refused and logged, and the supervisor goes on."""
+    pool = "  - name: main\n    replicas: 1\n    weights_size: 8MiB\n    cap: {cap}\n"
+    spec = _spec(tmp_path, pool.format(cap=64))
+    u = Up(tmp_path, spec)
+    try:
+
+        def cap() -> int:
+            return int(u.status()["gateway"]["endpoints"][0]["cap"])
+
+        assert cap() == 64
+        spec.write_text(spec.read_text().replace("cap: 64", "cap: 7"))
+        os.kill(u.proc.pid, signal.SIGHUP)
+        wait_for(lambda: cap() == 7, timeout=30, interval=0.3, what="the cap reloaded")
+        spec.write_text(spec.read_text().replace("cap: 7", "cap: -1"))
+        os.kill(u.proc.pid, signal.SIGHUP)
+        wait_for(
+            lambda: "reload (SIGHUP) refused, nothing changed" in u.log.read_text(),
+            timeout=30,
+            interval=0.3,
+            what=lambda: u.log.read_text()[-1500:],
+        )
+        assert u.proc.poll() is None
+        log = u.log.read_text()
+        assert "SIGHUP: reloading the spec" in log and "gateway reloaded (generation" in log
+        assert "pools.0.cap" in log, log[-1500:]
+        assert cap() == 7
+        assert u.stop() == 0
+    finally:
+        u.kill_orphans()

@@ -283,9 +283,28 @@ class Supervisor:
             finally:
                 self.save_plane()
 
-    async def reload(self) -> dict[str, Any]:
-        """`unbroken reload` (reload.py); ReloadError when refused or failed."""
-        return await self.reloader.reload()
+    async def reload(self, via: str = "unbroken reload") -> dict[str, Any]:
+        """`unbroken reload` or SIGHUP (`via`; reload.py); ReloadError when refused or
+        failed, logged here (a refused reload left no trace in the log otherwise)."""
+        try:
+            return await self.reloader.reload()
+        except ReloadError as e:
+            log.warning("reload (%s) refused, nothing changed: %s", via, e)
+            self.record("reload_refused", via=via, error=str(e))
+            raise
+
+    async def reload_on_hup(self) -> None:
+        """SIGHUP to `unbroken up` (a closed terminal, systemd's `ExecReload=kill -HUP`): a
+        reload, as nginx, haproxy and Prometheus do; it killed the supervisor silently."""
+        if self.closing:
+            return
+        log.info("SIGHUP: reloading the spec, as `unbroken reload` does")
+        try:
+            await self.reload(via="SIGHUP")
+        except ReloadError:
+            pass  # logged by reload()
+        except Exception:
+            log.exception("reload (SIGHUP) failed")
 
     # -- whole pipeline ------------------------------------------------------------------------
     def lock(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import shutil
 import signal
 import sys
@@ -30,6 +31,8 @@ from unbroken.pipeline.supervisor import StartupError, Supervisor, live_plane, s
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
 __all__ = ["down_cli", "reload_cli", "run_up", "scale_cli", "show_status"]
+
+log = logging.getLogger("unbroken.pipeline")
 
 
 def run_up(
@@ -125,9 +128,19 @@ def _apply_flags(
 
 async def _main(sup: Supervisor, console: Console) -> int:
     stop = asyncio.Event()
+    serving = False
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def hup() -> None:
+        """SIGHUP is a reload (`unbroken reload`'s path), never the default death."""
+        if not serving:
+            log.warning("SIGHUP during start-up: ignored (send it again once it serves)")
+            return
+        sup.track(asyncio.create_task(sup.reload_on_hup(), name="sighup-reload"))
+
+    loop.add_signal_handler(signal.SIGHUP, hup)
     code = 0
     try:
         with console.status("starting") as st:
@@ -140,6 +153,7 @@ async def _main(sup: Supervisor, console: Console) -> int:
                 return 130
             waiter.cancel()
             starting.result()
+        serving = True
         targets = asyncio.create_task(keep_targets(sup, sup.state / "prometheus"))
         status = await sup.status()
         width = console.width if console.is_terminal else None
