@@ -5,12 +5,14 @@ In process, no sockets: what a worker's control socket carries is exactly `encod
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from unbroken.config.spec import GatewaySettings
 from unbroken.gateway._adapters import LoraInfo
@@ -184,3 +186,35 @@ async def test_a_streams_handover_state_round_trips() -> None:
 def encode_state(state: Any) -> bytes:
     """The state as `_handover` sends it (JSON, beside the body)."""
     return orjson.dumps(state)
+
+
+def test_one_engine_failure_on_many_streams_is_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine's crash breaks every stream on it at once: a review counted 16 identical
+    warnings for 16 streams (~512 at 256 a replica). One per endpoint and kind every
+    FAILURE_LOG_S; the rest at debug level, counted in the next warning."""
+    from unbroken.gateway._health import FAILURE_LOG_S, EndpointHealth
+
+    pool = Pool(8)
+    ep = Endpoint(name="e0", url="http://h0:8000")
+    pool.add(ep)
+    health = EndpointHealth(
+        GatewaySettings(), pool, GatewayMetrics(pool, Admission(pool, queue_timeout=1.0))
+    )
+    caplog.set_level(logging.DEBUG, logger="unbroken.gateway")
+    for _ in range(16):
+        health.upstream_failed(ep, "reset", "UpstreamClosed: the engine closed the connection")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.msg]
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "failed" in r.msg]
+    assert len(warnings) == 1 and len(debug) == 15
+    assert ep.last_error == "reset: UpstreamClosed: the engine closed the connection"
+    # Another kind is its own line; the same kind after the window says how many it held.
+    health.upstream_failed(ep, "connect", "ConnectionRefusedError")
+    key = ("e0", "reset")
+    at, quiet = health._said[key]
+    health._said[key] = (at - FAILURE_LOG_S, quiet)
+    health.upstream_failed(ep, "reset", "again")
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("(connect)" in m for m in lines)
+    assert "(15 more of these since the last warning" in lines[-1]

@@ -47,6 +47,9 @@ _TTFB_FACTOR = 4.0
 _SHUTTING_DOWN = "cannot schedule new futures after shutdown"
 # This many 5xx in a row (no success between) take an endpoint out until readiness.
 _5XX_RUN = 3
+# One engine failure breaks every stream on it at once: their warnings, one per endpoint and
+# kind this often (`EndpointHealth._log_failure`), the rest at debug level.
+FAILURE_LOG_S = 10.0
 _WATCH_S = 0.5
 # While legs wait for a first event, endpoints are looked at this often for a late step
 # (`_latency.EndpointLatency.late`): a step is ~20-40 ms, a slowdown is seen in ~1.5 of them.
@@ -118,6 +121,10 @@ class EndpointHealth:
         self._answers: dict[str, deque[tuple[float, float]]] = {}
         self._answered: dict[str, float] = {}  # loop time of each endpoint's last answer
         self._5xx: dict[str, int] = {}  # 5xx answers in a row, per endpoint
+        # Per (endpoint, kind): when its failure was last logged at WARNING, and how many
+        # since went to DEBUG (one engine's crash breaks every stream on it: a review
+        # counted 16 identical warnings for 16 streams, ~512 at 256 streams a replica).
+        self._said: dict[tuple[str, str], tuple[float, int]] = {}
         # Per endpoint, the kinds of request form it refused (see `_legs.Legs.open`).
         self._refused: dict[str, set[str]] = {}
         self._watchdog: asyncio.Task[None] | None = None
@@ -320,6 +327,27 @@ class EndpointHealth:
         """`ep` answered (below 500): its run of 5xx is over."""
         self._5xx.pop(ep.name, None)
 
+    def _log_failure(self, name: str, kind: str, detail: str) -> None:
+        """One WARNING per endpoint and kind every FAILURE_LOG_S, saying how many of the same
+        went to DEBUG since the last; the rest at DEBUG."""
+        now = time.monotonic()
+        at, quiet = self._said.get((name, kind), (-FAILURE_LOG_S, 0))
+        if now - at < FAILURE_LOG_S:
+            self._said[(name, kind)] = (at, quiet + 1)
+            log.debug("upstream %s failed (%s): %s", name, kind, detail)
+            return
+        self._said[(name, kind)] = (now, 0)
+        more = f" ({quiet} more of these since the last warning, at debug level)" if quiet else ""
+        log.warning(
+            "upstream %s failed (%s): %s; the same on its other streams within %.0f s is "
+            "logged at debug level%s",
+            name,
+            kind,
+            detail,
+            FAILURE_LOG_S,
+            more,
+        )
+
     def upstream_failed(self, ep: Endpoint, kind: str, detail: str) -> None:
         """The one verdict on a failure of `ep` (`kind`: connect, reset, status_5xx, ttfb,
         stall, timeout, answer, abort, protocol, truncated): counted, put on its record, and
@@ -353,4 +381,4 @@ class EndpointHealth:
             # answers 200 there and refuses new requests with a 500): out of rotation until
             # it serves a real completion again (readiness).
             self.on_hang(ep)
-        log.warning("upstream %s failed (%s): %s", ep.name, kind, detail)
+        self._log_failure(ep.name, kind, detail)

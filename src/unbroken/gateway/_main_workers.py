@@ -231,6 +231,8 @@ class WorkerProcesses(Gateway):
                 elif t == "suspect":
                     ep = self.pool.get(msg["name"])
                     if ep is not None and self.prober is not None:
+                        if why := msg.get("why"):
+                            ep.note_error(why)  # the worker's failure, for the log and admin
                         self.prober.suspect(ep)
                 elif t == "metrics":
                     w.last_metrics = msg["text"]  # a late answer still updates the stand-in

@@ -154,6 +154,7 @@ class AckMsg(TypedDict):
 class SuspectMsg(TypedDict):
     t: Literal["suspect"]
     name: str
+    why: NotRequired[str | None]  # the failure that made it a suspect (its `last_error`)
 
 
 class MetricsMsg(TypedDict):

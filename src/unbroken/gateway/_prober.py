@@ -82,6 +82,15 @@ METRICS_PATH = filtered_path(
 )
 
 
+def _said(e: BaseException) -> str:
+    """An exception for a log line: its name and text; a timeout's text is empty, so it says
+    what timed out (a review read `/health: TimeoutError: ` as a cut-off line)."""
+    text = str(e)
+    if isinstance(e, TimeoutError) and not text:
+        return "TimeoutError: no answer in time"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def parse_load(text: str) -> tuple[float, float, float, float | None]:
     """(waiting, running, kv_usage, tokens generated so far or None) from a vLLM /metrics
     page; sums over label sets."""
@@ -152,7 +161,7 @@ class Prober:
             )
         if ep.healthy:
             ep.healthy = False
-            log.warning("%s out of rotation: it hangs (%s)", ep.name, ep.last_error)
+            log.warning("%s out of rotation: it hangs (%s)", ep.name, ep.last_error or "no detail")
             self.on_change(ep)
 
     def watch(self, ep: Endpoint) -> None:
@@ -194,7 +203,7 @@ class Prober:
             ok = status == 200
             err = None if ok else f"/health answered {status}"
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-            ok, err = False, f"/health: {type(e).__name__}: {e}"
+            ok, err = False, f"/health: {_said(e)}"
         if not ok:
             ep.failures += 1
             ep.down = ep.failures >= self.fail_threshold
@@ -218,7 +227,7 @@ class Prober:
             try:
                 took = await self._complete(ep, sorted(ep.models)[0] if ep.models else "")
             except (aiohttp.ClientError, TimeoutError, ConnectionError, RuntimeError) as e:
-                ep.note_error(f"hang check: {type(e).__name__}: {e}")
+                ep.note_error(f"hang check: {_said(e)}")
                 return
             self.suspects.discard(ep.name)
             if h is not None:
@@ -267,7 +276,7 @@ class Prober:
             KeyError,
             orjson.JSONDecodeError,
         ) as e:
-            ep.note_error(f"warm-up: {type(e).__name__}: {e}")
+            ep.note_error(f"warm-up: {_said(e)}")
             log.warning("%s not ready: %s", ep.name, ep.last_error)
             return
         if ep.state == State.WARMING:

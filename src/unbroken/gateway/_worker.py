@@ -194,7 +194,9 @@ class WorkerGateway(Gateway):
     async def start_worker(self, listen: socket.socket) -> None:
         cfg = self.cfg
         self.proxy.session = client_session(connect_timeout=cfg.connect_timeout_s)
-        self.proxy.on_hang = lambda ep: self.send(SuspectMsg(t="suspect", name=ep.name))
+        self.proxy.on_hang = lambda ep: self.send(
+            SuspectMsg(t="suspect", name=ep.name, why=ep.last_error)
+        )
         self.proxy.read_models = self._ask_models
         limits = ServerLimits(cfg.header_timeout_s, cfg.max_connections_per_client)
         freeze_startup_heap()
