@@ -218,3 +218,45 @@ def test_one_engine_failure_on_many_streams_is_one_warning(
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("(connect)" in m for m in lines)
     assert "(15 more of these since the last warning" in lines[-1]
+
+
+def test_every_break_reason_and_shed_code_is_exported_at_zero_and_documented() -> None:
+    """A review found the docs' label lists behind what is exported, and `abort` and `ttfb`
+    migrations absent until the first one (an alert on `increase()` then has no data)."""
+    import re
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from unbroken.controller.scaling import ScalingLoop
+    from unbroken.gateway._metrics import BREAK_REASONS, SHED_CODES
+
+    pool = Pool(8)
+    metrics = GatewayMetrics(pool, Admission(pool, queue_timeout=1.0))
+    metrics.for_pool("p")
+    text = generate_latest(metrics.registry).decode()
+    for reason in BREAK_REASONS:
+        assert f'unbroken_gateway_streams_migrated_total{{reason="{reason}"}} 0.0' in text
+        assert f'unbroken_gateway_streams_dropped_total{{pool="p",reason="{reason}"}} 0.0' in text
+    for code in SHED_CODES:
+        assert f'reason="{code}"' in text
+    doc = (Path(__file__).parents[1] / "docs" / "gateway.md").read_text()
+    for name, want in (
+        ("streams_migrated_total", BREAK_REASONS),
+        ("streams_dropped_total", BREAK_REASONS),
+        ("shed_total", SHED_CODES),
+    ):
+        row = next(ln for ln in doc.splitlines() if ln.startswith(f"| `unbroken_gateway_{name}`"))
+        listed = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+        assert set(want) <= listed, (name, set(want) - listed)
+    # The autoscaler's decisions, per ranged pool, at 0 before the first.
+    reg = CollectorRegistry()
+    loop = ScalingLoop("/nonexistent", list, "t", reg, print, dict, lambda _p: 0)
+    ranged = {"autoscale": {"min": 0, "max": 2}, "model": "m", "cap": 4}
+    scaling = {"target": 2.0, "tolerance": 0.1, "up_cooldown_s": 1.0, "down_quiet_s": 5.0,
+               "down_cooldown_s": 1.0, "interval_s": 0.5}  # fmt: skip
+    loop._configure([{"name": "gpu", **ranged, "scaling": scaling}])
+    text = generate_latest(reg).decode()
+    for direction in ("up", "down"):
+        for outcome in ("done", "failed"):
+            labels = f'direction="{direction}",outcome="{outcome}",pool="gpu"'
+            assert f"unbroken_autoscale_decisions_total{{{labels}}} 0.0" in text, text

@@ -169,6 +169,10 @@ class ScalingLoop:
                 )
             )
         self.autoscaler = Autoscaler(specs)
+        for spec in specs:  # at 0 from the start: `increase(...{outcome="failed"})` has data
+            for direction in ("up", "down"):
+                for outcome in ("done", "failed"):
+                    self.metrics.decisions.labels(spec.name, direction, outcome)
         self.interval_s = min((p["scaling"]["interval_s"] for p in ranged), default=0.5)
         if specs:
             log.info(

@@ -97,7 +97,18 @@ WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60
 # Label values known in advance, exported at 0 from the start so that `increase()` and
 # `rate()` show 0 rather than "no data" (values outside these still appear when they occur).
 SHED_CODES = ("shed", "queue_full", "queue_timeout")
-BREAK_REASONS = ("reset", "truncated", "stall", "error_event", "drain_deadline", "rebalance")
+# Why a stream's leg broke (`streams_migrated_total` / `streams_dropped_total`'s `reason`):
+# every one exported at 0 from the start, so `increase()` of any has data.
+BREAK_REASONS = (
+    "reset",
+    "truncated",
+    "abort",
+    "ttfb",
+    "stall",
+    "error_event",
+    "drain_deadline",
+    "rebalance",
+)
 UNMIGRATABLE = (
     "structured_output",
     "tools",

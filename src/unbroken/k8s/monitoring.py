@@ -73,9 +73,10 @@ def prometheus_rule(drain_deadline_s: float) -> dict[str, Any]:
                         "for": "1m",
                         "labels": {"severity": "warning"},
                         "annotations": {
-                            "summary": "{{ $labels.endpoint }}: CUDA call latency well above "
-                            "its baseline with low backpressure (contention); the controller "
-                            "has lowered its cap and moved standard traffic to fp8.",
+                            "summary": "{{ $labels.endpoint }}: contended (its CUDA call "
+                            "latency, or without the node agent its inter-token latency, well "
+                            "above its baseline with low backpressure); the controller has "
+                            "lowered its cap and moved standard traffic to fp8.",
                         },
                     },
                     {
