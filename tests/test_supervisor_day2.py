@@ -4,10 +4,9 @@ stop, SIGHUP, a hung engine, a pool in a crash loop, and what the supervisor log
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -130,6 +129,98 @@ def test_sighup_reloads_and_is_logged(tmp_path: Path) -> None:
         assert "SIGHUP: reloading the spec" in log and "gateway reloaded (generation" in log
         assert "pools.0.cap" in log, log[-1500:]
         assert cap() == 7
+        assert u.stop() == 0
+    finally:
+        u.kill_orphans()
+
+
+def test_liveness_numbers_are_the_rendered_probes() -> None:
+    """The local liveness check uses the numbers of the livenessProbe `unbroken render k8s`
+    gives engines, so a hung engine heals alike under `unbroken up` and on a cluster."""
+    from unbroken.config.spec import default_spec
+    from unbroken.k8s import RenderOptions
+    from unbroken.k8s.manifests import build
+    from unbroken.pipeline.replicas import (
+        LIVENESS_FAILURES,
+        LIVENESS_PERIOD_S,
+        LIVENESS_TIMEOUT_S,
+    )
+
+    probes = [
+        c["livenessProbe"]
+        for o in build(default_spec(), RenderOptions())
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "engine"
+    ]
+    assert probes
+    for p in probes:
+        assert p["httpGet"]["path"] == "/health"
+        assert p["periodSeconds"] == LIVENESS_PERIOD_S
+        assert p["timeoutSeconds"] == LIVENESS_TIMEOUT_S
+        assert p["failureThreshold"] == LIVENESS_FAILURES
+
+
+def test_a_hung_engine_is_not_live_and_is_replaced(tmp_path: Path) -> None:
+    """A SIGSTOPped engine was never replaced, and `status` counted it live (the docs: live
+    = answers /health). Now it stops counting at its first failed check, and after 3 in a row
+    (every 10 s, as the rendered livenessProbe) it is killed and replaced, with a WARNING
+    that says why. The other replica, busy with streams meanwhile, is left alone."""
+    spec = _spec(
+        tmp_path,
+        "  - name: main\n    replicas: 2\n    weights_size: 8MiB\n"
+        "    engine: {overrides: {decode_base_s: 0.01}}\n",
+    )
+    u = Up(tmp_path, spec)
+    try:
+        pids = {r["name"]: r["pid"] for r in u.status()["replicas"]}
+        stop = threading.Event()
+
+        def load() -> None:  # keeps the other replica busy
+            body = {"model": MODEL, "prompt": "busy", "max_tokens": 200}
+            with httpx.Client(timeout=30) as c:
+                while not stop.is_set():
+                    with contextlib.suppress(httpx.HTTPError):
+                        c.post(u.url + "/v1/completions", json=body)
+
+        workers = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+        for w in workers:
+            w.start()
+        os.kill(pids["main-1"], signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: u.status()["pools"]["main"]["live"] == 1,
+                timeout=25,
+                interval=0.5,
+                what="the hung replica no longer live",
+            )
+            st = u.status()
+            hung = next(r for r in st["replicas"] if r["name"] == "main-1")
+            assert hung["state"] == "not answering", hung
+            wait_for(
+                lambda: "main-1" not in {r["name"] for r in u.status()["replicas"]},
+                timeout=40,
+                interval=0.5,
+                what="the hung replica killed",
+            )
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids["main-1"], signal.SIGCONT)
+        wait_for(
+            lambda: u.status()["pools"]["main"]["live"] == 2,
+            timeout=40,
+            interval=0.5,
+            what="a replacement live",
+        )
+        stop.set()
+        for w in workers:
+            w.join(30)
+        log = u.log.read_text()
+        assert "main-1 (pid" in log and "failed its liveness check 3 times in a row" in log, log
+        names = {r["name"] for r in u.status()["replicas"]}
+        assert "main-2" in names and len(names) == 2, names  # the busy one was not killed
+        events = [e for e in u.status()["events"] if e["event"] == "replica_hung"]
+        assert [e["replica"] for e in events] == ["main-1"], events
         assert u.stop() == 0
     finally:
         u.kill_orphans()

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
 
 __all__ = [
+    "LIVENESS_FAILURES",
+    "LIVENESS_PERIOD_S",
+    "LIVENESS_TIMEOUT_S",
     "STOP_MARGIN_S",
     "HealthTimeout",
     "Replica",
@@ -52,6 +56,17 @@ HEALTH_LOG_EVERY_S = 10.0
 # At a stop, what an engine gets beyond its pool's `engine.shutdown_timeout_s` (the time it
 # announces for its in-flight requests) before SIGKILL: its own exit after the drain.
 STOP_MARGIN_S = 5.0
+
+
+# The liveness check of a replica that has served: /health every LIVENESS_PERIOD_S, each
+# allowed LIVENESS_TIMEOUT_S; LIVENESS_FAILURES failures in a row and it is killed and
+# replaced as a crashed one is. The numbers of the livenessProbe `unbroken render k8s` gives
+# engines (k8s/manifests.py; a test holds them equal), so a hung engine heals the same way
+# under `unbroken up` as on a cluster. A slow /health under load is not a failure below the
+# timeout, and a replica still starting is never checked (its start has its own timeout).
+LIVENESS_PERIOD_S = 10.0
+LIVENESS_TIMEOUT_S = 5.0
+LIVENESS_FAILURES = 3
 
 
 def stop_timeout(pool: PoolSpec) -> float:
@@ -78,6 +93,8 @@ class Replica:
     cpucap: CpuCap | None = None  # the startup CPU quota, until it serves (cpucap.py)
     unidle: asyncio.TimerHandle | None = None  # ends the quota's idle-only phase
     stopping: bool = False
+    health_failures: int = 0  # liveness checks failed in a row (0: it answers /health)
+    killed_why: str | None = None  # why the supervisor killed it (the liveness check)
 
     @property
     def url(self) -> str:
@@ -97,6 +114,12 @@ class Replica:
         rollout's surge) is not one of the pool's live replicas yet."""
         return self.alive and self.healthy_at is not None
 
+    @property
+    def live(self) -> bool:
+        """Serving and answering /health (its last liveness check passed): what a pool's
+        `live` counts; a hung engine (SIGSTOP, a deadlock) is alive but not live."""
+        return self.serving and self.health_failures == 0
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -109,7 +132,12 @@ class Replica:
             if self.healthy_at is None
             else round(self.healthy_at - self.started_at, 3),
             "alive": self.alive,
-            "state": "serving" if self.serving else "starting",
+            "state": "starting"
+            if not self.serving
+            else "serving"
+            if self.live
+            else "not answering",
+            "health_failures": self.health_failures,
         }
 
 
@@ -186,7 +214,8 @@ class ReplicaSet:
         ]
 
     def serving(self, pool: str) -> int:
-        return sum(1 for r in self.of_pool(pool) if r.serving)
+        """The pool's live replicas: serving and answering /health."""
+        return sum(1 for r in self.of_pool(pool) if r.live)
 
     def engine_argv(self, pool: PoolSpec, host: str, port: int) -> list[str]:
         return engine_argv(self.sup.spec, pool, host, port, self.sup.weights.weights_for(pool))
@@ -356,8 +385,67 @@ class ReplicaSet:
         return r
 
     def watch(self, r: Replica) -> None:
-        """From now on, replace `r` if it dies (unless it is being stopped)."""
+        """From now on, replace `r` if it dies or stops answering /health (unless it is
+        being stopped)."""
         self.sup.track(asyncio.create_task(self._on_exit(r), name=f"watch-{r.name}"))
+        self.sup.track(asyncio.create_task(self._liveness(r), name=f"liveness-{r.name}"))
+
+    async def _liveness(self, r: Replica) -> None:
+        """The livenessProbe's check (LIVENESS_*): a replica that has served and then fails
+        /health LIVENESS_FAILURES times in a row is hung; it is killed, and `_on_exit`
+        replaces it as a crashed one."""
+        timeout = aiohttp.ClientTimeout(total=LIVENESS_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            while True:
+                await asyncio.sleep(LIVENESS_PERIOD_S)
+                if self.sup.closing or r.stopping or not r.alive:
+                    return
+                if r.healthy_at is None:
+                    continue  # still starting: its start has its own timeout
+                try:
+                    async with s.get(r.url + "/health") as resp:
+                        ok, why = resp.status == 200, f"/health answered {resp.status}"
+                except TimeoutError:
+                    ok, why = False, f"/health did not answer within {LIVENESS_TIMEOUT_S:g} s"
+                except aiohttp.ClientError as e:
+                    ok, why = False, f"/health: {type(e).__name__}"
+                if ok:
+                    if r.health_failures:
+                        log.info("%s answers /health again", r.name)
+                    r.health_failures = 0
+                    continue
+                r.health_failures += 1
+                if r.health_failures < LIVENESS_FAILURES:
+                    log.info(
+                        "%s liveness check failed (%d of %d): %s",
+                        r.name,
+                        r.health_failures,
+                        LIVENESS_FAILURES,
+                        why,
+                    )
+                    continue
+                if self.sup.closing or r.stopping or not r.alive:
+                    return
+                r.killed_why = (
+                    f"failed its liveness check {r.health_failures} times in a row, "
+                    f"every {LIVENESS_PERIOD_S:g} s ({why})"
+                )
+                log.warning("%s (pid %s) %s: killing it", r.name, r.pid, r.killed_why)
+                self.sup.record("replica_hung", replica=r.name, pid=r.pid, reason=why)
+                self._kill(r)
+                return
+
+    @staticmethod
+    def _kill(r: Replica) -> None:
+        """SIGKILL a hung replica: its whole session when it is our child (an engine's
+        workers too; its pid is its session's and cannot be reused before we reap it), else
+        the adopted process through its pidfd."""
+        assert r.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if isinstance(r.proc, asyncio.subprocess.Process):
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            else:
+                r.proc.kill()
 
     async def _on_exit(self, r: Replica) -> None:
         sup = self.sup
@@ -365,8 +453,11 @@ class ReplicaSet:
         code = await r.proc.wait()
         if sup.closing or r.stopping:
             return
-        log.warning("%s (pid %s) exited unexpectedly with %s", r.name, r.pid, code)
-        sup.record("replica_died", replica=r.name, pid=r.pid, code=code)
+        if r.killed_why:
+            log.warning("%s (pid %s) killed (exit %s): it %s", r.name, r.pid, code, r.killed_why)
+        else:
+            log.warning("%s (pid %s) exited unexpectedly with %s", r.name, r.pid, code)
+        sup.record("replica_died", replica=r.name, pid=r.pid, code=code, reason=r.killed_why)
         self.by_name.pop(r.name, None)
         sup.save_plane()
         with contextlib.suppress(AdminError):
