@@ -892,3 +892,66 @@ def test_runtime_class_goes_on_the_vllm_pods_only() -> None:
     assert all(o["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia" for o in engines)
     others = [o for o in objs if o not in engines]
     assert not any("runtimeClassName" in str(o) for o in others)
+
+
+def test_out_of_rotation_and_pool_down_alerts_fire_as_written(tmp_path: Path) -> None:
+    """The rendered alerts on the gateway's endpoint series, evaluated by Prometheus's own
+    engine (`promtool test rules`): a ready replica failing its health checks for 5 min
+    fires UnbrokenEndpointOutOfRotation (a draining one does not), a pool with no healthy
+    replica for 1 min fires UnbrokenPoolDown (a pool with one left does not). An SRE review
+    found nothing to alert on for either."""
+    if shutil.which("promtool") is None:
+        pytest.fail("promtool is installed by scripts/bootstrap.sh; it is missing here")
+    rule = by(render(default_spec(), RenderOptions()), "PrometheusRule")[0]["spec"]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump(rule))
+    h, s = "unbroken_gateway_endpoint_healthy", "unbroken_gateway_endpoint_state"
+    series = [
+        # a-1 ready and failing; a-2 draining and failing: pool a has none healthy
+        {"series": f'{h}{{endpoint="a-1",pool="a"}}', "values": "0x10"},
+        {"series": f'{s}{{endpoint="a-1",pool="a",state="ready"}}', "values": "1x10"},
+        {"series": f'{h}{{endpoint="a-2",pool="a"}}', "values": "0x10"},
+        {"series": f'{s}{{endpoint="a-2",pool="a",state="ready"}}', "values": "0x10"},
+        {"series": f'{s}{{endpoint="a-2",pool="a",state="draining"}}', "values": "1x10"},
+        # pool b: one of two healthy
+        {"series": f'{h}{{endpoint="b-1",pool="b"}}', "values": "1x10"},
+        {"series": f'{s}{{endpoint="b-1",pool="b",state="ready"}}', "values": "1x10"},
+        {"series": f'{h}{{endpoint="b-2",pool="b"}}', "values": "0x10"},
+        {"series": f'{s}{{endpoint="b-2",pool="b",state="ready"}}', "values": "1x10"},
+    ]
+    summary = {
+        r["alert"]: r["annotations"]["summary"] for g in rule["groups"] for r in g["rules"]
+        if "alert" in r
+    }  # fmt: skip
+
+    def firing(alert: str, **labels: str) -> dict[str, Any]:
+        text = summary[alert]
+        for k, v in labels.items():
+            text = text.replace("{{ $labels.%s }}" % k, v)  # noqa: UP031
+        sev = "critical" if alert == "UnbrokenPoolDown" else "warning"
+        return {"exp_labels": {"severity": sev, **labels}, "exp_annotations": {"summary": text}}
+
+    down = [firing("UnbrokenPoolDown", pool="a")]
+    out = [firing("UnbrokenEndpointOutOfRotation", endpoint=e, pool=p)
+           for e, p in (("a-1", "a"), ("b-2", "b"))]  # fmt: skip
+    tests = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "2m", "alertname": "UnbrokenPoolDown", "exp_alerts": down},
+                    {"eval_time": "3m", "alertname": "UnbrokenEndpointOutOfRotation",
+                     "exp_alerts": []},
+                    {"eval_time": "6m", "alertname": "UnbrokenEndpointOutOfRotation",
+                     "exp_alerts": out},
+                ],
+            }
+        ],
+    }  # fmt: skip
+    path = tmp_path / "tests.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    p = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr

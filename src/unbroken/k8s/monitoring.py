@@ -101,6 +101,35 @@ def prometheus_rule(drain_deadline_s: float) -> dict[str, Any]:
                         },
                     },
                     {
+                        # A replica out of rotation (its /health fails, or it hangs) that
+                        # did not come back: on a cluster the kubelet's liveness probe
+                        # restarts it within ~30 s; longer, it is crash-looping or stuck.
+                        "alert": "UnbrokenEndpointOutOfRotation",
+                        "expr": "min by (endpoint, pool) "
+                        "((unbroken_gateway_endpoint_healthy == 0) and on (endpoint, pool) "
+                        '(unbroken_gateway_endpoint_state{state="ready"} == 1))',
+                        "for": "5m",
+                        "labels": {"severity": "warning"},
+                        "annotations": {
+                            "summary": "{{ $labels.endpoint }} (pool {{ $labels.pool }}) "
+                            "has been out of rotation for 5 minutes: its health checks "
+                            "fail or it hangs; its pool serves with one replica less.",
+                        },
+                    },
+                    {
+                        # Every replica of a pool out of rotation: its traffic fails over
+                        # to the route's next pool, or is refused (503 no_endpoint).
+                        "alert": "UnbrokenPoolDown",
+                        "expr": "max by (pool) (unbroken_gateway_endpoint_healthy) == 0",
+                        "for": "1m",
+                        "labels": {"severity": "critical"},
+                        "annotations": {
+                            "summary": "no replica of pool {{ $labels.pool }} passes its "
+                            "health checks: its requests go to the next pool of their route "
+                            "or get 503 no_endpoint.",
+                        },
+                    },
+                    {
                         "alert": "UnbrokenKubernetesApiUnreachable",
                         "expr": "min by (pod, service) (unbroken_gateway_k8s_api_up) == 0",
                         "for": "2m",
