@@ -63,6 +63,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, P
                     "coder": ["qwen-coder-7b", "coder-sql"],
                     "sleepy": ["zzz-model"],
                 },
+                "sleeping_pools": ["sleepy"],  # autoscaled with min 0
                 "adapter_cards": {
                     "sql": {"parent": "llama-8b", "root": "/a/sql"},
                     "coder-sql": {"parent": "qwen-coder-7b", "root": "/a/coder-sql"},
