@@ -303,3 +303,44 @@ def test_anthropic_messages_pass_through_and_route_by_prefix(tmp_path: Path) -> 
     finally:
         for p in (g, a, b):
             p.stop()
+
+
+def test_an_anthropic_conversation_names_blocks_as_chat_does() -> None:
+    """`messages_as_chat`: the same conversation sent as Anthropic's Messages and as chat
+    names the same prefix blocks (so either reuses the other's cache routing); tool calls,
+    tool results and images count; malformed shapes give a hint, never an exception."""
+    from unbroken.gateway._prefix import hint_of, messages_as_chat
+
+    system = "You are terse. " * 20
+    anthropic = {
+        "system": [{"type": "text", "text": system}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "metadata": {"user_id": "u-1"},
+    }
+    chat = {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "hi"},
+        ]
+    }
+    a = hint_of(messages_as_chat(anthropic), True, "m", block_chars=16, session=None)
+    c = hint_of(chat, True, "m", block_chars=16, session=None)
+    assert list(a.blocks) == list(c.blocks) and a.session == "u-1"
+    image = {"type": "image", "source": {"type": "base64", "data": "AAAA"}}
+    other = {"type": "image", "source": {"type": "base64", "data": "BBBB"}}
+    call = {"type": "tool_use", "name": "ls", "input": {"d": 1}}
+    hints = [
+        hint_of(
+            messages_as_chat({"messages": [{"role": "user", "content": [block, "end" * 8]}]}),
+            True,
+            "m",
+            block_chars=8,  # (only whole blocks are named)
+            session=None,
+        )
+        for block in (image, other, call)
+    ]
+    assert len({tuple(h.blocks) for h in hints}) == 3  # each block tells them apart
+    for bad in ({"messages": 5}, {"messages": "x", "system": 3}, {"messages": [None, 1]},
+                {"messages": [{"role": "user", "content": [{"type": "tool_result",
+                                                             "content": 7}]}]}):  # fmt: skip
+        hint_of(messages_as_chat(bad), True, "m", block_chars=16, session=None)

@@ -250,23 +250,22 @@ def responses_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _blocks_text(content: Any) -> Any:
-    """An Anthropic message's content as text: its text blocks, a tool call's name and
-    input, a tool result's content, in order (a string passes as is)."""
+    """An Anthropic message's content as chat's: its blocks in order, a tool call (its name
+    and input) and a tool result (its content) as text parts; text, images and documents as
+    they are, which chat's reader (`_content_text`) takes as it takes chat's parts. A string
+    passes as is."""
     if not isinstance(content, list):
         return content
-    out: list[str] = []
+    out: list[Any] = []
     for b in content:
-        if not isinstance(b, dict):
-            continue
-        kind = b.get("type")
-        if kind == "text":
-            out.append(str(b.get("text", "")))
-        elif kind == "tool_use":
-            out.append(f"{b.get('name', '')}{b.get('input', '')}")
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "tool_use":
+            out.append({"type": "text", "text": f"{b.get('name', '')}{b.get('input', '')}"})
         elif kind == "tool_result":
-            inner = _blocks_text(b.get("content"))
-            out.append(inner if isinstance(inner, str) else "")
-    return "\n".join(out)
+            out.append({"type": "text", "text": _content_text(_blocks_text(b.get("content")))})
+        else:
+            out.append(b)
+    return out
 
 
 def messages_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
@@ -276,10 +275,11 @@ def messages_as_chat(raw: dict[str, Any]) -> dict[str, Any]:
     prefix-heavy traffic there is) routes by prefix and session as a chat conversation does;
     `metadata.user_id` names the session as chat's `user`."""
     msgs: list[dict[str, Any]] = []
-    system = _blocks_text(raw.get("system"))
-    if isinstance(system, str) and system:
+    system = _content_text(_blocks_text(raw.get("system")))
+    if system:
         msgs.append({"role": "system", "content": system})
-    for m in raw.get("messages") or ():
+    given = raw.get("messages")
+    for m in given if isinstance(given, list) else ():
         if isinstance(m, dict):
             msgs.append({"role": m.get("role", "user"), "content": _blocks_text(m.get("content"))})
     meta = raw.get("metadata")
