@@ -58,7 +58,8 @@ def engine(
     """Run the vLLM-compatible engine simulator. vLLM's flags for names and adapters are
     taken too: `--served-model-name NAME ALIAS...`, `--enable-lora`, `--lora-modules
     name=path...`, `--max-loras N`, `--max-lora-rank N`, `--max-num-batched-tokens N`,
-    `--kv-events-config JSON`."""
+    `--kv-events-config JSON`, `--allowed-origins JSON` (CORS; default [], as vLLM 0.32:
+    no cross-origin browser access)."""
     from unbroken.engine.cli_args import vllm_options
     from unbroken.engine.profiles import get_profile
 
