@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from unbroken.engine import cuda as cuda_mod
+from unbroken.engine import messages as messages_mod
 from unbroken.engine import responses as responses_mod
 from unbroken.engine import structured
 from unbroken.engine.core import EngineCore, Output, Seq
@@ -71,7 +72,9 @@ from unbroken.wire.openai import (
 
 _SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy sampling
 
-_Format = CompletionFormat | ChatFormat | responses_mod.ResponsesFormat
+_Format = (
+    CompletionFormat | ChatFormat | responses_mod.ResponsesFormat | messages_mod.MessagesFormat
+)
 
 __all__ = ["Engine", "EngineConfig", "run_engine"]
 
@@ -343,6 +346,8 @@ class Engine:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.responses_api.retrieve)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.responses_api.cancel)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
         profile = self.cfg.profile.name
 
         async def say_profile(_request: web.Request, resp: web.StreamResponse) -> None:
@@ -752,6 +757,43 @@ class Engine:
         self._submit(state, seqs)
         fmt = ChatFormat(req, state, self._echo(req.model, adapter), ptoks, tools)
         return await self._answer(request, state, fmt, req.stream)
+
+    # -- /v1/messages (Anthropic's Messages API, as vLLM 0.32 serves it: messages.py) --------
+    def _as_chat(self, req: messages_mod.MessagesRequest) -> tuple[ChatRequest, str, int]:
+        """The chat request vLLM makes of a Messages request, its rendered context and
+        prompt tokens."""
+        chat = messages_mod.as_chat(req)
+        ctx = render_chat([(m.role, m.text()) for m in chat.messages])
+        return chat, ctx, count_tokens(ctx)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            self._admit()
+            req = messages_mod.parse(messages_mod.MessagesRequest, await request.read())
+            adapter = self._resolve(req.model)
+            chat, ctx, ptoks = self._as_chat(req)
+            self._check_seed(chat)
+            max_len = self.cfg.profile.max_model_len
+            limit = max_tokens_for(ptoks, chat.max_tokens, max_len, "max_tokens")
+            # vLLM answers with its chat request's id (`chatcmpl-...`).
+            rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
+            state = RequestState(rid, 1)
+            self._maybe_fail(state)
+            seqs = self._seqs(chat, state, [(ctx, ptoks)], [limit], adapter, None)
+            self._submit(state, seqs)
+        except ApiError as e:
+            return messages_mod.anthropic_error(e.status, e.message)
+        fmt = messages_mod.MessagesFormat(chat, state, self._echo(req.model, adapter), ptoks)
+        return await self._answer(request, state, fmt, req.stream)
+
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        try:
+            req = messages_mod.parse(messages_mod.CountTokensRequest, await request.read())
+            self._resolve(req.model)
+            pairs = messages_mod.conversation(req.system, req.messages)
+        except ApiError as e:
+            return messages_mod.anthropic_error(e.status, e.message)
+        return web.json_response({"input_tokens": count_tokens(render_chat(pairs))})
 
     # -- /v1/responses (vLLM's Responses API, responses.py) ----------------------------------
     @functools.cached_property
