@@ -353,6 +353,36 @@ def test_bad_input_gets_openai_4xx(
     assert err["message"] and err["type"]
 
 
+# vLLM 0.32's SamplingParams._verify_args, its words (a review found each served here).
+VLLM_REFUSES = [
+    ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2."),
+    ({"min_p": 2}, "min_p must be in [0, 1], got 2.0."),
+    ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0."),
+    ({"min_tokens": 10, "max_tokens": 5},
+     "min_tokens must be less than or equal to max_tokens=5, got 10."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "said"), VLLM_REFUSES)
+@pytest.mark.parametrize("chat", [False, True])
+def test_sampling_values_vllm_refuses_are_refused_in_its_words(
+    shared_engine: Proc, extra: dict[str, Any], said: str, chat: bool
+) -> None:
+    body: dict[str, Any] = {"model": "unbroken-sim", **extra}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "x"}]
+    else:
+        body["prompt"] = "x"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(shared_engine.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == said
+    # Within the bounds: served.
+    ok = {**body, "top_k": -1, "min_p": 0.5, "repetition_penalty": 1.1, "min_tokens": 2}
+    ok["max_tokens"] = 3
+    assert httpx.post(shared_engine.url + path, json=ok, timeout=30).status_code == 200
+
+
 LENIENT = [
     # (body, what the answer must show): values vLLM 0.32's pydantic models take in lax mode
     ({"prompt": "x", "max_tokens": "5"}, lambda o: o["usage"]["completion_tokens"] == 5),

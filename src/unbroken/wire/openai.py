@@ -12,6 +12,7 @@ body, to the engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
@@ -101,6 +102,8 @@ class _Sampling(_Model, CacheSalted):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
 
     @property
@@ -120,6 +123,30 @@ class _Sampling(_Model, CacheSalted):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _check_sampling(self) -> _Sampling:
+        """vLLM 0.32's SamplingParams._verify_args for what the fields above do not bound,
+        its words (a review found each served here and refused there)."""
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        rp = self.repetition_penalty
+        if rp is not None and not math.isfinite(rp):
+            raise ValueError(f"repetition_penalty must be a finite number, got {rp}.")
+        if rp is not None and rp <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {rp}.")
+        limit = self._limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={limit}, "
+                f"got {self.min_tokens}."
+            )
+        return self
+
+    def _limit(self) -> int | None:
+        return None
+
 
 TokenId = Annotated[int, Field(ge=0)]  # vLLM's: a negative id is a 400
 
@@ -128,6 +155,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: NonNegInt | None = 16
     echo: bool = False
+
+    def _limit(self) -> int | None:
+        return self.max_tokens or None  # 0 (an echo alone) is judged elsewhere
+
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None
 
@@ -172,6 +203,9 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    def _limit(self) -> int | None:
+        return self.token_limit
+
     @property
     def token_limit(self) -> int | None:
         return (
@@ -193,7 +227,8 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """First error as (message, param) in OpenAI style."""
     err = exc.errors(include_url=False)[0]
     loc = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-"))
-    msg = err.get("msg", "invalid value")
+    # A model validator's own words, without pydantic's "Value error, " before them.
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "missing":
         return f"'{loc}' is a required property", loc or None
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
