@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -222,5 +223,85 @@ def test_a_hung_engine_is_not_live_and_is_replaced(tmp_path: Path) -> None:
         events = [e for e in u.status()["events"] if e["event"] == "replica_hung"]
         assert [e["replica"] for e in events] == ["main-1"], events
         assert u.stop() == 0
+    finally:
+        u.kill_orphans()
+
+
+def test_crash_loop_status_rollout_output_and_the_supervisor_log(tmp_path: Path) -> None:
+    """A pool whose only replica is in a replacement crash loop vanished from the status
+    table; `restarts: N` on the gateway's line counted replica replacements; "X serves: CPU
+    quota lifted" was logged for replicas that never served; a rollout that failed before
+    its new replica had a name printed `rolling back None`, and one with a command engine a
+    dict with a simulator `profile`; rollouts were not in the supervisor's log, which went
+    only to `up`'s output, not to STATE/logs."""
+    flag = tmp_path / "fail"
+    script = tmp_path / "eng.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'[ -e {flag} ] && {{ echo "eng.sh: refusing to start" >&2; exit 7; }}\n'
+        f'exec {sys.executable} -m unbroken engine --host 127.0.0.1 --port "$1" '
+        f"--served-model-name {MODEL} --profile fp8\n"
+    )
+    script.chmod(0o755)
+    spec = _spec(
+        tmp_path,
+        "  - name: main\n    replicas: 1\n    weights_size: 8MiB\n"
+        "  - name: side\n    replicas: 1\n"
+        f"    engine: {{kind: command, command: [{script}, '{{port}}']}}\n",
+    )
+    u = Up(tmp_path, spec)
+    try:
+        ro = u.run("rollout", "side", "--command", "/nonexistent/vllm {port}", timeout=60)
+        assert ro.returncode == 1, ro.stdout + ro.stderr
+        out = " ".join((ro.stdout + ro.stderr).split())
+        assert "replacing 1 replica(s) with command: /nonexistent/vllm" in out, out
+        assert "rolling back (no new replica had started)" in out, out
+        assert "None" not in out and "profile" not in out, out
+
+        flag.touch()
+        side = next(r for r in u.status()["replicas"] if r["pool"] == "side")
+        os.kill(side["pid"], signal.SIGKILL)
+        st = wait_for(
+            lambda: (
+                (s := u.status())["replacing"].get(side["name"], "starting") != "starting" and s
+            ),
+            timeout=30,
+            interval=0.3,
+            what="a failed replacement",
+        )
+        assert st["pools"]["side"]["live"] == 0
+        text = u.run("status", timeout=30)
+        assert text.returncode == 0, text.stderr
+        rows = [line.split() for line in text.stdout.splitlines()]
+        assert any(r[:5] == ["side", "-", "-", "-", "replacing"] for r in rows), text.stdout
+        line = next(x for x in text.stdout.splitlines() if x.startswith("pool side:"))
+        assert line.startswith(f"pool side: 0/1 live, 1 missing; replacing {side['name']}, "), line
+        assert "exited with 7 before answering /health" in line, line
+        assert "pool main: 1/1 live" in text.stdout
+        assert "gateway restarts: 0" in text.stdout, text.stdout
+        assert "replica replacements: " in text.stdout and " failed" in text.stdout
+        assert "restarts: " not in text.stdout.replace("gateway restarts: ", "")
+
+        flag.unlink()
+        wait_for(
+            lambda: u.status()["pools"]["side"]["live"] == 1,
+            timeout=60,
+            interval=0.5,
+            what="the crash loop over",
+        )
+        assert u.stop() == 0
+        log = (u.state / "logs" / "supervisor.log").read_text()
+        assert (u.state / "logs" / "supervisor.log").stat().st_mode & 0o077 == 0
+        assert "rollout of side: replacing 1 replica(s) with command: /nonexistent/vllm" in log
+        assert "WARNING unbroken.pipeline: rollout of side: rolling back" in log, log
+        assert "WARNING unbroken.pipeline: rollout of side stopped after" in log, log
+        assert f"could not replace {side['name']} (attempt 1)" in log, log
+        assert "stopping: the gateway drains its streams" in log and "stopped in" in log
+        # Only replicas that served are said to serve; a failed try "stopped before serving".
+        for name in {m for m in log.split() if m.startswith("side-")}:
+            if f"{name} serves: CPU quota lifted" in log:
+                assert f"{name} exited with" not in log, name
+        if "side-3 starts under a CPU quota" in log:  # where cgroups give one
+            assert "side-3 stopped before serving: its startup CPU quota removed" in log, log
     finally:
         u.kill_orphans()

@@ -27,7 +27,8 @@ def up(
     ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
-    """Run a pipeline on this machine until Ctrl-C: engines, gateway, supervision."""
+    """Run a pipeline on this machine until Ctrl-C or `unbroken down` (SIGHUP reloads the
+    spec): engines, gateway, supervision."""
     from unbroken.pipeline.up import run_up
 
     setup_logging(verbose)
@@ -57,8 +58,10 @@ def reload() -> None:
 
 @app.command()
 def down() -> None:
-    """Stop the pipeline of the state directory: its supervisor and everything it runs, or
-    the data plane a killed supervisor left serving (docs/pipeline.md)."""
+    """Stop the pipeline of the state directory: its supervisor and everything it runs (the
+    gateway first, which drains its streams, then the engines within their pools'
+    shutdown_timeout_s; it prints how long that may take), or the data plane a killed
+    supervisor left serving (docs/pipeline.md)."""
     from unbroken.pipeline.up import down_cli
 
     raise typer.Exit(down_cli())

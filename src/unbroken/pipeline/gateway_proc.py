@@ -184,7 +184,7 @@ class GatewayProcess:
                     delay = backoff(failures)
                     log.info("restarting the gateway in %.0f s", delay)
                     await asyncio.sleep(delay)
-                sup.restarts += 1
+                sup.gateway_restarts += 1
                 try:
                     await self.start()
                     for r in list(sup.replicas.values()):

@@ -297,7 +297,7 @@ class ReplicaSet:
             with contextlib.suppress(OSError):
                 set_session_nice(r.proc.pid, 0)
             r.niced = False
-        self._uncap(r)
+        self._uncap(r, serves=True)
 
     def _cap_start(self, r: Replica) -> None:
         """The startup CPU quota, for a replica that starts beside serving ones (a first
@@ -352,7 +352,9 @@ class ReplicaSet:
                 r.pool.engine.startup_idle_s,
             )
 
-    def _uncap(self, r: Replica) -> None:
+    def _uncap(self, r: Replica, *, serves: bool = False) -> None:
+        """Remove `r`'s startup CPU quota: it serves (`serves`), or it is stopped or died
+        before it did (said so: "serves" was logged for replicas that never served)."""
         if r.unidle is not None:
             r.unidle.cancel()
             r.unidle = None
@@ -365,7 +367,14 @@ class ReplicaSet:
         except OSError as e:
             log.warning("could not lift %s's startup CPU quota: %s", r.name, e)
             return
-        log.info("%s serves: CPU quota lifted (held back %.2f s while starting)", r.name, held)
+        if serves:
+            log.info("%s serves: CPU quota lifted (held back %.2f s while starting)", r.name, held)
+        else:
+            log.info(
+                "%s stopped before serving: its startup CPU quota removed (held back %.2f s)",
+                r.name,
+                held,
+            )
 
     async def register(self, r: Replica) -> None:
         await self.sup.admin.add(url=r.url, name=r.name, pool=r.pool.name, cap=r.pool.cap)
@@ -475,11 +484,12 @@ class ReplicaSet:
         try:
             while not sup.closing:
                 attempt += 1
-                sup.restarts += 1
+                sup.replacements += 1
                 pool = sup.pool_spec(r.pool.name) or r.pool  # a rollout may have changed it
                 try:
                     new = await self.bring_up(pool)
                 except (StartupError, AdminError, OSError) as e:
+                    sup.replacements_failed += 1
                     delay = backoff(attempt)
                     why = first_line(e)
                     self.replacing[r.name] = why

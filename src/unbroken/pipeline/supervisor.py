@@ -101,6 +101,49 @@ _diff, _flatten, _not_applied = diff, flatten, not_applied
 log = logging.getLogger("unbroken.pipeline")
 
 
+def describe_engine(engine: dict[str, Any] | None) -> str:
+    """An engine as a rollout shows it: a command engine by its command (a simulator
+    profile means nothing there), a simulator by what differs from the defaults."""
+    if not engine:
+        return "the same engine"
+    if engine.get("kind") == "command":
+        return "command: " + " ".join(engine.get("command") or [])
+    parts = [f"{k} {v}" for k, v in engine.items() if k not in ("kind", "overrides")]
+    parts += [f"{k}={v}" for k, v in (engine.get("overrides") or {}).items()]
+    return "simulator " + ", ".join(parts) if parts else "the simulator's defaults"
+
+
+def log_rollout(pool: str, ev: dict[str, Any]) -> None:
+    """A rollout's start, rollback and outcome in the supervisor's log (its steps are in
+    the caller's output and in `status`' events)."""
+    kind = ev.get("event")
+    if kind == "started":
+        log.info(
+            "rollout of %s: replacing %s replica(s) with %s",
+            pool,
+            ev.get("replicas"),
+            describe_engine(ev.get("engine")),
+        )
+    elif kind == "rollback":
+        new = ev.get("new")
+        log.warning(
+            "rollout of %s: rolling back %s: %s",
+            pool,
+            new or "(no new replica had started)",
+            ev.get("reason"),
+        )
+    elif kind == "finished":
+        log.info("rollout of %s finished in %.1f s", pool, ev.get("seconds", 0.0))
+    elif kind == "stopped":
+        log.warning(
+            "rollout of %s stopped after %.1f s (rolled back): pool at %s of %s replica(s)",
+            pool,
+            ev.get("seconds", 0.0),
+            ev.get("live"),
+            ev.get("declared"),
+        )
+
+
 class Supervisor:
     def __init__(
         self,
@@ -135,7 +178,11 @@ class Supervisor:
         self.admin_url = f"http://{g.admin_host}:{g.admin_port}"
         self.admin = GatewayAdmin(self.admin_url, token)
         self.engine_token: str | None = None
-        self.restarts = 0  # replicas replaced and gateway restarts, every try
+        self.gateway_restarts = 0  # the gateway's restarts after it died, every try
+        # Replica replacements: attempts to bring up a successor of a dead replica, and how
+        # many of them failed (one replacement may take several attempts).
+        self.replacements = 0
+        self.replacements_failed = 0
         self.events: list[dict[str, Any]] = []
         self.closing = False  # stop() has begun: nothing is replaced or restarted any more
         self.stopped = asyncio.Event()  # set when the pipeline should end (gateway exit 0)
@@ -250,8 +297,18 @@ class Supervisor:
 
     # -- changes, one at a time (the control API's routes) -------------------------------------
     async def rollout(self, req: RolloutRequest, progress: Progress) -> dict[str, Any]:
+        """A rolling upgrade (rollout.py), its start, rollback and outcome logged here."""
+
+        async def logged(ev: dict[str, Any]) -> None:
+            log_rollout(req.pool, ev)
+            await progress(ev)
+
         async with self.change_lock:
-            return await run_rollout(self, req, progress)
+            try:
+                return await run_rollout(self, req, logged)
+            except Exception as e:  # refused before any replica changed
+                log.warning("rollout of %s refused: %s", req.pool, e)
+                raise
 
     async def convert(self, req: Any, progress: Progress) -> dict[str, Any]:
         """Move one replica to another pool (convert.ConvertRequest)."""
@@ -371,7 +428,8 @@ class Supervisor:
             "replicas": [r.as_dict() for r in self.replicas.values() if r.alive],
             "pools": {p.name: self._pool_status(p) for p in self.spec.pools},
             "replacing": dict(self.replica_set.replacing),
-            "restarts": self.restarts,
+            "gateway_restarts": self.gateway_restarts,
+            "replacements": {"attempts": self.replacements, "failed": self.replacements_failed},
             "stop_budget_s": round(self.stop_budget_s(), 1),
             "gateway": gw,
             "events": self.events[-50:],

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -19,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.clients import AdminError
-from unbroken.config.paths import RunInfo, admin_token, state_dir
+from unbroken.config.paths import RunInfo, admin_token, ensure_state_dir, state_dir
 from unbroken.config.spec import PipelineSpec, SpecError, load_spec
 from unbroken.pipeline.control import (
     SupervisorClient,
@@ -27,7 +28,13 @@ from unbroken.pipeline.control import (
     SupervisorRejected,
     SupervisorUnreachable,
 )
-from unbroken.pipeline.supervisor import StartupError, Supervisor, live_plane, stop_plane
+from unbroken.pipeline.supervisor import (
+    StartupError,
+    Supervisor,
+    describe_engine,
+    live_plane,
+    stop_plane,
+)
 from unbroken.pipeline.targets import JOBS, keep_targets, write_targets
 
 __all__ = ["down_cli", "reload_cli", "run_up", "scale_cli", "show_status"]
@@ -82,6 +89,7 @@ def run_up(
             "directory to run a second one"
         )
         return 1
+    _log_to_file(state)
     token, token_file, generated = admin_token(state)
     if generated:
         console.print(f"admin token generated: {token_file} (mode 600)", markup=False)
@@ -102,6 +110,21 @@ def run_up(
         survive=True,
     )
     return asyncio.run(_main(sup, console))
+
+
+def _log_to_file(state: Path) -> Path:
+    """The supervisor's log (every `unbroken.*` logger of this process) also goes to
+    STATE/logs/supervisor.log (0600), beside the gateway's and the engines': `up`'s own
+    output is lost with its terminal, and a post-mortem needs the timeline."""
+    logs = ensure_state_dir(state) / "logs"
+    logs.mkdir(exist_ok=True, mode=0o700)
+    path = logs / "supervisor.log"
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("unbroken").addHandler(handler)
+    log.info("unbroken up (pid %d) with the state directory %s", os.getpid(), state)
+    return path
 
 
 def _apply_flags(
@@ -162,8 +185,15 @@ async def _main(sup: Supervisor, console: Console) -> int:
         )
         console.print(
             f"gateway: {sup.gateway_url}/v1   admin: {sup.admin_url} "
-            f"(bearer token in {sup.token_file})   logs: {sup.logs}",
+            f"(bearer token in {sup.token_file})   logs: {sup.logs} "
+            "(the supervisor's: supervisor.log)",
             markup=False,
+        )
+        log.info(
+            "serving: gateway %s/v1 (pid %s), %d engine replica(s)",
+            sup.gateway_url,
+            status.get("gateway_pid"),
+            len(status.get("replicas") or []),
         )
         console.print(
             f"prometheus file_sd targets: {sup.state / 'prometheus'}/*.json", markup=False
@@ -173,7 +203,9 @@ async def _main(sup: Supervisor, console: Console) -> int:
         await asyncio.wait(
             {asyncio.create_task(stop.wait()), ended}, return_when=asyncio.FIRST_COMPLETED
         )
-        console.print("stopping" if not ended.done() else "the gateway stopped; stopping")
+        why = "" if not ended.done() else "the gateway stopped; "
+        console.print(f"{why}stopping")
+        log.info("%sstopping", why or "SIGINT or SIGTERM (Ctrl-C, `unbroken down`): ")
         targets.cancel()
     except (StartupError, AdminError) as e:
         console.print(f"[red]error:[/red] {escape(str(e))}")
@@ -185,6 +217,7 @@ async def _main(sup: Supervisor, console: Console) -> int:
         if prom.exists():  # a stopped pipeline has nothing to scrape (not "down" targets)
             write_targets(prom, {j: [] for j in JOBS})
         console.print(f"stopped in {time.monotonic() - t0:.1f} s", markup=False)
+        log.info("stopped in %.1f s", time.monotonic() - t0)
     return code
 
 
@@ -230,7 +263,51 @@ def status_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                 "start→health": f"{sth:.2f} s" if sth is not None else "-",
             }
         )
+    # A declared pool with no endpoint and no replica (its only replica in a replacement
+    # crash loop, or scaled to 0) keeps a row: it vanished from the table before.
+    shown = {r["pool"] for r in rows}
+    for name, p in (status.get("pools") or {}).items():
+        if name in shown:
+            continue
+        replacing = _replacing(status, name)
+        rows.append(
+            {
+                "pool": name,
+                "endpoint": "-",
+                "url": "-",
+                "pid": "-",
+                "state": "replacing" if replacing else f"{p.get('live', 0)}/{p['declared']} live",
+                "condition": "-",
+                "healthy": "no" if p["declared"] else "-",
+                "in-flight": "-",
+                "start→health": "-",
+            }
+        )
     return rows
+
+
+def _replacing(status: dict[str, Any], pool: str) -> dict[str, str]:
+    """The replacements under way of `pool`'s replicas (named POOL-N): name → last failure."""
+    return {
+        name: why
+        for name, why in (status.get("replacing") or {}).items()
+        if name.rpartition("-")[0] == pool
+    }
+
+
+def pool_lines(status: dict[str, Any]) -> list[str]:
+    """One line per declared pool, `live/declared`, with the last replacement failure of a
+    pool below its size (kubectl's READY 0/1, systemd's auto-restart)."""
+    out = []
+    for name, p in (status.get("pools") or {}).items():
+        live, declared = p.get("live", 0), p.get("declared", 0)
+        line = f"pool {name}: {live}/{declared} live"
+        if live < declared:
+            line += f", {declared - live} missing"
+            for old, why in _replacing(status, name).items():
+                line += f"; replacing {old}, last failure: {why}"
+        out.append(line)
+    return out
 
 
 def render_table(rows: list[dict[str, str]], columns: tuple[str, ...], width: int | None) -> str:
@@ -254,14 +331,18 @@ def render_table(rows: list[dict[str, str]], columns: tuple[str, ...], width: in
 
 
 def status_lines(status: dict[str, Any]) -> list[str]:
-    """The lines under the table: gateway, queue, restarts, agent and controller."""
+    """The lines under the table: gateway (and its restarts), each pool's live/declared,
+    replica replacements, queue, autoscaling, agent and controller."""
     gw = status.get("gateway") or {}
     queue = gw.get("queue") or {}
     q = ", ".join(f"{k} {v}" for k, v in queue.items()) or "-"
     url = status.get("gateway_url")
+    rep = status.get("replacements") or {}
     out = [  # as `unbroken up` prints them
         f"gateway: {url + '/v1' if url else '-'}   admin: {status.get('admin_url', '-')}   "
-        f"restarts: {status.get('restarts', 0)}",
+        f"gateway restarts: {status.get('gateway_restarts', 0)}",
+        *pool_lines(status),
+        f"replica replacements: {rep.get('attempts', 0)} attempt(s), {rep.get('failed', 0)} failed",
         f"queue: {q}",
     ]
     if gw.get("error"):
@@ -495,7 +576,7 @@ def _secs(v: float | None) -> str:
 def _describe(ev: dict[str, Any]) -> str:
     kind = ev["event"]
     if kind == "started":
-        return f"replacing {ev['replicas']} replica(s) with {ev.get('engine') or 'the same engine'}"
+        return f"replacing {ev['replicas']} replica(s) with {describe_engine(ev.get('engine'))}"
     if kind == "surge":
         return f"[{ev['index']}] started {ev['new']} (pid {ev['pid']}) beside {ev['old']}"
     if kind in ("stage1", "stage2"):
@@ -524,7 +605,9 @@ def _describe(ev: dict[str, Any]) -> str:
             f"{ev['declared']} replica(s)"
         )
     if kind == "rollback":
-        return f"rolling back {ev.get('new')}: {ev['reason']}"
+        if not ev.get("new"):  # it failed before a new replica had a name
+            return f"rolling back (no new replica had started): {ev['reason']}"
+        return f"rolling back {ev['new']}: {ev['reason']}"
     if kind == "finished":
         return f"finished in {ev['seconds']:.1f} s"
     return json.dumps(ev)
@@ -677,7 +760,6 @@ def down_cli(timeout: float = 60.0) -> int:
     the gateway first, which drains its streams, then the engines within their shutdown
     timeout), as long as the supervisor says its stop may take (else `timeout`); with no
     supervisor, stop the data plane it left."""
-    import os
     import time
 
     state = state_dir()
