@@ -297,11 +297,13 @@ def test_crash_loop_status_rollout_output_and_the_supervisor_log(tmp_path: Path)
         assert "WARNING unbroken.pipeline: rollout of side stopped after" in log, log
         assert f"could not replace {side['name']} (attempt 1)" in log, log
         assert "stopping: the gateway drains its streams" in log and "stopped in" in log
-        # Only replicas that served are said to serve; a failed try "stopped before serving".
-        for name in {m for m in log.split() if m.startswith("side-")}:
-            if f"{name} serves: CPU quota lifted" in log:
-                assert f"{name} exited with" not in log, name
-        if "side-3 starts under a CPU quota" in log:  # where cgroups give one
-            assert "side-3 stopped before serving: its startup CPU quota removed" in log, log
+        # Only replicas that served are said to serve; a failed try "stopped before serving"
+        # (where cgroups give a startup CPU quota, as on this test's machines).
+        for n in range(3, 12):
+            name = f"side-{n}"
+            if f"{name} exited with 7" in log:
+                assert f"{name} serves: CPU quota lifted" not in log, name
+                if f"{name} starts under a CPU quota" in log:
+                    assert f"{name} stopped before serving: its startup CPU quota removed" in log
     finally:
         u.kill_orphans()
