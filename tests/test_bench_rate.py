@@ -113,6 +113,18 @@ def test_a_conversation_never_has_two_turns_open(sim: Proc) -> None:
             assert start >= end and nxt == (turn + 1) % 3
 
 
+def test_a_sweep_offers_each_rate_in_turn(sim: Proc) -> None:
+    """`--rate 10,40`: the first half of the run at 10 a second, the second at 40."""
+    run = _run(LoadConfig(url=sim.url, rate=10.0, sweep=(10.0, 40.0), duration=3.0,
+                          max_tokens=(4, 4)))  # fmt: skip
+    first = sum(r.start < 1.5 for r in run.records)
+    second = len(run.records) - first
+    # 15 and 60 expected (Poisson counts; a loaded generator sends the second a little late)
+    assert 5 <= first <= 27 and 30 <= second <= 85 and second > 2 * first, (first, second)
+    marks = [(e["t"], e["rate"]) for e in run.events if e["event"] == "rate"]
+    assert [r for _, r in marks] == [10.0, 40.0] and 1.3 < marks[1][0] < 1.7, marks
+
+
 def test_bench_cli_open_loop(sim: Proc, tmp_path: Path) -> None:
     def bench(*args: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "unbroken", "bench", "--url", sim.url, "--out"]
@@ -135,6 +147,15 @@ def test_bench_cli_open_loop(sim: Proc, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     cfg = json.loads((tmp_path / "results.json").read_text())["config"]
     assert cfg["users"] == 2 and "rate" not in cfg and "max_concurrency" not in cfg
+    # A sweep: a row per rate, and a window each in the report.
+    r = bench("--rate", "5,20")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "open loop: 5, 20 requests/s in turn, 0.75 s each offered" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| 5 |", "| 20 |"))]
+    assert len(rows) == 2, out
+    windows = json.loads((tmp_path / "results.json").read_text())["windows"]
+    assert {"rate 5/s", "rate 20/s"} <= windows.keys()
     r = bench("--rate", "10", "--users", "5")
     assert r.returncode == 2 and "--users: the closed loop's" in r.stderr, r.stderr
     # The rest of the refusals in-process (the options' checks come before any request).
@@ -148,6 +169,9 @@ def test_bench_cli_open_loop(sim: Proc, tmp_path: Path) -> None:
         ({"rate": 5, "arrival": "bursty"}, "--arrival must be poisson or constant"),
         ({"rate": 5, "max_concurrency": 0}, "--max-concurrency must be at least 1"),
         ({"users": 0}, "--users must be at least 1"),
+        ({"rate": "5,x"}, "--rate: 'x' is not a number"),
+        ({"rate": "5,-1"}, "--rate must be requests per second"),
+        ({"rate": "5,10", "scenario": "rollout"}, "a rate sweep (--rate 5,10) runs no scenario"),
     ):
         with pytest.raises(BenchOptionError, match=re.escape(said)):
             run(BenchOptions(url=sim.url, out=tmp_path, **bad), console)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ class BenchOptions:
     scenario: str = "steady"
     users: int | None = None  # None: 50 (closed loop)
     spawn_rate: float | None = None  # None: 10
-    rate: float | None = None  # open loop: requests per second
+    rate: float | str | None = None  # open loop: requests per second, or "R1,R2,..." (a sweep)
     arrival: str = "poisson"
     max_concurrency: int | None = None
     duration: float = 60.0
@@ -147,6 +147,23 @@ def _priority_mix(text: str) -> dict[str, float]:
 DEFAULT_USERS, DEFAULT_SPAWN_RATE = 50, 10.0
 
 
+def _rates(rate: float | str) -> tuple[float, ...]:
+    """`--rate`: one rate or a sweep ("2,4,8"), each a number of requests per second > 0."""
+    parts = [rate] if isinstance(rate, int | float) else str(rate).split(",")
+    out: list[float] = []
+    for part in parts:
+        try:
+            r = float(part)
+        except ValueError:
+            raise BenchOptionError(
+                f"--rate: {str(part).strip()!r} is not a number (R, or R1,R2,... for a sweep)"
+            ) from None
+        if not (r > 0 and r != float("inf")):
+            raise BenchOptionError(f"--rate must be requests per second, more than 0: got {r:g}")
+        out.append(r)
+    return tuple(out)
+
+
 def _check_loop(o: BenchOptions) -> tuple[int, float]:
     """The closed loop's (users, spawn rate), or the open loop's options checked: each
     loop's options refused with the other (they would be ignored)."""
@@ -170,8 +187,11 @@ def _check_loop(o: BenchOptions) -> tuple[int, float]:
             f"{' and '.join(named)}: the closed loop's; with --rate the load is an open loop "
             "(cap its open requests with --max-concurrency)"
         )
-    if not (o.rate > 0 and o.rate != float("inf")):
-        raise BenchOptionError(f"--rate must be requests per second, more than 0: got {o.rate:g}")
+    rates = _rates(o.rate)
+    if len(rates) > 1 and o.scenario != "steady":
+        raise BenchOptionError(
+            f"a rate sweep (--rate {o.rate}) runs no scenario: its windows are the rates"
+        )
     if o.arrival not in ("poisson", "constant"):
         raise BenchOptionError(f"--arrival must be poisson or constant, got {o.arrival!r}")
     if o.max_concurrency is not None and o.max_concurrency < 1:
@@ -338,7 +358,8 @@ def run(o: BenchOptions, console: Console) -> int:
         model=o.model,
         users=users,
         spawn_rate=spawn_rate,
-        rate=o.rate,
+        rate=_rates(o.rate)[0] if o.rate is not None else None,
+        sweep=_rates(o.rate) if o.rate is not None and len(_rates(o.rate)) > 1 else (),
         arrival=o.arrival,
         max_concurrency=o.max_concurrency,
         duration=o.duration,

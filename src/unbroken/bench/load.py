@@ -103,6 +103,9 @@ class LoadConfig:
     session_header: str = "x-session-id"  # a workload's session id; also the body's `user`
     # Open loop (module doc): requests per second; None: the closed loop of `users`.
     rate: float | None = None
+    # A sweep (`--rate 2,4,8`): these rates one after another, `duration / len(sweep)`
+    # seconds each; `rate` is the first. Empty: `rate` for the whole run.
+    sweep: tuple[float, ...] = ()
     arrival: str = "poisson"  # "poisson" or "constant" (evenly spaced)
     max_concurrency: int | None = None  # with `rate`: requests open at once (None: no cap)
 
@@ -236,9 +239,22 @@ class LoadRun:
         open_: set[asyncio.Task[None]] = set()
         idle: list[int] = []  # conversations whose last turn has ended (lowest first)
         fresh = 0  # the next new conversation
-        at = self.now()
+        at = t0 = self.now()
+        rates = cfg.sweep or (rate,)
+        phase_s = cfg.duration / len(rates)
+        phase = 0
+        self.events.append({"t": round(at, 3), "event": "rate", "rate": rates[0]})
         while not self._stop.is_set():
-            at += rng.expovariate(rate) if cfg.arrival == "poisson" else 1.0 / rate
+            rate = rates[phase]
+            nxt = at + (rng.expovariate(rate) if cfg.arrival == "poisson" else 1.0 / rate)
+            if phase + 1 < len(rates) and nxt > t0 + (phase + 1) * phase_s:
+                # The next rate starts at its boundary, not after a gap drawn at this one
+                # (Poisson arrivals are memoryless: drawing again from there is exact).
+                phase += 1
+                at = t0 + phase * phase_s
+                self.events.append({"t": round(at, 3), "event": "rate", "rate": rates[phase]})
+                continue
+            at = nxt
             delay = at - self.now()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):

@@ -301,6 +301,8 @@ async def run_bench(
     records = load.records
     end = max((r.end or r.start) for r in records) if records else 0.0
     windows = {"whole run": make_window(records, 0.0, end + 1)}
+    for name, (start, stop) in sweep_windows(cfg).items():
+        windows[name] = make_window(records, start, stop)
     spans: list[Span] = []
     if acting and scenario_window is None:
         scenario_failures.append(
@@ -390,6 +392,8 @@ async def run_bench(
     console.print(md, markup=False, highlight=False)
     if load_line:
         console.print(load_line, markup=False, highlight=False)
+    if cfg.sweep:
+        console.print(sweep_table(cfg, windows), markup=False, highlight=False)
     for line in engine_lines:
         console.print(line, markup=False, highlight=False)
     console.print(f"report: {report}", markup=False, highlight=False)
@@ -404,15 +408,56 @@ async def run_bench(
     }
 
 
+def sweep_windows(cfg: LoadConfig) -> dict[str, tuple[float, float]]:
+    """A sweep's windows (`--rate 2,4,8`): each rate's share of the run, by name."""
+    if not cfg.sweep:
+        return {}
+    phase = cfg.duration / len(cfg.sweep)
+    return {f"rate {r:g}/s": (i * phase, (i + 1) * phase) for i, r in enumerate(cfg.sweep)}
+
+
+def sweep_table(cfg: LoadConfig, windows: dict[str, dict[str, Any]]) -> str:
+    """Latency against load, a row per rate (the curve `vllm bench serve` users draw a run
+    per rate for): what was offered and sent, first-token and per-token times, the errors
+    and rejections, and the wait for a slot under --max-concurrency."""
+    head = (
+        "| offered (req/s) | sent (req/s) | requests | TTFT p50 | TTFT p99 | TPOT p50 "
+        "| e2e p99 | errors / rejected |"
+    )
+    if cfg.max_concurrency is not None:
+        head += " slot wait p99 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    phase = cfg.duration / len(cfg.sweep)
+    for r in cfg.sweep:
+        s = windows[f"rate {r:g}/s"]["summary"]
+        o = s["outcomes"]
+        times = [fmt_ms(s[k][p]) for k, p in (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"),
+                                               ("e2e", "p99"))]  # fmt: skip
+        row = (
+            f"| {r:g} | {s['requests'] / phase:.2f} | {s['requests']} | {' | '.join(times)} "
+            f"| {o.get('error', 0)} / {o.get('rejected', 0)} |"
+        )
+        if cfg.max_concurrency is not None:
+            row += f" {fmt_ms(s['wait']['p99'])} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def open_loop_line(cfg: LoadConfig, load: LoadRun, whole: dict[str, Any]) -> str | None:
     """What an open loop offered and sent: the rate asked and the rate achieved (a load
     generator that fell behind says so here), the most requests open at once, the wait for a
     slot under --max-concurrency, and the arrivals left unsent at the end."""
     if cfg.rate is None:
         return None
+    offered = (
+        f"{', '.join(f'{r:g}' for r in cfg.sweep)} requests/s in turn, "
+        f"{cfg.duration / len(cfg.sweep):g} s each"
+        if cfg.sweep
+        else f"{cfg.rate:g} requests/s"
+    )
     line = (
-        f"open loop: {cfg.rate:g} requests/s offered ({cfg.arrival} arrivals), "
-        f"{whole['requests_per_s']:.2f}/s sent; at most {load.max_active} open at once"
+        f"open loop: {offered} offered ({cfg.arrival} arrivals), "
+        f"{whole['requests_per_s']:.2f}/s sent over the run; at most {load.max_active} open at once"
     )
     if cfg.max_concurrency is not None:
         w = whole["wait"]

@@ -31,10 +31,11 @@ def bench(
         typer.Option(help="Users started per second (0: all at once) [default: 10]."),
     ] = None,
     rate: Annotated[
-        float | None,
+        str | None,
         typer.Option(
             help="Open loop instead of users: requests per second, sent whether or not "
-            "earlier ones have ended (vllm bench serve's --request-rate)."
+            "earlier ones have ended (vllm bench serve's --request-rate); R1,R2,... sweeps "
+            "them in turn, --duration split evenly, a row each."
         ),
     ] = None,
     arrival: Annotated[
