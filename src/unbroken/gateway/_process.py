@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from unbroken.wire import http
+
 if TYPE_CHECKING:
     from unbroken.gateway._server import Gateway
 
@@ -27,9 +29,9 @@ __all__ = [
 
 log = logging.getLogger("unbroken.gateway")
 
-# Between readiness going false and the listener closing: a load balancer polling /health
-# stops sending first, and requests that still arrive are served, not refused.
-READINESS_LEAD_S = 0.5
+# Between readiness going false and the listener closing (wire.http, where the supervisor
+# reads it too: its stop budget waits for this gateway's drain).
+READINESS_LEAD_S = http.READINESS_LEAD_S
 UNREADY_WARNING_S = 5.0
 MAX_DEFAULT_WORKERS = 8
 

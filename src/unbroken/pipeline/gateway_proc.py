@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from unbroken.clients import AdminError
 from unbroken.config.spec import GatewaySettings, PipelineSpec
-from unbroken.gateway._process import READINESS_LEAD_S
 from unbroken.pipeline.niceness import set_session_nice
 from unbroken.pipeline.procs import (
     Adopted,
@@ -31,6 +30,7 @@ from unbroken.pipeline.procs import (
     terminate,
 )
 from unbroken.pipeline.replicas import key_var, pool_key
+from unbroken.wire.http import READINESS_LEAD_S
 
 if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor

@@ -51,6 +51,11 @@ SSE_HEADERS = {
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# A server going down answers /health 503 this long before its listener closes: a load
+# balancer polling /health stops sending first, and requests that still arrive are served,
+# not refused (the gateway's SIGTERM; the supervisor's stop budget counts it).
+READINESS_LEAD_S = 0.5
+
 _CORS_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
 
 
