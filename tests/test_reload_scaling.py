@@ -67,3 +67,17 @@ def test_reload_applies_a_pools_cap_and_target_together(tmp_path: Path) -> None:
     finally:
         stop.set()
         assert up.stop() == 0
+
+
+def test_a_reload_report_says_a_rollout_is_not_in_the_file() -> None:
+    """After a rollout, the pool's engine differs from the file; the report listed it as a
+    change a restart would apply (a review as a new user), where a restart would undo the
+    rollout."""
+    from unbroken.pipeline.up import reload_lines
+
+    res: dict[str, Any] = {"gateway_pid": 1, "generation": 2, "spec": None, "changed": []}
+    engine = {"key": "pools.primary.engine.overrides.decode_base_s", "old": 0.018, "new": None}
+    lines = reload_lines({**res, "not_applied": [engine]})
+    assert any("not written back to the spec" in ln for ln in lines), lines
+    other = {"key": "pools.spare.replicas", "old": 1, "new": 2}
+    assert not any("written back" in ln for ln in reload_lines({**res, "not_applied": [other]}))

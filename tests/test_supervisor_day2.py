@@ -307,3 +307,20 @@ def test_crash_loop_status_rollout_output_and_the_supervisor_log(tmp_path: Path)
                     assert f"{name} stopped before serving: its startup CPU quota removed" in log
     finally:
         u.kill_orphans()
+
+
+def test_a_start_error_shows_this_starts_log_lines_only(tmp_path: Path) -> None:
+    """gateway.log is appended to across starts: a failed start printed its last lines,
+    which held an earlier start's errors (a port since fixed, reported again as in use)."""
+    from unbroken.pipeline.procs import log_size, tail
+
+    log = tmp_path / "gateway.log"
+    log.write_text("error: cannot listen on 127.0.0.1:18080: the port is already in use\n")
+    since = log_size(log)
+    with open(log, "a") as f:
+        f.write("error: cannot listen on 127.0.0.1:18081: the port is already in use\n")
+    assert tail(log, since=since) == (
+        "error: cannot listen on 127.0.0.1:18081: the port is already in use"
+    )
+    assert "18080" in tail(log) and tail(tmp_path / "none.log") == ""
+    assert log_size(tmp_path / "none.log") == 0

@@ -442,7 +442,14 @@ def describe(res: dict[str, Any] | None) -> list[str]:
             parts.append(f"{u}: {e['requests']} requests, max {e['max_running']} running{rate}")
     s = res["spread"]
     ratio = (
-        "n/a" if s is None else f"{s:.2f}x" if math.isfinite(s) else "inf (an engine served none)"
+        "n/a"
+        if s is None
+        else f"{s:.2f}x"
+        if math.isfinite(s)
+        # A fallback pool by design (unbroken's fp8 takes standard work only when fp16 is
+        # busy), or an engine a router starved: a review read it as a routing fault.
+        else "inf (an engine served none: a fallback pool that takes work only when the "
+        "first is busy, or one the router starved)"
     )
     lines.append(f"load spread (busiest/least-busy requests served): {ratio}; " + "; ".join(parts))
     return lines

@@ -26,6 +26,7 @@ from unbroken.pipeline.procs import (
     StartupError,
     backoff,
     first_line,
+    log_size,
     tail,
     terminate,
 )
@@ -73,6 +74,7 @@ class GatewayProcess:
         self.argv: list[str] = []
         self.config = sup.state / "gateway.json"
         self.log = sup.logs / "gateway.log"
+        self._since = 0  # the log's size when this start began (`tail` shows only this one's)
 
     @property
     def running(self) -> bool:
@@ -110,6 +112,7 @@ class GatewayProcess:
     async def start(self) -> None:
         """Start it and wait until its admin API answers (StartupError otherwise)."""
         self.argv = self.make_argv()
+        self._since = log_size(self.sup.logs / "gateway.log")
         self.proc, self.log = await self.sup.spawn("gateway", self.argv, self.env())
         self._prioritise(self.proc.pid)
         self.sup.save_plane()
@@ -143,7 +146,7 @@ class GatewayProcess:
             if self.proc.returncode is not None:
                 raise StartupError(
                     f"the gateway exited with {self.proc.returncode}; "
-                    f"log: {self.log}\n" + tail(self.log)
+                    f"log: {self.log}\n" + tail(self.log, since=self._since)
                 )
             try:
                 await self.sup.admin.status()

@@ -205,11 +205,24 @@ async def terminate(proc: Proc, timeout: float, name: str | None = None) -> int:
         return await proc.wait()
 
 
-def tail(path: Path | None, lines: int = 15) -> str:
-    """The end of a log, for an error message."""
+def log_size(path: Path | None) -> int:
+    """Where a log (appended to across starts) ends now: what a new start writes comes after."""
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
+
+
+def tail(path: Path | None, lines: int = 15, since: int = 0) -> str:
+    """The end of a log, for an error message: of what was written after byte `since` (this
+    start's lines; a log appended to across starts held an earlier start's errors, which a
+    review saw repeated as this one's)."""
     if path is None:
         return ""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
     except OSError:
         return ""

@@ -835,6 +835,14 @@ def reload_lines(res: dict[str, Any]) -> list[str]:
     if res["not_applied"]:
         out.append("not applied; restart `unbroken up` to apply:")
         out += [f"  {_change_line(c)}" for c in res["not_applied"]]
+        if any(".engine." in c["key"] for c in res["not_applied"]):
+            # A rollout changes the running pool, not the file (a review read this list as
+            # the rollout waiting to be applied).
+            out.append(
+                "  (a pool's engine that differs from the file is often a rollout made since "
+                "the start: it is not written back to the spec, and a restart would go back to "
+                "the file's engine)"
+            )
     out += [f"warning: {w}" for w in res.get("warnings", [])]
     return out
 
