@@ -122,7 +122,7 @@ def test_metrics_parsing_and_the_spread() -> None:
     # (Python's json writes `Infinity`, which jq and JavaScript refuse).
     w.after["http://b"]["vllm:request_success_total"] = 0.0
     idle = w.result()
-    assert "inf (an engine served none)" in describe(idle)[1]
+    assert "inf (an engine served none: a fallback pool" in describe(idle)[1]
     text = results_json({"engines": idle, "nan": float("nan"), "rows": [(1.5, float("-inf"))]})
     back = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
     assert back["engines"]["spread"] is None and back["nan"] is None
