@@ -324,3 +324,32 @@ def test_a_start_error_shows_this_starts_log_lines_only(tmp_path: Path) -> None:
     )
     assert "18080" in tail(log) and tail(tmp_path / "none.log") == ""
     assert log_size(tmp_path / "none.log") == 0
+
+
+def test_a_process_started_through_a_script_is_still_recognised(tmp_path: Path) -> None:
+    """A command engine started by a wrapper that `exec`s (or a shebang script: vLLM's
+    `vllm`) runs with another command line than recorded; adoption compared the command
+    line too and left such an engine running past `unbroken down` (a review as an SRE).
+    The pid and its start time name the process; a pid reused later does not match."""
+    import subprocess
+
+    from unbroken.pipeline.procs import Adopted, proc_start_time
+
+    script = tmp_path / "eng.sh"
+    script.write_text("#!/bin/sh\nexec sleep 60\n")
+    script.chmod(0o755)
+    p = subprocess.Popen([str(script)], start_new_session=True)
+    try:
+        rec = {"pid": p.pid, "start": proc_start_time(p.pid), "argv": [str(script)]}
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline, "the script did not exec"
+            time.sleep(0.02)
+        adopted = Adopted.verify(rec)
+        assert adopted is not None and adopted.pid == p.pid
+        adopted.release()
+        assert Adopted.verify({**rec, "start": rec["start"] - 1}) is None  # another process
+        assert Adopted.verify({"pid": p.pid, "argv": [str(script)]}) is None  # no start time
+    finally:
+        p.kill()
+        p.wait()

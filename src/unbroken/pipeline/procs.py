@@ -27,7 +27,6 @@ __all__ = [
     "Proc",
     "StartupError",
     "backoff",
-    "cmdline",
     "die_with_parent",
     "first_line",
     "proc_record",
@@ -69,14 +68,6 @@ def proc_start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def cmdline(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
-
-
 class Adopted:
     """A process an earlier supervisor started (not our child), with the part of
     asyncio.subprocess.Process the supervisor uses. A pidfd pins it: signals go to this
@@ -89,7 +80,11 @@ class Adopted:
 
     @classmethod
     def verify(cls, rec: dict[str, Any]) -> Adopted | None:
-        """The recorded process if it still runs as recorded (start time and argv), else None."""
+        """The recorded process if it still runs (the same pid and start time, which together
+        name one process: a pid reused since has a later start), else None. Not its argv: a
+        command engine started through a script that `exec`s, or a shebang script (vLLM's
+        `vllm` is one), runs with another command line than the one recorded, and was left
+        running, unadopted, past `unbroken down` (a review as an SRE)."""
         pid = rec.get("pid")
         if not isinstance(pid, int) or pid <= 0:
             return None
@@ -98,7 +93,8 @@ class Adopted:
         except OSError:
             return None
         # Checked after the pidfd is open: if the pid was reused before, this sees it.
-        if proc_start_time(pid) != rec.get("start") or cmdline(pid) != rec.get("argv"):
+        start = rec.get("start")
+        if start is None or proc_start_time(pid) != start:
             os.close(fd)
             return None
         return cls(pid, fd)
