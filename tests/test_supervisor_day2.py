@@ -353,3 +353,22 @@ def test_a_process_started_through_a_script_is_still_recognised(tmp_path: Path) 
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_name_given_in_the_state_directory_is_not_given_again(tmp_path: Path) -> None:
+    """Replicas of an earlier supervisor left their logs: a new one's first replica took
+    `fallback-1` again and appended to that log, and the gateway's metrics labelled with it
+    ran on across two processes (a review as an SRE)."""
+    import types
+
+    from unbroken.config.spec import default_spec
+    from unbroken.pipeline.replicas import ReplicaSet
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("primary-1", "primary-4", "fallback-2", "gateway", "supervisor"):
+        (logs / f"{name}.log").write_text("")
+    rs = ReplicaSet(types.SimpleNamespace(spec=default_spec(), logs=logs))  # type: ignore[arg-type]
+    assert next(rs._serial["primary"]) == 5 and next(rs._serial["fallback"]) == 3
+    fresh = ReplicaSet(types.SimpleNamespace(spec=default_spec(), logs=tmp_path / "none"))  # type: ignore[arg-type]
+    assert next(fresh._serial["primary"]) == 1

@@ -204,6 +204,12 @@ class ReplicaSet:
         self.replacing: dict[str, str] = {}  # pool replica being replaced → last failure
         self._serial = {p.name: itertools.count(1) for p in sup.spec.pools}
         self._cap_unavailable = False  # said once: no cgroup CPU quota here
+        # Names given in this state directory before (their logs stay): never again, so a
+        # name is one process's in the logs and in the gateway's metric labels (a review as
+        # an SRE found a new fallback-1 appending to an earlier supervisor's fallback-1.log).
+        for log in sup.logs.glob("*.log") if sup.logs.is_dir() else ():
+            for p in sup.spec.pools:
+                self.keep_serials_above(log.stem, p.name)
 
     def of_pool(self, pool: str) -> list[Replica]:
         """The pool's replicas that are not being stopped, oldest first."""
