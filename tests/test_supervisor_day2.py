@@ -138,39 +138,40 @@ def test_sighup_reloads_and_is_logged(tmp_path: Path) -> None:
 def test_liveness_numbers_are_the_rendered_probes() -> None:
     """The local liveness check uses the numbers of the livenessProbe `unbroken render k8s`
     gives engines, so a hung engine heals alike under `unbroken up` and on a cluster."""
-    from unbroken.config.spec import default_spec
+    from unbroken.config.spec import LIVENESS_FAILURES, default_spec
     from unbroken.k8s import RenderOptions
     from unbroken.k8s.manifests import build
-    from unbroken.pipeline.replicas import (
-        LIVENESS_FAILURES,
-        LIVENESS_PERIOD_S,
-        LIVENESS_TIMEOUT_S,
-    )
 
-    probes = [
-        c["livenessProbe"]
-        for o in build(default_spec(), RenderOptions())
+    spec = default_spec()
+    spec.pools[1].engine.liveness_period_s = 3  # one pool's own period, and its timeout
+    probes = {
+        o["metadata"]["name"]: c["livenessProbe"]
+        for o in build(spec, RenderOptions())
         if o["kind"] == "Deployment"
         for c in o["spec"]["template"]["spec"]["containers"]
         if c["name"] == "engine"
-    ]
-    assert probes
-    for p in probes:
+    }
+    assert len(probes) == 2, probes
+    for pool in spec.pools:
+        p = next(v for k, v in probes.items() if k.endswith(pool.name))
         assert p["httpGet"]["path"] == "/health"
-        assert p["periodSeconds"] == LIVENESS_PERIOD_S
-        assert p["timeoutSeconds"] == LIVENESS_TIMEOUT_S
+        assert p["periodSeconds"] == pool.engine.liveness_period_s
+        assert p["timeoutSeconds"] == pool.engine.liveness_timeout_s
         assert p["failureThreshold"] == LIVENESS_FAILURES
+    assert spec.pools[0].engine.liveness_timeout_s == 5  # the default: every 10 s, 5 s each
+    assert spec.pools[1].engine.liveness_timeout_s == 3
 
 
 def test_a_hung_engine_is_not_live_and_is_replaced(tmp_path: Path) -> None:
     """A SIGSTOPped engine was never replaced, and `status` counted it live (the docs: live
     = answers /health). Now it stops counting at its first failed check, and after 3 in a row
-    (every 10 s, as the rendered livenessProbe) it is killed and replaced, with a WARNING
+    (every `engine.liveness_period_s`, 10 s by default and 2 s here, as the rendered
+    livenessProbe) it is killed and replaced, with a WARNING
     that says why. The other replica, busy with streams meanwhile, is left alone."""
     spec = _spec(
         tmp_path,
         "  - name: main\n    replicas: 2\n    weights_size: 8MiB\n"
-        "    engine: {overrides: {decode_base_s: 0.01}}\n",
+        "    engine: {overrides: {decode_base_s: 0.01}, liveness_period_s: 2}\n",
     )
     u = Up(tmp_path, spec)
     try:

@@ -364,6 +364,14 @@ class ProfileOverrides(_Spec):
         return out
 
 
+# A replica's liveness check, the livenessProbe `unbroken render k8s` gives engines and the
+# local supervisor's own (pipeline/replicas.py): /health every `engine.liveness_period_s`,
+# each allowed LIVENESS_TIMEOUT_S (at most the period), LIVENESS_FAILURES failures in a row
+# and it is restarted (killed and replaced under `unbroken up`).
+LIVENESS_TIMEOUT_S = 5
+LIVENESS_FAILURES = 3
+
+
 class EngineSpec(_Spec):
     """Either the built-in simulator with a profile, or any command (real `vllm serve`).
     In a command, `{port}`, `{host}` and `{model}` are substituted."""
@@ -380,6 +388,9 @@ class EngineSpec(_Spec):
     # minutes for a large model on vLLM) before its start fails: at `unbroken up`, in a
     # rollout's or resize's surge, and when a dead replica is replaced.
     health_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    # Seconds between liveness checks of a replica that serves (LIVENESS_FAILURES failures
+    # in a row: restarted), locally and in the rendered livenessProbe's periodSeconds.
+    liveness_period_s: Annotated[int, Field(ge=1, le=300)] = 10
     # CPU niceness of a starting replica (its whole process group) until it answers /health,
     # then back to 0: a replica started beside serving ones (rollout surge, a crash's
     # replacement) takes only spare CPU for its imports and weight load. 0: off. Only used
@@ -394,6 +405,10 @@ class EngineSpec(_Spec):
     # idle (its cgroup's cpu.idle: SCHED_IDLE, preempted at once by any serving thread that
     # wakes); then on its quota alone, so that a saturated node still starts it. 0: off.
     startup_idle_s: Annotated[float, Field(ge=0)] = 10.0
+
+    @property
+    def liveness_timeout_s(self) -> int:
+        return min(LIVENESS_TIMEOUT_S, self.liveness_period_s)
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:

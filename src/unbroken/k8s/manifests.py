@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.config.spec import LIVENESS_FAILURES, PipelineSpec, PoolSpec
 from unbroken.k8s.autoscale import (
     adapter_rules,
     autoscaled,
@@ -491,7 +491,14 @@ def engine_objects(spec: PipelineSpec, pool: PoolSpec, o: RenderOptions) -> list
             "failureThreshold": 2,
             "successThreshold": 1,
         },
-        "livenessProbe": _http_probe("/health", "http", 10, 3, timeout=5),
+        # The supervisor's own check under `unbroken up` has the same numbers.
+        "livenessProbe": _http_probe(
+            "/health",
+            "http",
+            pool.engine.liveness_period_s,
+            LIVENESS_FAILURES,
+            timeout=pool.engine.liveness_timeout_s,
+        ),
         "lifecycle": {"preStop": {"exec": {"command": drain_cmd}}},
         "securityContext": _restricted(read_only=False),
     }

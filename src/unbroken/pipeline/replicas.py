@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from unbroken.clients import AdminError
-from unbroken.config.spec import PipelineSpec, PoolSpec
+from unbroken.config.spec import LIVENESS_FAILURES, PipelineSpec, PoolSpec
 from unbroken.pipeline.cpucap import CpuCap, CpuCapUnavailable
 from unbroken.pipeline.niceness import may_renice, set_session_nice
 from unbroken.pipeline.procs import Proc, StartupError, backoff, first_line, tail, terminate
@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from unbroken.pipeline.supervisor import Supervisor
 
 __all__ = [
-    "LIVENESS_FAILURES",
-    "LIVENESS_PERIOD_S",
-    "LIVENESS_TIMEOUT_S",
     "STOP_MARGIN_S",
     "HealthTimeout",
     "Replica",
@@ -58,15 +55,12 @@ HEALTH_LOG_EVERY_S = 10.0
 STOP_MARGIN_S = 5.0
 
 
-# The liveness check of a replica that has served: /health every LIVENESS_PERIOD_S, each
-# allowed LIVENESS_TIMEOUT_S; LIVENESS_FAILURES failures in a row and it is killed and
-# replaced as a crashed one is. The numbers of the livenessProbe `unbroken render k8s` gives
-# engines (k8s/manifests.py; a test holds them equal), so a hung engine heals the same way
-# under `unbroken up` as on a cluster. A slow /health under load is not a failure below the
-# timeout, and a replica still starting is never checked (its start has its own timeout).
-LIVENESS_PERIOD_S = 10.0
-LIVENESS_TIMEOUT_S = 5.0
-LIVENESS_FAILURES = 3
+# The liveness check of a replica that has served (config.spec: LIVENESS_*, the pool's
+# `engine.liveness_period_s`): killed and replaced as a crashed one is after
+# LIVENESS_FAILURES failures in a row. The numbers of the livenessProbe `unbroken render k8s`
+# gives engines (k8s/manifests.py; a test holds them equal), so a hung engine heals the same
+# way under `unbroken up` as on a cluster. A slow /health under load is not a failure below
+# the timeout, and a replica still starting is never checked (its start has its own timeout).
 
 
 def stop_timeout(pool: PoolSpec) -> float:
@@ -406,13 +400,14 @@ class ReplicaSet:
         self.sup.track(asyncio.create_task(self._liveness(r), name=f"liveness-{r.name}"))
 
     async def _liveness(self, r: Replica) -> None:
-        """The livenessProbe's check (LIVENESS_*): a replica that has served and then fails
-        /health LIVENESS_FAILURES times in a row is hung; it is killed, and `_on_exit`
+        """The livenessProbe's check (config.spec's LIVENESS_*): a replica that has served and
+        then fails /health LIVENESS_FAILURES times in a row is hung; it is killed, and `_on_exit`
         replaces it as a crashed one."""
-        timeout = aiohttp.ClientTimeout(total=LIVENESS_TIMEOUT_S)
+        period, limit = r.pool.engine.liveness_period_s, r.pool.engine.liveness_timeout_s
+        timeout = aiohttp.ClientTimeout(total=limit)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             while True:
-                await asyncio.sleep(LIVENESS_PERIOD_S)
+                await asyncio.sleep(period)
                 if self.sup.closing or r.stopping or not r.alive:
                     return
                 if r.healthy_at is None:
@@ -421,7 +416,7 @@ class ReplicaSet:
                     async with s.get(r.url + "/health") as resp:
                         ok, why = resp.status == 200, f"/health answered {resp.status}"
                 except TimeoutError:
-                    ok, why = False, f"/health did not answer within {LIVENESS_TIMEOUT_S:g} s"
+                    ok, why = False, f"/health did not answer within {limit:g} s"
                 except aiohttp.ClientError as e:
                     ok, why = False, f"/health: {type(e).__name__}"
                 if ok:
@@ -443,7 +438,7 @@ class ReplicaSet:
                     return
                 r.killed_why = (
                     f"failed its liveness check {r.health_failures} times in a row, "
-                    f"every {LIVENESS_PERIOD_S:g} s ({why})"
+                    f"every {period:g} s ({why})"
                 )
                 log.warning("%s (pid %s) %s: killing it", r.name, r.pid, r.killed_why)
                 self.sup.record("replica_hung", replica=r.name, pid=r.pid, reason=why)
