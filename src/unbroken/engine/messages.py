@@ -25,15 +25,15 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from unbroken.engine.core import Output
 from unbroken.engine.render import Format
 from unbroken.engine.request import RequestState
 from unbroken.wire.errors import ApiError
-from unbroken.wire.openai import ChatRequest, validation_message
+from unbroken.wire.openai import ChatRequest
 
-__all__ = ["MessagesFormat", "MessagesRequest", "anthropic_error", "as_chat", "parse"]
+__all__ = ["CountTokensRequest", "MessagesFormat", "MessagesRequest", "anthropic_error", "as_chat"]
 
 
 class MessagesRequest(BaseModel):
@@ -68,21 +68,6 @@ def anthropic_error(status: int, message: str, kind: str | None = None) -> web.R
     kind = kind or {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
     body = {"type": "error", "error": {"type": kind, "message": message}}
     return web.json_response(body, status=status)
-
-
-def parse(model: type[BaseModel], body: bytes) -> Any:
-    """Bytes -> the request model; ApiError(400) for what does not parse or validate."""
-    try:
-        raw = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
-    if not isinstance(raw, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        message, param = validation_message(e)
-        raise ApiError(400, message, param=param) from None
 
 
 def _text(content: Any) -> str:

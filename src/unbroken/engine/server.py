@@ -769,7 +769,7 @@ class Engine:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
             self._admit()
-            req = messages_mod.parse(messages_mod.MessagesRequest, await request.read())
+            req, _ = parse_request(messages_mod.MessagesRequest, await request.read())
             adapter = self._resolve(req.model)
             chat, ctx, ptoks = self._as_chat(req)
             self._check_seed(chat)
@@ -788,7 +788,7 @@ class Engine:
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         try:
-            req = messages_mod.parse(messages_mod.CountTokensRequest, await request.read())
+            req, _ = parse_request(messages_mod.CountTokensRequest, await request.read())
             self._resolve(req.model)
             pairs = messages_mod.conversation(req.system, req.messages)
         except ApiError as e:
