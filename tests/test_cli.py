@@ -142,10 +142,11 @@ def test_port_in_use_is_one_line_and_exit_2(which: str, tmp_path: Path) -> None:
         r = cli(*args, env={"UNBROKEN_STATE_DIR": str(tmp_path), "UNBROKEN_ADMIN_TOKEN": "t"})
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
-    assert errors == [
+    option = {"gateway": "--port / --admin-port", "agent": "--listen", "engine": "--port"}[which]
+    assert len(errors) == 1 and errors[0].startswith(
         f"error: cannot listen on 127.0.0.1:{port}: the port is already in use "
-        "(another process listens there)"
-    ]
+        f"(another process listens there); choose another with {option}"
+    ), errors
     assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr
 
 

@@ -73,6 +73,6 @@ def agent(
     try:
         run_agent(cfg)
     except OSError as e:
-        if (msg := bind_error(e)) is None:
+        if (msg := bind_error(e, "--listen")) is None:
             raise
         fail(msg)

@@ -52,9 +52,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def bind_error(e: OSError) -> str | None:
+def bind_error(e: OSError, option: str = "") -> str | None:
     """One line for a listening socket that could not be opened (port in use, no such
-    address, privileged port), None for any other OSError."""
+    address, privileged port), None for any other OSError. `option`: what chooses the
+    address, said after a port in use (a review: the message did not say what to change)."""
     import errno
     import re
 
@@ -67,4 +68,6 @@ def bind_error(e: OSError) -> str | None:
         errno.EADDRNOTAVAIL: "the address is not on this machine",
         errno.EACCES: "permission denied (ports below 1024 need root)",
     }[e.errno]
+    if e.errno == errno.EADDRINUSE and option:
+        why += f"; choose another with {option}"
     return f"cannot listen on {where}: {why}"

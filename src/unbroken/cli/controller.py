@@ -96,6 +96,6 @@ def controller(
     try:
         run_controller(cfg)
     except OSError as e:
-        if (msg := bind_error(e)) is None:
+        if (msg := bind_error(e, "--listen")) is None:
             raise
         fail(f"controller: {msg}")

@@ -113,6 +113,6 @@ def engine(
             )
         )
     except OSError as e:  # the port in use: one line, as the gateway, controller and agent
-        if (msg := bind_error(e)) is None:
+        if (msg := bind_error(e, "--port")) is None:
             raise
         fail(msg)

@@ -203,7 +203,11 @@ def gateway(
             reload_cfg=launch.load,
         )
     except OSError as e:
-        if (msg := bind_error(e)) is None:
+        option = (
+            "--port / --admin-port (under `unbroken up`: its --port / --admin-port, or the "
+            "spec's gateway.port / gateway.admin_port)"
+        )
+        if (msg := bind_error(e, option)) is None:
             raise
         fail(msg)
 
