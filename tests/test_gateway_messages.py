@@ -260,3 +260,34 @@ def test_every_break_reason_and_shed_code_is_exported_at_zero_and_documented() -
         for outcome in ("done", "failed"):
             labels = f'direction="{direction}",outcome="{outcome}",pool="gpu"'
             assert f"unbroken_autoscale_decisions_total{{{labels}}} 0.0" in text, text
+
+
+async def test_the_controller_exports_each_pools_declared_and_live_replicas() -> None:
+    """`unbroken_pipeline_replicas{pool,state}` from the supervisor's /pools, every pool
+    (ranged or not), so that a pool short of its size can be alerted on (an SRE's review:
+    a replacement crash loop had no series to alert on). The supervisor's control socket is
+    the boundary stood in for here: its answer is the shape `pools_summary` writes."""
+    import aiohttp
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from unbroken.controller.scaling import ScalingLoop
+
+    reg = CollectorRegistry()
+    loop = ScalingLoop("/nonexistent", list, "t", reg, print, dict, lambda _p: 0)
+    pools = [
+        {"name": "primary", "model": "m", "declared": 2, "live": 1, "autoscale": None,
+         "scaling": {}, "cap": 8},
+        {"name": "fallback", "model": "m", "declared": 1, "live": 1, "autoscale": None,
+         "scaling": {}, "cap": 8},
+    ]  # fmt: skip
+
+    async def answer() -> dict[str, Any]:
+        return {"busy": False, "scaling": None, "pools": pools}
+
+    loop.client.pools = answer  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as session:
+        await loop.once(session)
+    text = generate_latest(reg).decode()
+    assert 'unbroken_pipeline_replicas{pool="primary",state="declared"} 2.0' in text
+    assert 'unbroken_pipeline_replicas{pool="primary",state="live"} 1.0' in text
+    assert 'unbroken_pipeline_replicas{pool="fallback",state="live"} 1.0' in text

@@ -68,6 +68,15 @@ def floor_carriers(pools: list[dict[str, Any]], floor: Callable[[str], int]) -> 
 
 class _Metrics:
     def __init__(self, r: CollectorRegistry) -> None:
+        # Every pool, ranged or not: what an on-call alerts on as "a pool short" (a review as
+        # an SRE found nothing to alert on for a replacement crash loop under `unbroken up`).
+        self.replicas = Gauge(
+            "unbroken_pipeline_replicas",
+            "A pool's replicas under `unbroken up`, from the supervisor: declared (its size "
+            "now) and live (serving and answering /health).",
+            ["pool", "state"],
+            registry=r,
+        )
         self.desired = Gauge(
             "unbroken_autoscale_desired_replicas",
             "Replicas the autoscaler wants for the pool.",
@@ -225,6 +234,9 @@ class ScalingLoop:
             return
         self._said_down.discard("supervisor")
         pools = sup["pools"]
+        for p in pools:
+            self.metrics.replicas.labels(p["name"], "declared").set(p["declared"])
+            self.metrics.replicas.labels(p["name"], "live").set(p["live"])
         self._configure(pools)
         a = self.autoscaler
         if a is None or not a.pools:
