@@ -164,9 +164,9 @@ def _rates(rate: float | str) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _check_loop(o: BenchOptions) -> tuple[int, float]:
-    """The closed loop's (users, spawn rate), or the open loop's options checked: each
-    loop's options refused with the other (they would be ignored)."""
+def _check_loop(o: BenchOptions) -> tuple[int, float, tuple[float, ...]]:
+    """The closed loop's (users, spawn rate, ()), or the open loop's (0, 0, its rates)
+    checked: each loop's options refused with the other (they would be ignored)."""
     if o.rate is None:
         if o.max_concurrency is not None:
             raise BenchOptionError(
@@ -180,7 +180,7 @@ def _check_loop(o: BenchOptions) -> tuple[int, float]:
             raise BenchOptionError("--users must be at least 1")
         if not spawn >= 0:
             raise BenchOptionError("--spawn-rate must be >= 0 (0 starts every user at once)")
-        return users, spawn
+        return users, spawn, ()
     named = [n for n, v in (("--users", o.users), ("--spawn-rate", o.spawn_rate)) if v is not None]
     if named:
         raise BenchOptionError(
@@ -196,7 +196,7 @@ def _check_loop(o: BenchOptions) -> tuple[int, float]:
         raise BenchOptionError(f"--arrival must be poisson or constant, got {o.arrival!r}")
     if o.max_concurrency is not None and o.max_concurrency < 1:
         raise BenchOptionError("--max-concurrency must be at least 1")
-    return 0, 0.0
+    return 0, 0.0, rates
 
 
 def _check_numbers(o: BenchOptions) -> None:
@@ -313,7 +313,7 @@ def run(o: BenchOptions, console: Console) -> int:
 
     if o.scenario not in ("steady", "rollout", "chaos"):
         raise BenchOptionError("--scenario must be steady, rollout or chaos")
-    users, spawn_rate = _check_loop(o)
+    users, spawn_rate, rates = _check_loop(o)
     _check_numbers(o)
     spec = _workload(o)
     for u in o.engine_metrics or ():
@@ -358,8 +358,8 @@ def run(o: BenchOptions, console: Console) -> int:
         model=o.model,
         users=users,
         spawn_rate=spawn_rate,
-        rate=_rates(o.rate)[0] if o.rate is not None else None,
-        sweep=_rates(o.rate) if o.rate is not None and len(_rates(o.rate)) > 1 else (),
+        rate=rates[0] if rates else None,
+        sweep=rates if len(rates) > 1 else (),
         arrival=o.arrival,
         max_concurrency=o.max_concurrency,
         duration=o.duration,

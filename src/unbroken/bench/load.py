@@ -109,6 +109,11 @@ class LoadConfig:
     arrival: str = "poisson"  # "poisson" or "constant" (evenly spaced)
     max_concurrency: int | None = None  # with `rate`: requests open at once (None: no cap)
 
+    @property
+    def phase_s(self) -> float:
+        """A sweep's share of the run per rate (the whole run without a sweep)."""
+        return self.duration / max(1, len(self.sweep))
+
 
 @dataclass(slots=True)
 class Record:
@@ -241,7 +246,7 @@ class LoadRun:
         fresh = 0  # the next new conversation
         at = t0 = self.now()
         rates = cfg.sweep or (rate,)
-        phase_s = cfg.duration / len(rates)
+        phase_s = cfg.phase_s
         phase = 0
         self.events.append({"t": round(at, 3), "event": "rate", "rate": rates[0]})
         while not self._stop.is_set():

@@ -412,7 +412,7 @@ def sweep_windows(cfg: LoadConfig) -> dict[str, tuple[float, float]]:
     """A sweep's windows (`--rate 2,4,8`): each rate's share of the run, by name."""
     if not cfg.sweep:
         return {}
-    phase = cfg.duration / len(cfg.sweep)
+    phase = cfg.phase_s
     return {f"rate {r:g}/s": (i * phase, (i + 1) * phase) for i, r in enumerate(cfg.sweep)}
 
 
@@ -427,7 +427,7 @@ def sweep_table(cfg: LoadConfig, windows: dict[str, dict[str, Any]]) -> str:
     if cfg.max_concurrency is not None:
         head += " slot wait p99 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    phase = cfg.duration / len(cfg.sweep)
+    phase = cfg.phase_s
     for r in cfg.sweep:
         s = windows[f"rate {r:g}/s"]["summary"]
         o = s["outcomes"]
@@ -450,8 +450,7 @@ def open_loop_line(cfg: LoadConfig, load: LoadRun, whole: dict[str, Any]) -> str
     if cfg.rate is None:
         return None
     offered = (
-        f"{', '.join(f'{r:g}' for r in cfg.sweep)} requests/s in turn, "
-        f"{cfg.duration / len(cfg.sweep):g} s each"
+        f"{', '.join(f'{r:g}' for r in cfg.sweep)} requests/s in turn, {cfg.phase_s:g} s each"
         if cfg.sweep
         else f"{cfg.rate:g} requests/s"
     )

@@ -103,8 +103,8 @@ def conversation(system: Any, messages: list[dict[str, Any]]) -> list[tuple[str,
 
 
 def as_chat(req: MessagesRequest) -> ChatRequest:
-    """The chat request vLLM makes of it (`to_chat_completion_request`): its sampling
-    options, and the usage a stream needs for `message_delta`."""
+    """The chat request vLLM makes of it (`to_chat_completion_request`): its messages and
+    sampling options (`MessagesFormat` counts a stream's usage from the request's state)."""
     if req.tools or req.tool_choice:
         raise ApiError(
             400,
@@ -122,8 +122,6 @@ def as_chat(req: MessagesRequest) -> ChatRequest:
         "top_k": req.top_k,
         "top_p": req.top_p,
     }
-    if req.stream:
-        opts["stream_options"] = {"include_usage": True}
     return ChatRequest.model_validate(opts)
 
 
@@ -199,9 +197,6 @@ class MessagesFormat(Format):
                 },
             )
         return out
-
-    def usage_chunk(self) -> bytes | None:
-        return None
 
     def end(self) -> bytes:
         return _event("message_stop", {"type": "message_stop"})

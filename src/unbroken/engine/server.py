@@ -739,9 +739,22 @@ class Engine:
         constraint, tools = structured.chat_constraint(raw)
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        limit = req.token_limit
-        if limit == 0:
+        if req.token_limit == 0:
             raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        state, ptoks = self._start_chat(request, req, adapter, constraint)
+        fmt = ChatFormat(req, state, self._echo(req.model, adapter), ptoks, tools)
+        return await self._answer(request, state, fmt, req.stream)
+
+    def _start_chat(
+        self,
+        request: web.Request,
+        req: ChatRequest,
+        adapter: LoadedAdapter | None,
+        constraint: Any,
+    ) -> tuple[RequestState, int]:
+        """A chat request's context rendered, its token limit set as vLLM sets it, its
+        sequences submitted: (its state, its prompt tokens). Chat's and the Messages API's,
+        which vLLM serves as a chat request (its id `chatcmpl-...` too)."""
         ctx = render_chat(
             [(m.role, m.text()) for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
@@ -749,38 +762,23 @@ class Engine:
         )
         ptoks = count_tokens(ctx)
         param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-        max_tokens = max_tokens_for(ptoks, limit, self.cfg.profile.max_model_len, param)
+        limit = max_tokens_for(ptoks, req.token_limit, self.cfg.profile.max_model_len, param)
         rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
         state = RequestState(rid, req.n)
         self._maybe_fail(state)
-        seqs = self._seqs(req, state, [(ctx, ptoks)], [max_tokens], adapter, constraint)
+        seqs = self._seqs(req, state, [(ctx, ptoks)], [limit], adapter, constraint)
         self._submit(state, seqs)
-        fmt = ChatFormat(req, state, self._echo(req.model, adapter), ptoks, tools)
-        return await self._answer(request, state, fmt, req.stream)
+        return state, ptoks
 
     # -- /v1/messages (Anthropic's Messages API, as vLLM 0.32 serves it: messages.py) --------
-    def _as_chat(self, req: messages_mod.MessagesRequest) -> tuple[ChatRequest, str, int]:
-        """The chat request vLLM makes of a Messages request, its rendered context and
-        prompt tokens."""
-        chat = messages_mod.as_chat(req)
-        ctx = render_chat([(m.role, m.text()) for m in chat.messages])
-        return chat, ctx, count_tokens(ctx)
-
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
             self._admit()
             req, _ = parse_request(messages_mod.MessagesRequest, await request.read())
             adapter = self._resolve(req.model)
-            chat, ctx, ptoks = self._as_chat(req)
+            chat = messages_mod.as_chat(req)
             self._check_seed(chat)
-            max_len = self.cfg.profile.max_model_len
-            limit = max_tokens_for(ptoks, chat.max_tokens, max_len, "max_tokens")
-            # vLLM answers with its chat request's id (`chatcmpl-...`).
-            rid = f"chatcmpl-{client_request_id(request.headers.get('X-Request-Id'))}"
-            state = RequestState(rid, 1)
-            self._maybe_fail(state)
-            seqs = self._seqs(chat, state, [(ctx, ptoks)], [limit], adapter, None)
-            self._submit(state, seqs)
+            state, ptoks = self._start_chat(request, chat, adapter, None)
         except ApiError as e:
             return messages_mod.anthropic_error(e.status, e.message)
         fmt = messages_mod.MessagesFormat(chat, state, self._echo(req.model, adapter), ptoks)

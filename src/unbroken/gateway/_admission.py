@@ -189,12 +189,16 @@ class Admission:
         (autoscaled with min 0: `Pool.sleeping`); "down" when none may (its replicas are
         crashing or being replaced: a review saw a crash loop called "scaled to zero");
         else None."""
+        names = set(self.pool.pools_for(priority))
+        if any(e.pool in names and model in e.models for e in self.pool.endpoints.values()):
+            return None
+        return self._unrun(model, priority)
+
+    def _unrun(self, model: str, priority: str) -> str | None:
+        """`_absent`'s verdict for a route none of whose replicas serves `model`."""
         route = self.pool.pools_for(priority)
         declared = [n for n in route if model in self.pool.pool_models.get(n, ())]
         if not declared:
-            return None
-        names = set(route)
-        if any(e.pool in names and model in e.models for e in self.pool.endpoints.values()):
             return None
         return "asleep" if self.pool.sleeping.intersection(declared) else "down"
 
@@ -221,7 +225,7 @@ class Admission:
             # None at all: asleep (a pool autoscaled to 0), unknown (said elsewhere), or a
             # pool that does not sleep with no replica left (a crash loop between its
             # replacements, which a review saw answered "scaled to zero").
-            if self._absent(model, priority) != "down":
+            if self._unrun(model, priority) != "down":  # (no endpoint serves it: known)
                 return None
             return "no replica of its pool serves (starting, or being replaced after a crash)"
         down = sum(e.state == State.READY for e in eps)

@@ -28,6 +28,7 @@ from unbroken.pipeline.control import (
     SupervisorRejected,
     SupervisorUnreachable,
 )
+from unbroken.pipeline.replicas import serial_of
 from unbroken.pipeline.supervisor import (
     StartupError,
     Supervisor,
@@ -291,7 +292,7 @@ def _replacing(status: dict[str, Any], pool: str) -> dict[str, str]:
     return {
         name: why
         for name, why in (status.get("replacing") or {}).items()
-        if name.rpartition("-")[0] == pool
+        if serial_of(name, pool) is not None
     }
 
 
