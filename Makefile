@@ -34,7 +34,7 @@ FAST_TESTS := $(addprefix tests/,test_sse.py test_relay_events.py test_layers.py
 	test_gateway_layers.py test_gateway_messages.py test_routing_adapters.py \
 	test_engine_lora.py test_k8s_autoscale.py test_cpucap.py test_fairness.py \
 	test_engine_metrics_vllm.py test_engine_responses.py test_engine_structured.py \
-	test_engine_kv_events.py test_engine_messages.py)
+	test_engine_kv_events.py test_engine_messages.py test_engine_tokenize.py)
 
 test-fast: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -156,8 +156,12 @@ def test_engine_routes_pass_through(gw: tuple[Proc, Proc]) -> None:
     assert r.status_code == 200 and r.json() == httpx.get(e.url + "/version", timeout=10).json()
     assert metric(g.url, "unbroken_gateway_requests_total", status="200") == before + 1
     # A route the engine does not have: the engine's own 404 comes back.
-    r = httpx.post(g.url + "/tokenize", json={"model": MODEL, "prompt": "x"}, timeout=10)
-    assert r.status_code == httpx.post(e.url + "/tokenize", json={}, timeout=10).status_code
+    body = {"model": MODEL, "input": "x"}
+    r = httpx.post(g.url + "/pooling", json=body, timeout=10)
+    assert r.status_code == httpx.post(e.url + "/pooling", json=body, timeout=10).status_code == 404
+    # One it has, as it answers it.
+    r = httpx.post(g.url + "/tokenize", json={"model": MODEL, "prompt": "a b c"}, timeout=10)
+    assert r.status_code == 200 and r.json()["count"] == 3
     # An unknown model is the gateway's to refuse.
     r = httpx.post(g.url + "/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -29,6 +29,7 @@ from unbroken.engine import cuda as cuda_mod
 from unbroken.engine import messages as messages_mod
 from unbroken.engine import responses as responses_mod
 from unbroken.engine import structured
+from unbroken.engine import tokenize as tokenize_mod
 from unbroken.engine.core import EngineCore, Output, Seq
 from unbroken.engine.faults import Config, FaultRequest, Faults
 from unbroken.engine.kvcache import root_hash, salted_root
@@ -348,6 +349,8 @@ class Engine:
         app.router.add_post("/v1/responses/{response_id}/cancel", self.responses_api.cancel)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         profile = self.cfg.profile.name
 
         async def say_profile(_request: web.Request, resp: web.StreamResponse) -> None:
@@ -792,6 +795,17 @@ class Engine:
         except ApiError as e:
             return messages_mod.anthropic_error(e.status, e.message)
         return web.json_response({"input_tokens": count_tokens(render_chat(pairs))})
+
+    # -- /tokenize, /detokenize (tokenize.py) -------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = tokenize_mod.parse_tokenize(await request.read())
+        self._resolve(req.model)
+        return web.json_response(tokenize_mod.answer(req, self.cfg.profile.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req, _ = parse_request(tokenize_mod.DetokenizeRequest, await request.read())
+        self._resolve(req.model)
+        return web.json_response(tokenize_mod.detokenized(req))
 
     # -- /v1/responses (vLLM's Responses API, responses.py) ----------------------------------
     @functools.cached_property

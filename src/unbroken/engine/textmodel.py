@@ -23,6 +23,7 @@ __all__ = [
     "StopChecker",
     "TextModel",
     "count_tokens",
+    "decode",
     "expected_chat",
     "expected_completion",
     "model_key",
@@ -31,6 +32,7 @@ __all__ = [
     "sampling_salt",
     "text_piece_id",
     "token_ids",
+    "tokenize",
 ]
 
 # A fixed vocabulary. Part of the "model": changing it changes every output.
@@ -81,6 +83,35 @@ def token_ids(text: str) -> list[int]:
     return ids  # type: ignore[return-value]
 
 
+# Words outside the vocabulary that `tokenize` (the /tokenize route) gave ids, so that
+# `decode` turns those ids back into them: the most recent _SEEN_MAX, in this process only.
+# The hot path (`token_ids`) records nothing.
+_SEEN: dict[int, str] = {}
+_SEEN_MAX = 65536
+
+
+def tokenize(text: str) -> tuple[list[int], list[str]]:
+    """`token_ids` of `text` and each token's string (its word), remembering the words
+    outside the vocabulary so that `decode` of these ids gives the text back (whitespace
+    runs as single spaces)."""
+    words = text.split() if text.split() else ([text] if text else [])
+    ids = token_ids(text)
+    for w, i in zip(words, ids, strict=True):
+        if i >= len(VOCAB) and i not in _SEEN:
+            _SEEN[i] = w
+            if len(_SEEN) > _SEEN_MAX:
+                del _SEEN[next(iter(_SEEN))]
+    return ids, words
+
+
+def decode(ids: Iterable[int]) -> str:
+    """The text of token ids, words joined by single spaces: a vocabulary id is its word, an
+    id `tokenize` gave an unknown word is that word, any other id the word at its index
+    modulo the vocabulary (so every id is some token: the simulator has no unknown ids)."""
+    n = len(VOCAB)
+    return " ".join(VOCAB[i] if 0 <= i < n else _SEEN.get(i) or VOCAB[i % n] for i in ids)
+
+
 def piece_id(piece: str) -> int:
     """The token id of a generated piece (a vocabulary word, perhaps after one space)."""
     return _VOCAB_ID[piece.lstrip(" ")]
@@ -122,7 +153,7 @@ class TextModel:
         return Cursor(h, not context or context[-1].isspace(), self.eos_rate)
 
     def token_text(self, ids: Iterable[int]) -> str:
-        return " ".join(VOCAB[i % len(VOCAB)] for i in ids)
+        return decode(ids)
 
 
 class Cursor:
