@@ -71,37 +71,52 @@ def shared_gateway(logdir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
 SERIAL_FILES: tuple[str, ...] = ()
 
 # The files that take longest, first (the workers take files as they free up, so the last
-# file a worker takes should be a short one). From a serial run's `--durations=0` of
-# 2026-12-03 on a loaded 2-core machine (seconds: 251, 196, 161, 142, 124, 119, 109, 90...).
+# file a worker takes should be a short one). From a full run's `--durations=0` of
+# 2026-12-07 on a fresh 2-core machine (seconds: 194, 99, 84, 77, 75, 72, 71, 71, 69...).
 SLOW_FIRST: tuple[str, ...] = tuple(
     f"tests/{name}.py"
     for name in (
         "test_controller",
-        "test_hardening_pipeline",
-        "test_rollout",
-        "test_tenants",
-        "test_reliability_supervisor",
-        "test_pipeline",
-        "test_malformed",
-        "test_gateway_handover",
-        "test_k8s_discovery",
-        "test_migration",
-        "test_gateway_reload",
-        "test_up_reload",
-        "test_gateway",
-        "test_multimodel",
-        "test_hardening",
-        "test_reliability_gwmain",
         "test_gateway_workers",
+        "test_rollout",
+        "test_gateway_handover",
+        "test_gateway_reload",
+        "test_hardening",
+        "test_prefix_shared",
+        "test_autoscale",
+        "test_k8s_discovery",
+        "test_supervisor_day2",
+        "test_gateway",
+        "test_hardening_pipeline",
         "test_bench",
-        "test_tenants_redis",
+        "test_bench_scenarios",
+        "test_routing_latency",
+        "test_tenants",
+        "test_malformed",
+        "test_cli",
+        "test_multimodel",
+        "test_up_reload",
+        "test_engine_faults",
+        "test_migration",
+        "test_pipeline",
+        "test_reliability_supervisor",
+        "test_bench_workloads",
+        "test_reliability_nonstream",
+        "test_gateway_reload_failures",
     )
 )
 
 
+# The real-vLLM tier: its files run last, so that on a fresh machine its install, started in
+# the background when a run collects it (`pytest_collection_finish`), overlaps the rest of
+# the run instead of one `serial` test's setup holding the whole machine for ~1.5 minutes.
+VLLM_TIER = "tests/vllm/"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with serial tests first (nothing runs beside those), then the slowest files, then
-    the rest in collection order; each file's tests stay together and in their order."""
+    the rest in collection order, the real-vLLM tier last; each file's tests stay together
+    and in their order."""
     for item in items:
         if item.nodeid.startswith(SERIAL_FILES):
             item.add_marker(pytest.mark.serial)
@@ -116,9 +131,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def key(item: pytest.Item) -> tuple[int, int, int]:
         f = item.nodeid.split("::", 1)[0]
-        return (0 if f in serial else 1, rank.get(f, len(rank)), first[f])
+        group = 2 if f.startswith(VLLM_TIER) else 0 if f in serial else 1
+        return (group, rank.get(f, len(rank)), first[f])
 
     items.sort(key=key)  # stable: a file's tests keep their order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start preparing the real-vLLM tier (tests/vllm/prepare.py: install, models) in the
+    background when this run has its tests and the cache lacks it; once per run (the first
+    xdist worker, or the only process)."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    if not any(item.nodeid.startswith(VLLM_TIER) for item in session.items):
+        return
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unbroken"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "vllm-prepare.log", "ab") as log:
+        subprocess.Popen(
+            [sys.executable, str(here / "vllm" / "prepare.py")],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # outlives an interrupted run: the cache is finished
+        )
 
 
 class RunLock:

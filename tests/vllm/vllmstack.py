@@ -9,6 +9,7 @@ A machine that cannot install or start vLLM FAILS this tier with the reason; it 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -59,26 +60,39 @@ def vllm_venv() -> Path:
 @pytest.fixture(scope="session")
 def model_dirs(vllm_venv: Path) -> dict[str, Path]:
     """Both models, built once per version of build_model.py and cached."""
+    try:
+        return build_models(vllm_venv)
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def build_models(venv: Path) -> dict[str, Path]:
+    """The random and canonical models (build_model.py), built once per version of it into
+    the cache; one builder at a time (the suite's background preparation, prepare.py, and
+    the fixture). RuntimeError with the builder's output when one cannot be built."""
     key = hashlib.sha256((HERE / "build_model.py").read_bytes()).hexdigest()[:12]
     base = CACHE / "vllm-models" / key
+    base.mkdir(parents=True, exist_ok=True)
     out = {}
-    for kind in ("random", "canonical"):
-        dest = base / kind
-        if not (dest / "model.safetensors").exists():
-            tmp = base / f".{kind}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            r = subprocess.run(
-                [str(vllm_venv / "bin" / "python"), str(HERE / "build_model.py"), str(tmp), kind],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )
-            if r.returncode != 0:
-                pytest.fail(f"building the {kind} model failed:\n{r.stderr[-3000:]}", pytrace=False)
-            shutil.rmtree(dest, ignore_errors=True)
-            tmp.rename(dest)
-        out[kind] = dest
+    with open(base.parent / f"{key}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for kind in ("random", "canonical"):
+            dest = base / kind
+            if not (dest / "model.safetensors").exists():
+                tmp = base / f".{kind}.{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                r = subprocess.run(
+                    [str(venv / "bin" / "python"), str(HERE / "build_model.py"), str(tmp), kind],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                )
+                if r.returncode != 0:
+                    raise RuntimeError(f"building the {kind} model failed:\n{r.stderr[-3000:]}")
+                shutil.rmtree(dest, ignore_errors=True)
+                tmp.rename(dest)
+            out[kind] = dest
     return out
 
 
