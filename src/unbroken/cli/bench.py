@@ -206,7 +206,7 @@ def demo(
     steady: Annotated[
         float,
         typer.Option(help="Seconds of the steady window (the ratios' denominator; see above)."),
-    ] = 20.0,
+    ] = 40.0,
     contention: Annotated[
         float,
         typer.Option(help="Seconds of the bus-contention episode (slow_cuda; see above)."),
