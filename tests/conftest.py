@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -133,25 +134,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start preparing the real-vLLM tier (tests/vllm/prepare.py: install, models) in the
-    background when this run has its tests and the cache lacks it; once per run (the first
-    xdist worker, or the only process)."""
+    background when this run has its tests (it returns at once when the cache has both);
+    once per run (the first xdist worker, or the only process)."""
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
         return
     if not any(item.nodeid.startswith(VLLM_TIER) for item in session.items):
         return
-    import subprocess
-
-    here = Path(__file__).resolve().parent
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unbroken"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / "vllm-prepare.log", "ab") as log:
-        subprocess.Popen(
-            [sys.executable, str(here / "vllm" / "prepare.py")],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,  # outlives an interrupted run: the cache is finished
-        )
+    subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parent / "vllm" / "prepare.py")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # it writes its own log
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outlives an interrupted run: the cache is finished
+    )
 
 
 class RunLock:

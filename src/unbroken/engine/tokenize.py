@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from unbroken.engine.textmodel import decode, render_chat, tokenize
-from unbroken.wire.openai import ChatMessage, parse_request
+from unbroken.wire.openai import ChatMessage, json_object, validate_request
 
 __all__ = [
     "DetokenizeRequest",
@@ -69,12 +68,9 @@ class DetokenizeRequest(_Lax):
 
 def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """The request as vLLM's union reads it (module doc); 400 on malformed input."""
-    try:
-        raw = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raw = None  # parse_request says why
-    chat = isinstance(raw, dict) and "messages" in raw
-    return parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)[0]
+    raw = json_object(body)
+    model = TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest
+    return validate_request(model, raw)
 
 
 def answer(
@@ -84,7 +80,7 @@ def answer(
     if isinstance(req, TokenizeChatRequest):
         text = render_chat(
             [(m.role, m.text()) for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
         )
     else:

@@ -236,14 +236,25 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 def parse_request(model: type[T], body: bytes) -> tuple[T, dict[str, Any]]:
     """Bytes → (validated model, raw dict). Raises ApiError(400) on any malformed input."""
+    raw = json_object(body)
+    return validate_request(model, raw), raw
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """A request body's JSON object; ApiError(400) for anything else."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return raw
+
+
+def validate_request(model: type[T], raw: dict[str, Any]) -> T:
+    """A body's object as `model`; ApiError(400) in OpenAI's words when it is not one."""
     try:
-        return model.model_validate(raw), raw
+        return model.model_validate(raw)
     except ValidationError as e:
         message, param = validation_message(e)
         raise ApiError(400, message, param=param, code="invalid_value") from None
