@@ -18,7 +18,12 @@ import httpx
 import pytest
 
 from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, metric, ready_endpoint, wait_for
-from unbroken.gateway._latency import EndpointLatency, LatencyAware, LatencySettings
+from unbroken.gateway._latency import (
+    PICK_LAPSE_S,
+    EndpointLatency,
+    LatencyAware,
+    LatencySettings,
+)
 from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -72,15 +77,50 @@ def test_a_slower_endpoint_is_picked_less() -> None:
     slow, fast = _ep("slow", inflight=10), _ep("fast", inflight=10)
     _feed(slow, 0.080, ttfb=0.15)
     _feed(fast, 0.020, ttfb=0.04)
+    ttfb = {"slow": 0.15, "fast": 0.04}
     names = []
     for _ in range(60):
         e = policy.pick([slow, fast], REQ)
         assert e is not None
         names.append(e.name)
         e.slot.add(1)
+        # Its leg starts and answers as the relay's would: a pick no longer pending.
+        leg = object()
+        e.relays.add(leg)
+        e.observe_first(leg, ttfb[e.name])
     assert names[:30] == ["fast"] * 30
     assert 3 <= names.count("slow") <= 8, names
     assert policy.avoided >= 30
+
+
+def test_the_picks_of_a_burst_see_each_other() -> None:
+    """A burst of new requests arrives within milliseconds while finished streams' slots are
+    refilled (loads flat) and no leg has started yet (each upstream request is sent after an
+    await): the endpoint expected a little sooner must not get the whole burst. A pick whose
+    leg never starts (refused, or not streamed) stops counting after PICK_LAPSE_S."""
+    policy = LatencyAware()
+    a, b = _ep("a", inflight=50), _ep("b", inflight=50)
+    _feed(a, 0.030, ttfb=0.060)
+    _feed(b, 0.030, ttfb=0.066)  # 10 % slower than a
+    s = LatencySettings()
+    before = a.latency.expected(time.monotonic(), None, s)
+    assert before == pytest.approx(0.060, rel=0.02)
+    burst = []
+    for _ in range(8):
+        e = policy.pick([a, b], REQ)
+        assert e is not None
+        burst.append(e.name)
+    assert burst[0] == "a"
+    assert 2 <= burst.count("b") <= 4, burst
+    n = burst.count("a")
+    now = time.monotonic()
+    assert a.latency.pending(now) == n
+    assert a.latency.expected(now, None, s) == pytest.approx(0.060 * (1 + n / 16), rel=0.02)
+    # A started leg takes its pick's place: counted once, not twice.
+    a.relays.add(object())
+    assert a.latency.pending(time.monotonic()) == n
+    later = time.monotonic() + PICK_LAPSE_S + 0.01
+    assert a.latency.pending(later) == 1 and b.latency.pending(later) == 0
 
 
 def test_legs_waiting_for_their_first_event_count() -> None:

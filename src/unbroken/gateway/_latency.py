@@ -20,9 +20,13 @@ every stream of every endpoint itself. This policy uses that:
   `stale_s` fades, so an endpoint avoided for what it once showed is tried again, not
   starved.
 - **Expected time to first token** of a new request on an endpoint:
-  `max(TTFB, first_steps x gap, age of its oldest waiting leg, floor_s) x (1 + waiting legs /
+  `max(TTFB, first_steps x gap, age of its oldest waiting leg, floor_s) x (1 + pending /
   pending_scale)`: a first token waits out the step in progress and its own prefill step, and
-  every leg queued ahead adds prefill work; below `floor_s` differences are jitter.
+  every leg queued ahead adds prefill work; below `floor_s` differences are jitter. Pending
+  are the legs waiting for their first event and the picks whose leg has not started yet
+  (its upstream request is sent after an await), so that the picks of one burst (a dozen
+  users' next turns within milliseconds) see each other rather than all going to the
+  endpoint that looked fastest before it.
 - **Pick within a pool**: the lowest `(load + 1) x expected`, load being the least-load score
   (in-flight + engine queue + KV); ties round-robin. With no measurements it is least load.
 - **Spill across pools** (a new request only): the route's first pool is kept unless (a) its
@@ -62,6 +66,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -84,6 +89,12 @@ class LatencyCandidate(Candidate, Protocol):
 
 # Whatever endpoint type the pool routes (`_pool.Endpoint`), read as a LatencyCandidate.
 Endpoint = TypeVar("Endpoint", bound=LatencyCandidate)
+
+
+# A pick counts as pending until its leg starts (a stream's, a few ms later), or for this
+# long: a burst's picks come within ~20 ms; a non-streaming request (no leg is tracked) or
+# one refused before its upstream request stops counting then.
+PICK_LAPSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,7 @@ class EndpointLatency:
     __slots__ = (
         "_live",
         "_n",
+        "_picked",
         "_prefill",
         "_sum",
         "_window_at",
@@ -163,6 +175,10 @@ class EndpointLatency:
         self._prefill: dict[int, float] = {}
         self._live: set[int] = set()  # legs past their first event
         self.last_at = 0.0  # the latest event of any of its streams
+        # Picks whose leg has not started yet (its upstream request is sent after an await):
+        # counted as waiting at once, so that the picks of one burst see each other
+        # (`pending`); a pick whose leg never starts lapses after PICK_LAPSE_S.
+        self._picked: deque[float] = deque()
 
     # -- fed by the relay -------------------------------------------------------------------
     def leg_started(
@@ -172,8 +188,21 @@ class EndpointLatency:
         takes it (`_pool._Legs`), so that a step made long by that prefill is not taken for
         a late one (`_late_after`)."""
         self.waiting[id(leg)] = time.monotonic() if now is None else now
+        if self._picked:
+            self._picked.popleft()
         if prefill_tokens:
             self._prefill[id(leg)] = prefill_tokens
+
+    def picked(self, now: float) -> None:
+        """A policy chose this endpoint for a new leg (`LatencyAware._chose`)."""
+        self._picked.append(now)
+
+    def pending(self, now: float) -> int:
+        """Legs waiting for their first event, and picks whose leg has not started yet."""
+        p = self._picked
+        while p and now - p[0] > PICK_LAPSE_S:
+            p.popleft()
+        return len(self.waiting) + len(p)
 
     def leg_ended(self, leg: object) -> None:
         self._prefill.pop(id(leg), None)
@@ -302,7 +331,7 @@ class EndpointLatency:
             base = oldest if base is None else max(base, oldest)
         if base is None:
             return None
-        return max(base, s.floor_s) * (1.0 + len(self.waiting) / s.pending_scale)
+        return max(base, s.floor_s) * (1.0 + self.pending(now) / s.pending_scale)
 
     def as_dict(self, now: float, s: LatencySettings | None = None) -> dict[str, Any]:
         s = s or _DEFAULT
@@ -373,6 +402,7 @@ class LatencyAware:
         if min(candidates, key=lambda e: (e.load, e._rr)) is not ep:
             self.avoided += 1
         ep._rr = next(self._tick)
+        ep.latency.picked(time.monotonic())
         return ep
 
     def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
