@@ -18,13 +18,9 @@ import httpx
 import pytest
 
 from helpers import MODEL, TOKEN, Proc, admin, engine, gateway, metric, ready_endpoint, wait_for
+from unbroken.gateway import _latency
 from unbroken.gateway._affinity import CacheAware
-from unbroken.gateway._latency import (
-    PICK_LAPSE_S,
-    EndpointLatency,
-    LatencyAware,
-    LatencySettings,
-)
+from unbroken.gateway._latency import EndpointLatency, LatencyAware, LatencySettings
 from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool
 from unbroken.gateway._prefix import CHARS_PER_TOKEN, hint_of
 
@@ -95,11 +91,15 @@ def test_a_slower_endpoint_is_picked_less() -> None:
     assert policy.avoided >= 30
 
 
-def test_the_picks_of_a_burst_see_each_other() -> None:
+def test_the_picks_of_a_burst_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of new requests arrives within milliseconds while finished streams' slots are
     refilled (loads flat) and no leg has started yet (each upstream request is sent after an
     await): the endpoint expected a little sooner must not get the whole burst. A pick whose
     leg never starts (refused, or not streamed) stops counting after PICK_LAPSE_S."""
+    # A lapse long enough that a pause of a busy machine inside this test cannot end it;
+    # `pending` reads the module's value at each call.
+    monkeypatch.setattr(_latency, "PICK_LAPSE_S", 5.0)
+    lapse = 5.0
     policy = LatencyAware()
     a, b = _ep("a", inflight=50), _ep("b", inflight=50)
     _feed(a, 0.030, ttfb=0.060)
@@ -121,7 +121,7 @@ def test_the_picks_of_a_burst_see_each_other() -> None:
     # A started leg takes its pick's place: counted once, not twice.
     a.relays.add(object())
     assert a.latency.pending(time.monotonic()) == n
-    later = time.monotonic() + PICK_LAPSE_S + 0.01
+    later = time.monotonic() + lapse + 0.01
     assert a.latency.pending(later) == 1 and b.latency.pending(later) == 0
 
 
@@ -163,9 +163,34 @@ def test_the_cache_aware_pick_tells_the_leg_its_own_prefill() -> None:
     assert first is not None
     policy.on_admit(first, req)
     assert hint.own_s == pytest.approx(len(text) / CHARS_PER_TOKEN * 40e-6, rel=0.01)
+    # The relay's leg carries the hint: its start hands the endpoint that prefill, its
+    # end forgets it.
+    leg = type("Leg", (), {"hint": hint})()
+    first.relays.add(leg)
+    assert first.latency._own[id(leg)] == hint.own_s
+    first.relays.discard(leg)
+    assert id(leg) not in first.latency._own
     again = policy.pick([a, b], req)
     assert again is first
     policy.on_admit(again, req)
+    assert hint.own_s < 0.001
+
+
+def test_a_pick_over_two_pools_that_keeps_the_first_credits_what_it_holds() -> None:
+    """`pick_route` scores the first pool, then (weighing a spill) a later one, and keeps the
+    first pool's choice: the leg's own prefill is what that choice holds, not what the later
+    pool's candidate would have (once the later pool's scoring replaced the credits, a
+    prompt held in full was taken for a miss)."""
+    policy = CacheAware(LatencySettings(slo_min_load=1.0))
+    a, b = _ep("a", pool="fp16", inflight=4), _ep("b", pool="fp8", inflight=4)
+    text = "word " * 2000
+    hint = hint_of({"prompt": text}, False, "m", block_chars=64, session=None)
+    req = PickRequest("m", "standard", hint)
+    policy.on_admit(a, req)  # a holds the prompt
+    chosen = policy.pick_route([[a], [b]], req, fresh=True)
+    assert chosen is a
+    assert "b" in hint.cached  # the later pool was scored
+    policy.on_admit(chosen, req)
     assert hint.own_s < 0.001
 
 

@@ -149,7 +149,10 @@ class CacheAware(LatencyAware):
         if self.a.use_prefix:
             cached, col = self.index.cached, self._col
             found = [cached(e.name, blocks, col(e)) for e in candidates]
-            hint.cached = {e.name: k for e, k in zip(candidates, found, strict=True)}
+            # Updated, not replaced: `pick_route` scores the first pool, then later ones,
+            # and keeps the first's choice when nothing spills; the chosen endpoint is
+            # always among the candidates of this pick, so its entry is this pick's.
+            hint.cached.update(zip((e.name for e in candidates), found, strict=True))
             held = [k * bc for k in found]
         else:
             held = [0] * n

@@ -145,8 +145,9 @@ class RouteHint:
         self.chars = chars
         self.session = session
         self.block_chars = block_chars
-        # Leading blocks the index credited to each candidate at the last pick (by name):
-        # what the chosen one held is counted when the leg is admitted.
+        # Leading blocks the index credited to each candidate scored (by name; a pick's
+        # candidates overwrite theirs): what the chosen one held is counted when the leg
+        # is admitted.
         self.cached: dict[str, int] = {}
         # What prefilling the part the chosen endpoint was not credited with costs (set by
         # the cache-aware policy at admission): not counted in that leg's first-event time
