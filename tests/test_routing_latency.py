@@ -117,6 +117,7 @@ def test_the_picks_of_a_burst_see_each_other(monkeypatch: pytest.MonkeyPatch) ->
     n = burst.count("a")
     now = time.monotonic()
     assert a.latency.pending(now) == n
+    assert a.latency.as_dict(now)["pending"] == n and a.latency.as_dict(now)["awaiting_first"] == 0
     assert a.latency.expected(now, None, s) == pytest.approx(0.060 * (1 + n / 16), rel=0.02)
     # A started leg takes its pick's place: counted once, not twice.
     a.relays.add(object())

@@ -360,6 +360,7 @@ class EndpointLatency:
             "gap_rise": round(self.rise(s), 3),
             "late": round(self.late(now, s), 3),
             "awaiting_first": len(self.waiting),
+            "pending": self.pending(now),  # awaiting_first, plus picks whose leg has not started
             "expected_ttft_ms": None if exp is None else round(exp * 1e3, 2),
         }
 
