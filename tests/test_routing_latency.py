@@ -99,7 +99,6 @@ def test_the_picks_of_a_burst_see_each_other(monkeypatch: pytest.MonkeyPatch) ->
     # A lapse long enough that a pause of a busy machine inside this test cannot end it;
     # `pending` reads the module's value at each call.
     monkeypatch.setattr(_latency, "PICK_LAPSE_S", 5.0)
-    lapse = 5.0
     policy = LatencyAware()
     a, b = _ep("a", inflight=50), _ep("b", inflight=50)
     _feed(a, 0.030, ttfb=0.060)
@@ -122,7 +121,7 @@ def test_the_picks_of_a_burst_see_each_other(monkeypatch: pytest.MonkeyPatch) ->
     # A started leg takes its pick's place: counted once, not twice.
     a.relays.add(object())
     assert a.latency.pending(time.monotonic()) == n
-    later = time.monotonic() + lapse + 0.01
+    later = time.monotonic() + _latency.PICK_LAPSE_S + 0.01
     assert a.latency.pending(later) == 1 and b.latency.pending(later) == 0
 
 

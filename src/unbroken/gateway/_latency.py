@@ -399,17 +399,17 @@ class LatencyAware:
         """Index of the lowest key; a tie goes to the candidate picked longest ago."""
         return min(range(len(candidates)), key=lambda i: (costs[i][1], candidates[i]._rr))
 
-    def _chose(self, ep: Endpoint, candidates: Sequence[Endpoint]) -> Endpoint:
+    def _chose(self, ep: Endpoint, candidates: Sequence[Endpoint], now: float) -> Endpoint:
         if min(candidates, key=lambda e: (e.load, e._rr)) is not ep:
             self.avoided += 1
         ep._rr = next(self._tick)
-        ep.latency.picked(time.monotonic())
+        ep.latency.picked(now)
         return ep
 
     def pick(self, candidates: list[Endpoint], request: PickRequest) -> Endpoint | None:
         now = time.monotonic()
         best, _, _ = self._best(candidates, now, self._prior(candidates, now), request)
-        return None if best is None else self._chose(best, candidates)
+        return None if best is None else self._chose(best, candidates, now)
 
     def pick_route(
         self, pools: list[list[Endpoint]], request: PickRequest, *, fresh: bool
@@ -449,7 +449,7 @@ class LatencyAware:
                     chosen, among = other, cands
                     self.spills += 1
                     break
-        return self._chose(chosen, among)
+        return self._chose(chosen, among, now)
 
     def late(self, ep: Endpoint) -> bool:
         """Is `ep`'s step in progress late (`EndpointLatency.late`)?"""
