@@ -22,7 +22,7 @@ from unbroken.gateway import _latency
 from unbroken.gateway._affinity import CacheAware
 from unbroken.gateway._latency import EndpointLatency, LatencyAware, LatencySettings
 from unbroken.gateway._pool import Endpoint, LeastLoad, PickRequest, Pool
-from unbroken.gateway._prefix import hint_of
+from unbroken.gateway._prefix import CHARS_PER_TOKEN, hint_of
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REQ = PickRequest("m", "standard")
@@ -125,11 +125,62 @@ def test_the_picks_of_a_burst_see_each_other(monkeypatch: pytest.MonkeyPatch) ->
     assert a.latency.pending(later) == 1 and b.latency.pending(later) == 0
 
 
+def test_a_legs_own_prefill_does_not_make_its_endpoint_look_slow() -> None:
+    """A cache-aware pick sends a prompt to a replica that does not hold it: its first event
+    comes after its own prefill (40 ms here). The cache-aware score adds the uncached prefill
+    of each new request itself, so the first-event time a new request expects there is the
+    rest (the step it waited for); counting the prefill too made a replica that had just
+    taken a miss look slow for every prompt it does hold. Without an own prefill (any other
+    policy), all of it counts."""
+    s = LatencySettings()
+
+    def replica(own: float) -> EndpointLatency:
+        lat = EndpointLatency(s)
+        leg = object()
+        lat.leg_started(leg, now=100.0, own_prefill_s=own)
+        lat.first_event(leg, 0.012 + 0.040, now=100.052)
+        return lat
+
+    told, untold = replica(0.040), replica(0.0)
+    assert told.ttfb_s == pytest.approx(0.012, abs=0.001)
+    assert untold.ttfb_s == pytest.approx(0.052, abs=0.001)
+    # A leg that ends without a first event leaves nothing behind.
+    gone = object()
+    told.leg_started(gone, now=101.0, own_prefill_s=0.04)
+    told.leg_ended(gone)
+    assert not told.waiting and not told._own
+
+
+def test_the_cache_aware_pick_tells_the_leg_its_own_prefill() -> None:
+    """What the chosen replica was not credited with is the leg's own prefill, at the
+    policy's cost per token: a prompt it holds brings none, one it does not brings all."""
+    policy = CacheAware()
+    a, b = _ep("a"), _ep("b")
+    text = "word " * 2000
+    hint = hint_of({"prompt": text}, False, "m", block_chars=64, session=None)
+    req = PickRequest("m", "standard", hint)
+    first = policy.pick([a, b], req)
+    assert first is not None
+    policy.on_admit(first, req)
+    assert hint.own_s == pytest.approx(len(text) / CHARS_PER_TOKEN * 40e-6, rel=0.01)
+    # The relay's leg carries the hint: its start hands the endpoint that prefill, its
+    # end forgets it.
+    leg = type("Leg", (), {"hint": hint})()
+    first.relays.add(leg)
+    assert first.latency._own[id(leg)] == hint.own_s
+    first.relays.discard(leg)
+    assert id(leg) not in first.latency._own
+    again = policy.pick([a, b], req)
+    assert again is first
+    policy.on_admit(again, req)
+    assert hint.own_s < 0.001
+
+
 def test_a_pick_over_two_pools_that_keeps_the_first_credits_what_it_holds() -> None:
     """`pick_route` scores the first pool, then (weighing a spill) a later one, and keeps the
-    first pool's choice: the gateway's own hit estimate credits what that choice holds. The
-    later pool's scoring replaced the credits before, so a prompt held in full counted as a
-    miss in `unbroken_gateway_prefix_hit_blocks_total` for non-critical work under load."""
+    first pool's choice: the leg's own prefill is what that choice holds, not what the later
+    pool's candidate would have (once the later pool's scoring replaced the credits, a
+    prompt held in full was taken for a miss)."""
     policy = CacheAware(LatencySettings(slo_min_load=1.0))
     a, b = _ep("a", pool="fp16", inflight=4), _ep("b", pool="fp8", inflight=4)
     text = "word " * 2000
@@ -142,6 +193,7 @@ def test_a_pick_over_two_pools_that_keeps_the_first_credits_what_it_holds() -> N
     assert "b" in hint.cached  # the later pool was scored
     policy.on_admit(chosen, req)
     assert policy.hit_blocks - before == len(hint.blocks)
+    assert hint.own_s < 0.001
 
 
 def test_legs_waiting_for_their_first_event_count() -> None:

@@ -256,8 +256,11 @@ class CacheAware(LatencyAware):
             # was looked up: the gateway's own estimate of the prefix hit rate
             # (`unbroken_gateway_prefix_*_blocks_total`), to set beside the engines'
             # vllm:prefix_cache_hits_total / _queries_total.
+            held = hint.cached.get(ep.name, 0)
             self.lookup_blocks += len(hint.blocks)
-            self.hit_blocks += hint.cached.get(ep.name, 0)
+            self.hit_blocks += held
+            uncached = max(0, hint.chars - held * hint.block_chars) / CHARS_PER_TOKEN
+            hint.own_s = uncached * self.a.prefill_s_per_token
             self.index.record(ep.name, hint.blocks, self._col(ep))
             if self.share is not None:
                 self.share.publish(ep.name, hint.blocks)

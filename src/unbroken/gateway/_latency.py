@@ -139,6 +139,7 @@ class EndpointLatency:
     __slots__ = (
         "_live",
         "_n",
+        "_own",
         "_picked",
         "_prefill",
         "_sum",
@@ -171,6 +172,11 @@ class EndpointLatency:
         self.gap_slow_s: float | None = None  # the gap's average over ~trend_s
         self.gap_at = 0.0
         self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
+        # Per waiting leg, the prefill of its own uncached prompt (seconds, the cache-aware
+        # policy's estimate): taken out of its first-event time, which then measures what
+        # any new request waits for here (the step in progress, the others' prefills), and
+        # a replica that just prefilled a prompt it did not hold does not look slow for it.
+        self._own: dict[int, float] = {}
         # ... and the prompt tokens each may bring to the step that takes it (`_late_after`)
         self._prefill: dict[int, float] = {}
         self._live: set[int] = set()  # legs past their first event
@@ -182,16 +188,23 @@ class EndpointLatency:
 
     # -- fed by the relay -------------------------------------------------------------------
     def leg_started(
-        self, leg: object, now: float | None = None, prefill_tokens: float = 0.0
+        self,
+        leg: object,
+        now: float | None = None,
+        prefill_tokens: float = 0.0,
+        own_prefill_s: float = 0.0,
     ) -> None:
         """`prefill_tokens`: the prompt tokens the leg may bring to the engine step that
         takes it (`_pool._Legs`), so that a step made long by that prefill is not taken for
-        a late one (`_late_after`)."""
+        a late one (`_late_after`). `own_prefill_s`: what prefilling the part of its prompt
+        the endpoint is not credited with costs (`_own`)."""
         self.waiting[id(leg)] = time.monotonic() if now is None else now
         if self._picked:
             self._picked.popleft()
         if prefill_tokens:
             self._prefill[id(leg)] = prefill_tokens
+        if own_prefill_s > 0.0:
+            self._own[id(leg)] = own_prefill_s
 
     def picked(self, now: float) -> None:
         """A policy chose this endpoint for a new leg (`LatencyAware._chose`)."""
@@ -206,15 +219,20 @@ class EndpointLatency:
 
     def leg_ended(self, leg: object) -> None:
         self._prefill.pop(id(leg), None)
+        self._own.pop(id(leg), None)
         if self.waiting.pop(id(leg), None) is None:
             self._live.discard(id(leg))
 
     def first_event(self, leg: object, seconds: float, now: float | None = None) -> None:
         """Peak EWMA: a slower first event counts at once, a faster one pulls the estimate
-        down with the time since the last sample (`ttfb_decay_s`)."""
+        down with the time since the last sample (`ttfb_decay_s`). The leg's own prefill
+        (`_own`) is not counted."""
         if self.waiting.pop(id(leg), None) is not None:
-            self._live.add(id(leg))
             self._prefill.pop(id(leg), None)
+            own = self._own.pop(id(leg), 0.0)
+            if own:
+                seconds = max(0.0, seconds - own)
+            self._live.add(id(leg))
         now = time.monotonic() if now is None else now
         self.last_at = now
         t = self.ttfb_s

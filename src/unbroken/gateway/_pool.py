@@ -123,8 +123,12 @@ class _Legs(set[Any]):
     def add(self, leg: Any) -> None:
         super().add(leg)
         hint: RouteHint | None = getattr(leg, "hint", None)
-        tokens = hint.chars / CHARS_PER_TOKEN if hint is not None else 0.0
-        self.latency.leg_started(leg, prefill_tokens=tokens)
+        if hint is None:
+            self.latency.leg_started(leg)
+        else:
+            self.latency.leg_started(
+                leg, prefill_tokens=hint.chars / CHARS_PER_TOKEN, own_prefill_s=hint.own_s
+            )
 
     def discard(self, leg: Any) -> None:
         super().discard(leg)

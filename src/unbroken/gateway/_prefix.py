@@ -136,7 +136,7 @@ class RouteHint:
     """A request's prompt as block names, its length, and its session key, computed once per
     request; continuations of a stream carry their original's."""
 
-    __slots__ = ("block_chars", "blocks", "cached", "chars", "session")
+    __slots__ = ("block_chars", "blocks", "cached", "chars", "own_s", "session")
 
     def __init__(
         self, blocks: Sequence[int], chars: int, session: str | None, block_chars: int
@@ -149,6 +149,10 @@ class RouteHint:
         # candidates overwrite theirs): what the chosen one held is counted when the leg
         # is admitted.
         self.cached: dict[str, int] = {}
+        # What prefilling the part the chosen endpoint was not credited with costs (set by
+        # the cache-aware policy at admission): not counted in that leg's first-event time
+        # (`EndpointLatency._own`).
+        self.own_s = 0.0
 
 
 def prompt_text(raw: dict[str, Any], chat: bool) -> str:
