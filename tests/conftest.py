@@ -62,10 +62,9 @@ def shared_gateway(logdir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
 # Most of this suite waits on processes, sockets and timers, so its files run on two workers
 # (`--dist loadfile`: a file's module fixtures, its engines and pipelines, are started once).
 # A test marked `serial` runs with no other test of the run beside it: the real-vLLM servers
-# (pinned one per core) and the demo (a SCHED_FIFO load generator, latency ratios) load the
-# whole machine, and an eBPF agent attaches to (and on exit detaches from) the CUDA library
-# of every engine on it, the other worker's included; beside another test each is slower,
-# and flakier.
+# (pinned one per core) load the whole machine, and an eBPF agent attaches to (and on exit
+# detaches from) the CUDA library of every engine on it, the other worker's included; beside
+# another test each is slower, and flakier.
 
 # Files whose tests run alone (node ids start with these): files this conftest's owners may
 # not mark themselves; the others carry `pytestmark = pytest.mark.serial`.
@@ -80,6 +79,7 @@ SLOW_FIRST: tuple[str, ...] = tuple(
     f"tests/{name}.py"
     for name in (
         "test_controller",
+        "test_demo",
         "test_hardening_pipeline",
         "test_rollout",
         "test_tenants",
@@ -111,7 +111,10 @@ VLLM_TIER = "tests/vllm/"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with serial tests first (nothing runs beside those), then the slowest files, then
     the rest in collection order, the real-vLLM tier last; each file's tests stay together
-    and in their order."""
+    and in their order, except that a file's serial tests come before its others: the run's
+    serial part is then over within its first minutes, instead of a serial test late in a
+    file (test_controller's eBPF agent tests) holding the other worker idle while it waits
+    for that worker's long test to end, and then for itself."""
     for item in items:
         if item.nodeid.startswith(SERIAL_FILES):
             item.add_marker(pytest.mark.serial)
@@ -124,12 +127,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("serial") is not None:
             serial.add(f)
 
-    def key(item: pytest.Item) -> tuple[int, int, int]:
+    def key(item: pytest.Item) -> tuple[int, int, int, int]:
         f = item.nodeid.split("::", 1)[0]
         group = 2 if f.startswith(VLLM_TIER) else 0 if f in serial else 1
-        return (group, rank.get(f, len(rank)), first[f])
+        alone = 0 if group == 0 and item.get_closest_marker("serial") is not None else 1
+        return (group, rank.get(f, len(rank)), first[f], alone)
 
-    items.sort(key=key)  # stable: a file's tests keep their order
+    items.sort(key=key)  # stable: a file's tests keep their order, its serial ones first
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

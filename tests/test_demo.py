@@ -224,13 +224,16 @@ def test_rrproxy_passes_a_backend_failure_on_to_the_client(tmp_path: Path) -> No
 # -- the whole demo, scaled down -------------------------------------------------------------
 
 
-@pytest.mark.serial  # a SCHED_FIFO load generator and latency ratios: the machine to itself
 def test_demo_end_to_end(tmp_path: Path) -> None:
     """Both passes (standard deployment, unbroken) with 40 users and short windows: same
     phases, the seed table's rows in results.json, unbroken's zero dropped and corrupted
     streams, and the standard deployment's rollout breaking streams (SIGTERM aborts them).
     With ~100 requests a window, p99.9 TTFT is the single worst request, so the ratio target
-    is loosened to 3x here; the 1.5x target is for 200 users."""
+    is loosened to 3x here; the 1.5x target is for 200 users. The verdict is not asserted
+    (PASS or FAIL, said consistently), so this runs beside other tests: what it asserts,
+    zero dropped and corrupted streams, holds on a loaded machine too (it ran `serial`, the
+    machine to itself, until 2026-12-07: 85 s of the suite's 25 minutes with one worker
+    idle)."""
     r = subprocess.run(
         [
             sys.executable,
