@@ -6,9 +6,11 @@ carries several tokens. Each disruption (SIGKILL, SIGTERM with both shutdown tim
 SIGSTOP, drain) hits `a` mid-stream; every stream is compared, byte for byte, with the same
 greedy request made without disruption straight to `b`.
 
-The order saves vLLM starts (tens of seconds each on CPU): the tests that leave `a` running
-come first, then the three that kill it, each of the first two starting it again (the next
-test waits for it after computing its references on `b`); the last leaves it dead.
+The order saves vLLM starts (tens of seconds each on CPU): the tests that need `a` running
+come first, then the three that kill it, each of the first two starting it again; the tests
+that need only `b` (or the gateway, which sends to `b` while `a` is out) run while `a`
+starts, and the next disruption test waits for it after computing its references on `b`;
+the last leaves `a` dead.
 """
 
 from __future__ import annotations
@@ -265,92 +267,6 @@ def test_events_carry_several_tokens_and_extras_are_stripped(stack_random: Stack
     assert len(got) == 200
 
 
-def test_an_echoed_prompt_reaches_the_client(stack_random: Stack) -> None:
-    """`echo` on a stream: vLLM 0.32 sends the echoed prompt's text empty when asked for
-    token ids (the prompt is then in `prompt_token_ids` only), and the gateway asked for
-    them on every stream: through it the echo was lost (a review against vLLM 0.32)."""
-    s = stack_random
-    prompt = "Once upon a time there was a"
-    for body in (comp(prompt, 6, echo=True), comp(prompt, 6, echo=True, logprobs=1)):
-        ref = reference(s.b.url, "/v1/completions", body)
-        assert ref_text(ref, False).startswith(prompt)
-        r = Reader(s.g.url, "/v1/completions", body)
-        r.run()
-        check_exact(r, ref)
-    two = {"model": MODEL, "prompt": [prompt, "Hi"], "max_tokens": 3, "temperature": 0}
-    r = Reader(s.g.url, "/v1/completions", {**two, "echo": True})
-    r.run()
-    texts: dict[int, str] = {}
-    for e in r.events:
-        for c in e["choices"] if isinstance(e, dict) else ():
-            texts[c["index"]] = texts.get(c["index"], "") + (c.get("text") or "")
-    assert texts[0].startswith(prompt) and texts[1].startswith("Hi"), texts
-
-
-# -- items 5, 6: what the engine accepts passes; engine routes pass through -------------------
-def test_gateway_is_not_stricter_than_vllm(stack_random: Stack) -> None:
-    s = stack_random
-    cases = [
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5", "top_k": "5"}),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "five"}),
-        (
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}], "max_tokens": 3},
-        ),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": "true"}),
-    ]
-    for path, body in cases:
-        direct = httpx.post(s.b.url + path, json=body, timeout=60)
-        via = httpx.post(s.g.url + path, json=body, timeout=60)
-        assert via.status_code == direct.status_code, (body, via.text, direct.text)
-        if direct.status_code >= 400:
-            assert via.json()["error"]["message"] == direct.json()["error"]["message"]
-
-
-def test_engine_routes_pass_through(stack_random: Stack) -> None:
-    s = stack_random
-    tok = httpx.post(s.g.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
-    assert tok.status_code == 200 and tok.json()["tokens"]
-    de = httpx.post(
-        s.g.url + "/detokenize", json={"model": MODEL, "tokens": tok.json()["tokens"]}, timeout=30
-    )
-    assert de.status_code == 200 and de.json()["prompt"].endswith("hello")
-    assert httpx.get(s.g.url + "/version", timeout=30).json()["version"].startswith("0.")
-    models = httpx.get(s.g.url + "/v1/models", timeout=30).json()["data"]
-    m = next(x for x in models if x["id"] == MODEL)
-    assert m["max_model_len"] == 1024 and m["root"]
-    for path, body in [
-        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
-        ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
-        # Anthropic's Messages API and its token count (vLLM 0.32 serves both; a 404
-        # through the gateway until 2026-12-07), SageMaker's /invocations.
-        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [MSGS[0]]}),
-        ("/v1/messages/count_tokens", {"model": MODEL, "messages": [MSGS[0]]}),
-        ("/invocations", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
-    ]:
-        direct = httpx.post(s.b.url + path, json=body, timeout=60)
-        via = httpx.post(s.g.url + path, json=body, timeout=60)
-        assert via.status_code == direct.status_code, (path, via.text, direct.text)
-        if path in ("/v1/messages", "/v1/messages/count_tokens", "/invocations"):
-            assert direct.status_code == 200, (path, direct.text)
-            assert via.json().keys() == direct.json().keys(), path
-    with httpx.stream(
-        "POST",
-        s.g.url + "/v1/responses",
-        json={"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": True},
-        timeout=60,
-    ) as r:
-        body_text = r.read().decode()
-    direct = httpx.post(
-        s.b.url + "/v1/responses",
-        json={"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": True},
-        timeout=60,
-    )
-    assert r.status_code == direct.status_code
-    if direct.status_code == 200:
-        assert "response.completed" in body_text
-
-
 def test_stored_responses_are_found_where_they_live(stack_random: Stack) -> None:
     """vLLM keeps a stored response on the server that made it (another answers 404). One
     made on `b` directly is found through the gateway, which prefers `a` (the primary pool):
@@ -378,30 +294,6 @@ def test_stored_responses_are_found_where_they_live(stack_random: Stack) -> None
     missing = httpx.get(s.g.url + "/v1/responses/resp_nope", timeout=30)
     assert missing.status_code == 404
     assert missing.json()["error"]["message"] == "Response with id 'resp_nope' not found."
-
-
-def test_the_controller_and_prober_metric_reads_work_on_vllm(stack_random: Stack) -> None:
-    """The controller (five times a second) and the gateway's prober ask /metrics for their
-    series by name (`name[]`, prometheus_client's exposition filter, which the simulator
-    honours). vLLM 0.32 ignores the query and sends its whole page (measured: the same 51 KB
-    either way, so its API server saves nothing); the reads must parse the same from it."""
-    from unbroken.controller.signals import _ENGINE_LINES, ENGINE_METRICS_PATH, parse_text
-    from unbroken.gateway._prober import METRICS_PATH, parse_load
-
-    s = stack_random
-    full = httpx.get(s.b.url + "/metrics", timeout=30).text
-
-    def lines(text: str) -> set[tuple[str, float]]:
-        return {
-            (x.name, x.value) for x in parse_text(text, _ENGINE_LINES) if x.name in _ENGINE_LINES
-        }
-
-    for path in (ENGINE_METRICS_PATH, METRICS_PATH):
-        r = httpx.get(s.b.url + path, timeout=30)
-        assert r.status_code == 200, r.text
-        assert parse_load(r.text) == parse_load(full)
-        assert lines(r.text) == lines(full)
-    assert "vllm:time_to_first_token_seconds_count" in dict(lines(full))
 
 
 def test_prefix_routing_raises_vllm_prefix_cache_hits(
@@ -443,6 +335,111 @@ def test_prefix_routing_raises_vllm_prefix_cache_hits(
             g.stop()
     assert gained["round_robin"] > 0, gained  # vLLM caches prefixes at all
     assert gained["prefix"] >= 1.5 * gained["round_robin"], gained
+
+
+# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
+def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    rs = streams(s, bodies)
+    # Enough events for the stall limit to be learned from the stream's own gaps.
+    generating(s, rs, events=STALL_LEARN + 4)
+    t = time.monotonic()
+    s.a.signal(signal.SIGSTOP)
+    try:
+        for r, ref in zip(rs, refs, strict=True):
+            check_exact(r, ref)
+    finally:
+        s.a.signal(signal.SIGCONT)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
+    assert max(gaps) < 6.0, gaps
+    # Suspected of hanging: back only after it serves a real completion again.
+    s.wait_in_rotation(s.a, timeout=60)
+
+
+# -- drain at a deadline (the drained endpoint leaves the gateway, then is added again) ------
+def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    rs = streams(s, bodies)
+    name = f"127.0.0.1:{s.a.port}"
+    # The premise: the primary pool's only endpoint is still generating both streams (CI
+    # twice drained it with the gateway counting 0 in flight: removed at once, nothing left
+    # to migrate).
+    generating(s, rs)
+    r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
+    assert r.status_code < 300, r.text
+    at_drain = describe(rs)
+    for rd, ref in zip(rs, refs, strict=True):
+        check_exact(rd, ref)
+    assert [rd.endpoint for rd in rs] == [name, name]
+    moved = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline")
+    log_tail = s.g.log.read_text(errors="replace").splitlines()[-30:]
+    assert moved >= 2, f"clients at the drain: {at_drain}\n" + "\n".join(log_tail)
+    wait_for(
+        lambda: all(
+            e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
+        ),
+        timeout=30,
+        what="drained endpoint removed",
+    )
+    # `a` itself still serves: back into the primary pool for the tests that kill it, so
+    # that it is started again only between those.
+    r = admin(s.g, "POST", "/admin/endpoints", {"url": s.a.url, "pool": "primary"})
+    assert r.status_code == 201 and r.json()["name"] == name, r.text
+    s.wait_in_rotation(s.a, timeout=60)
+
+
+# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
+def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
+    s = stack_random
+    bodies = [
+        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+        ("/v1/completions", comp("def main():", LONG)),
+    ]
+    refs = references(s.b.url, bodies)
+    a_back(s)
+    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
+    rs = streams(s, bodies)
+    generating(s, rs)
+    t = time.monotonic()
+    s.a.signal(signal.SIGKILL)
+    for r, ref in zip(rs, refs, strict=True):
+        check_exact(r, ref)
+    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
+    gaps = [r.max_gap_after(t) for r in rs]
+    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
+
+    def moved() -> float:
+        return metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before
+
+    # A scrape stands in a worker's previous numbers while it is late: eventually exact.
+    wait_for(
+        lambda: moved() == 3,
+        timeout=10,
+        what=lambda: (
+            f"3 token-path migrations, read {moved()}; late workers "
+            f"{metric(s.g.url, 'unbroken_gateway_metrics_late_workers')}; "
+            + "; ".join(ln for ln in s.g.log.read_text().splitlines() if "continued on" in ln)
+        ),
+    )
+    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+
+
+# -- while `a` starts again (after the SIGKILL, then the first SIGTERM), ~25 s on its core: the
+# tests that need only `b`, or the gateway, which sends to `b` while `a` is out
 
 
 def _kv_batches(sock: zmq.Socket[Any], quiet_s: float = 2.0) -> list[tuple[int, bytes]]:
@@ -562,105 +559,46 @@ def test_kv_events_of_vllm_and_the_simulator_have_one_shape(
         decoder.kill()  # done already unless something above failed
 
 
-# -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
-def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
+def test_an_echoed_prompt_reaches_the_client(stack_random: Stack) -> None:
+    """`echo` on a stream: vLLM 0.32 sends the echoed prompt's text empty when asked for
+    token ids (the prompt is then in `prompt_token_ids` only), and the gateway asked for
+    them on every stream: through it the echo was lost (a review against vLLM 0.32)."""
     s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-    ]
-    refs = references(s.b.url, bodies)
-    a_back(s)
-    rs = streams(s, bodies)
-    # Enough events for the stall limit to be learned from the stream's own gaps.
-    generating(s, rs, events=STALL_LEARN + 4)
-    t = time.monotonic()
-    s.a.signal(signal.SIGSTOP)
-    try:
-        for r, ref in zip(rs, refs, strict=True):
-            check_exact(r, ref)
-    finally:
-        s.a.signal(signal.SIGCONT)
-    gaps = [r.max_gap_after(t) for r in rs]
-    print(f"\nSIGSTOP: detection + repair {[round(g, 2) for g in gaps]} s (stall_timeout 10 s)")
-    assert max(gaps) < 6.0, gaps
-    # Suspected of hanging: back only after it serves a real completion again.
-    s.wait_in_rotation(s.a, timeout=60)
-
-
-# -- drain at a deadline (the drained endpoint leaves the gateway, then is added again) ------
-def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-    ]
-    refs = references(s.b.url, bodies)
-    a_back(s)
-    rs = streams(s, bodies)
-    name = f"127.0.0.1:{s.a.port}"
-    # The premise: the primary pool's only endpoint is still generating both streams (CI
-    # twice drained it with the gateway counting 0 in flight: removed at once, nothing left
-    # to migrate).
-    generating(s, rs)
-    r = admin(s.g, "POST", f"/admin/endpoints/{name}/drain", {"deadline_s": 0.5})
-    assert r.status_code < 300, r.text
-    at_drain = describe(rs)
-    for rd, ref in zip(rs, refs, strict=True):
-        check_exact(rd, ref)
-    assert [rd.endpoint for rd in rs] == [name, name]
-    moved = metric(s.g.url, "unbroken_gateway_streams_migrated_total", reason="drain_deadline")
-    log_tail = s.g.log.read_text(errors="replace").splitlines()[-30:]
-    assert moved >= 2, f"clients at the drain: {at_drain}\n" + "\n".join(log_tail)
-    wait_for(
-        lambda: all(
-            e["name"] != name for e in admin(s.g, "GET", "/admin/endpoints").json()["endpoints"]
-        ),
-        timeout=30,
-        what="drained endpoint removed",
-    )
-    # `a` itself still serves: back into the primary pool for the tests that kill it, so
-    # that it is started again only between those.
-    r = admin(s.g, "POST", "/admin/endpoints", {"url": s.a.url, "pool": "primary"})
-    assert r.status_code == 201 and r.json()["name"] == name, r.text
-    s.wait_in_rotation(s.a, timeout=60)
-
-
-# -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
-def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
-    s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-        ("/v1/completions", comp("def main():", LONG)),
-    ]
-    refs = references(s.b.url, bodies)
-    a_back(s)
-    before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
-    rs = streams(s, bodies)
-    generating(s, rs)
-    t = time.monotonic()
-    s.a.signal(signal.SIGKILL)
-    for r, ref in zip(rs, refs, strict=True):
+    prompt = "Once upon a time there was a"
+    for body in (comp(prompt, 6, echo=True), comp(prompt, 6, echo=True, logprobs=1)):
+        ref = reference(s.b.url, "/v1/completions", body)
+        assert ref_text(ref, False).startswith(prompt)
+        r = Reader(s.g.url, "/v1/completions", body)
+        r.run()
         check_exact(r, ref)
-    assert all(r.endpoint == f"127.0.0.1:{s.a.port}" for r in rs)
-    gaps = [r.max_gap_after(t) for r in rs]
-    print(f"\nSIGKILL: longest client gap after the kill {max(gaps):.2f} s")
+    two = {"model": MODEL, "prompt": [prompt, "Hi"], "max_tokens": 3, "temperature": 0}
+    r = Reader(s.g.url, "/v1/completions", {**two, "echo": True})
+    r.run()
+    texts: dict[int, str] = {}
+    for e in r.events:
+        for c in e["choices"] if isinstance(e, dict) else ():
+            texts[c["index"]] = texts.get(c["index"], "") + (c.get("text") or "")
+    assert texts[0].startswith(prompt) and texts[1].startswith("Hi"), texts
 
-    def moved() -> float:
-        return metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens") - before
 
-    # A scrape stands in a worker's previous numbers while it is late: eventually exact.
-    wait_for(
-        lambda: moved() == 3,
-        timeout=10,
-        what=lambda: (
-            f"3 token-path migrations, read {moved()}; late workers "
-            f"{metric(s.g.url, 'unbroken_gateway_metrics_late_workers')}; "
-            + "; ".join(ln for ln in s.g.log.read_text().splitlines() if "continued on" in ln)
+# -- items 5, 6: what the engine accepts passes; engine routes pass through -------------------
+def test_gateway_is_not_stricter_than_vllm(stack_random: Stack) -> None:
+    s = stack_random
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5", "top_k": "5"}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "five"}),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}], "max_tokens": 3},
         ),
-    )
-    restart_a(s, "--shutdown-timeout", "0", *A_ARGS)
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": "true"}),
+    ]
+    for path, body in cases:
+        direct = httpx.post(s.b.url + path, json=body, timeout=60)
+        via = httpx.post(s.g.url + path, json=body, timeout=60)
+        assert via.status_code == direct.status_code, (body, via.text, direct.text)
+        if direct.status_code >= 400:
+            assert via.json()["error"]["message"] == direct.json()["error"]["message"]
 
 
 # -- items 2, 3: SIGTERM with vLLM's default --shutdown-timeout 0 ----------------------------
@@ -686,6 +624,74 @@ def test_sigterm_shutdown_timeout_0_migrates_aborts_and_silent_streams(stack_ran
     # Detection well under the 10 s stall timeout (learned limit, dying-sibling signal).
     assert max(gaps) < 6.0, gaps
     restart_a(s, "--shutdown-timeout", "30", *A_ARGS)
+
+
+def test_engine_routes_pass_through(stack_random: Stack) -> None:
+    s = stack_random
+    tok = httpx.post(s.g.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
+    assert tok.status_code == 200 and tok.json()["tokens"]
+    de = httpx.post(
+        s.g.url + "/detokenize", json={"model": MODEL, "tokens": tok.json()["tokens"]}, timeout=30
+    )
+    assert de.status_code == 200 and de.json()["prompt"].endswith("hello")
+    assert httpx.get(s.g.url + "/version", timeout=30).json()["version"].startswith("0.")
+    models = httpx.get(s.g.url + "/v1/models", timeout=30).json()["data"]
+    m = next(x for x in models if x["id"] == MODEL)
+    assert m["max_model_len"] == 1024 and m["root"]
+    for path, body in [
+        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}),
+        ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
+        # Anthropic's Messages API and its token count (vLLM 0.32 serves both; a 404
+        # through the gateway until 2026-12-07), SageMaker's /invocations.
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [MSGS[0]]}),
+        ("/v1/messages/count_tokens", {"model": MODEL, "messages": [MSGS[0]]}),
+        ("/invocations", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+    ]:
+        direct = httpx.post(s.b.url + path, json=body, timeout=60)
+        via = httpx.post(s.g.url + path, json=body, timeout=60)
+        assert via.status_code == direct.status_code, (path, via.text, direct.text)
+        if path in ("/v1/messages", "/v1/messages/count_tokens", "/invocations"):
+            assert direct.status_code == 200, (path, direct.text)
+            assert via.json().keys() == direct.json().keys(), path
+    with httpx.stream(
+        "POST",
+        s.g.url + "/v1/responses",
+        json={"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": True},
+        timeout=60,
+    ) as r:
+        body_text = r.read().decode()
+    direct = httpx.post(
+        s.b.url + "/v1/responses",
+        json={"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": True},
+        timeout=60,
+    )
+    assert r.status_code == direct.status_code
+    if direct.status_code == 200:
+        assert "response.completed" in body_text
+
+
+def test_the_controller_and_prober_metric_reads_work_on_vllm(stack_random: Stack) -> None:
+    """The controller (five times a second) and the gateway's prober ask /metrics for their
+    series by name (`name[]`, prometheus_client's exposition filter, which the simulator
+    honours). vLLM 0.32 ignores the query and sends its whole page (measured: the same 51 KB
+    either way, so its API server saves nothing); the reads must parse the same from it."""
+    from unbroken.controller.signals import _ENGINE_LINES, ENGINE_METRICS_PATH, parse_text
+    from unbroken.gateway._prober import METRICS_PATH, parse_load
+
+    s = stack_random
+    full = httpx.get(s.b.url + "/metrics", timeout=30).text
+
+    def lines(text: str) -> set[tuple[str, float]]:
+        return {
+            (x.name, x.value) for x in parse_text(text, _ENGINE_LINES) if x.name in _ENGINE_LINES
+        }
+
+    for path in (ENGINE_METRICS_PATH, METRICS_PATH):
+        r = httpx.get(s.b.url + path, timeout=30)
+        assert r.status_code == 200, r.text
+        assert parse_load(r.text) == parse_load(full)
+        assert lines(r.text) == lines(full)
+    assert "vllm:time_to_first_token_seconds_count" in dict(lines(full))
 
 
 # -- item 4: SIGTERM with --shutdown-timeout 30: streams finish, a out of rotation -------------
