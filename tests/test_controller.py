@@ -885,13 +885,14 @@ def test_a_suspicion_that_lost_its_traffic_is_confirmed_by_probes(
     assert entered["endpoint"] == victim, decisions
 
 
-@pytest.mark.serial  # an eBPF agent: see tests/conftest.py
 def test_an_agent_still_starting_is_waited_for_not_reported_down(
     tmp_path: Path, tiered: tuple[Proc, dict[str, Proc]]
 ) -> None:
     """Started together (as `unbroken up` does), the controller polls before the agent
     listens: that is said at INFO, not as an outage; an agent that never answers is warned
-    about once the start grace is over."""
+    about once the start grace is over. The agent runs `--no-ebpf` (its sock_diag fallback):
+    what is tested is the controller's wait, and an agent without uprobes attaches to no
+    other test's engines, so this runs beside other tests (it was `serial`)."""
     g, _ = tiered
     ports = {"late": free_port(), "never": free_port()}
     cs = {}
@@ -907,24 +908,23 @@ def test_an_agent_still_starting_is_waited_for_not_reported_down(
     try:
         time.sleep(1.5)  # several polls with nothing listening
         a = Proc(
-            [sys.executable, "-m", "unbroken", "agent", "--listen", f"127.0.0.1:{late}"],
+            [
+                *(sys.executable, "-m", "unbroken", "agent", "--no-ebpf"),
+                *("--listen", f"127.0.0.1:{late}"),
+            ],
             late,
             tmp_path / "agent.log",
             env={"UNBROKEN_STATE_DIR": str(tmp_path / "no-pipeline")},
         ).start()
         wait_for(
-            lambda: (
-                httpx.get(c_late.url + "/state", timeout=2).json()["agent"] in ("live", "no-ebpf")
-            ),
+            lambda: httpx.get(c_late.url + "/state", timeout=2).json()["agent"] == "no-ebpf",
             timeout=10,
             what=lambda: f"the agent read; controller log:\n{c_late.tail(20)}",
         )
         log_late = c_late.log.read_text()
         assert "waiting for the agent" in log_late, log_late
         assert "WARNING" not in log_late, log_late
-        # Done with the agent: its exit (detaching its uprobes, seconds) overlaps the wait
-        # below for the other controller's grace to end.
-        a.signal(signal.SIGTERM)
+        a.signal(signal.SIGTERM)  # done with it: its exit overlaps the wait below
         assert "unknown" == httpx.get(c_never.url + "/state", timeout=2).json()["agent"]
         wait_for(
             lambda: "WARNING unbroken.controller: agent unreachable" in c_never.log.read_text(),
