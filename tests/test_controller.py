@@ -922,8 +922,10 @@ def test_an_agent_still_starting_is_waited_for_not_reported_down(
             what=lambda: f"the agent read; controller log:\n{c_late.tail(20)}",
         )
         log_late = c_late.log.read_text()
-        assert "waiting for the agent" in log_late, log_late
-        assert "WARNING" not in log_late, log_late
+        assert "INFO unbroken.controller: waiting for the agent" in log_late, log_late
+        # No outage said: the one warning is what an agent without eBPF earns (no CUDA signal).
+        warned = [ln for ln in log_late.splitlines() if "WARNING" in ln]
+        assert len(warned) == 1 and "runs without eBPF" in warned[0], log_late
         a.signal(signal.SIGTERM)  # done with it: its exit overlaps the wait below
         assert "unknown" == httpx.get(c_never.url + "/state", timeout=2).json()["agent"]
         wait_for(
