@@ -233,7 +233,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     (PASS or FAIL, said consistently), so this runs beside other tests: what it asserts,
     zero dropped and corrupted streams, holds on a loaded machine too (it ran `serial`, the
     machine to itself, until 2026-12-07: 85 s of the suite's 25 minutes with one worker
-    idle)."""
+    idle). Beside them it runs without what would reach into their processes: the eBPF
+    agent (`--no-agent`; as root its uprobes attach to every engine's CUDA library on the
+    machine: `unbroken up` with the agent is test_controller's agent loop, `serial`) and the
+    SCHED_FIFO load generator (`--no-realtime-loadgen`; tests/test_bench_priority.py)."""
     r = subprocess.run(
         [
             sys.executable,
@@ -258,6 +261,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
             "64MiB",
             "--max-ttft-ratio",
             "3",
+            "--no-agent",
+            "--no-realtime-loadgen",
             "--out",
             str(tmp_path),
         ],
@@ -341,3 +346,16 @@ def test_critical_tokens_at_reduced_precision_are_counted_from_either_header() -
     ]
     assert critical_reduced_pct(recs, {"primary": "fp16", "fallback": "fp8"}) == 30.0
     assert critical_reduced_pct(recs[4:], {}) is None
+
+
+def test_no_agent_leaves_the_agent_out_of_both_passes() -> None:
+    """`unbroken demo --no-agent`: the pipelines it starts have no node agent, whoever runs
+    it (as root the default spec's "auto" would start one)."""
+    from unbroken.bench.demo import _spec
+    from unbroken.pipeline.companions import agent_wanted
+
+    assert _spec("64MiB").agent.enabled == "auto"
+    off = _spec("64MiB", agent=False)
+    assert off.agent.enabled is False
+    wanted, why = agent_wanted(off)
+    assert not wanted and why.startswith("disabled"), why

@@ -65,6 +65,9 @@ class DemoSettings:
     baseline: bool = True
     storage_bps: int = SEED_BPS
     realtime_loadgen: bool = True  # SCHED_FIFO for the load generator (bench/priority.py)
+    # The node agent in unbroken's pass as the default spec has it ("auto": as root with
+    # BTF); False: none (its uprobes attach to every engine's CUDA library on the machine)
+    agent: bool = True
 
 
 def stall_spikes(records: list[Record], start: float, end: float, threshold_s: float) -> int:
@@ -519,8 +522,10 @@ def _markers(p: PassResult) -> list[Marker]:
     return out
 
 
-def _spec(weights_size: str) -> PipelineSpec:
+def _spec(weights_size: str, agent: bool = True) -> PipelineSpec:
     spec = default_spec()
+    if not agent:
+        spec.agent.enabled = False
     spec.gateway.port, spec.gateway.admin_port = free_port(), free_port()
     ctl = getattr(spec, "controller", None)
     if ctl is not None and hasattr(ctl, "port"):
@@ -544,7 +549,7 @@ def _make_state(out: Path, name: str) -> tuple[Path, str, Path]:
 async def _demo(console: Console, out: Path, s: DemoSettings) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state, token, token_file = _make_state(out, "state")
-    spec = _spec(s.weights_size)
+    spec = _spec(s.weights_size, s.agent)
     sup = Supervisor(spec, state=state, token=token, token_file=token_file)
     loop = asyncio.get_running_loop()
     with console.status("measuring a cold engine start against a pre-warmed one") as st:
@@ -584,7 +589,7 @@ async def _demo(console: Console, out: Path, s: DemoSettings) -> int:
         if s.baseline:
             b_state, b_token, b_file = _make_state(out, "state-standard")
             dep = StandardDeployment(
-                _spec(s.weights_size), state=b_state, token=b_token, token_file=b_file
+                _spec(s.weights_size, s.agent), state=b_state, token=b_token, token_file=b_file
             )
             dep.sup.weight_readers = readers
             cfg.url = dep.url

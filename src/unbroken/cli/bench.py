@@ -252,6 +252,14 @@ def demo(
             "clock is not delayed by what it measures on the same cores."
         ),
     ] = True,
+    agent: Annotated[
+        bool,
+        typer.Option(
+            help="Start the eBPF node agent in unbroken's pass as its default pipeline does "
+            "(as root with kernel BTF); --no-agent: without it (the controller then judges "
+            "replicas by engine and gateway signals alone)."
+        ),
+    ] = True,
     out: Annotated[Path, typer.Option(help="Report directory.")] = Path("demo-out"),
 ) -> None:
     """The main job: the seed's results table, a standard deployment vs unbroken, measured.
@@ -287,5 +295,6 @@ def demo(
         baseline=baseline,
         storage_bps=int(storage_mbps * 1e6),
         realtime_loadgen=realtime_loadgen,
+        agent=agent,
     )
     raise typer.Exit(run_demo(out=out, settings=settings, console=console()))
