@@ -704,6 +704,7 @@ def test_sigterm_graceful_takes_the_endpoint_out_of_rotation(stack_random: Stack
     # Running on a (its first token out), not still queued there: a graceful shutdown
     # finishes running requests; a queued one is refused and retried on b.
     assert r.started.wait(120), "no token within 120 s"
+    generating(s, [r])  # and still generated on a when the signal comes
     s.a.signal(signal.SIGTERM)
     time.sleep(0.5)
     # New requests while a shuts down: a answers 500 "cannot schedule new futures after
