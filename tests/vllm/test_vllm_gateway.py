@@ -229,6 +229,11 @@ def a_back(s: Stack) -> None:
 
 
 USAGE = {"stream_options": {"include_usage": True}}
+# A completion and a chat stream, both long, both with usage: what most disruptions hit.
+LONG_PAIR = [
+    ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
+    ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
+]
 
 
 # -- item 1: tokens, not events; what the client did not ask for is stripped -------------------
@@ -340,10 +345,7 @@ def test_prefix_routing_raises_vllm_prefix_cache_hits(
 # -- item 3: SIGSTOP (a hung engine with an open connection) ---------------------------------
 def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> None:
     s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-    ]
+    bodies = LONG_PAIR
     refs = references(s.b.url, bodies)
     a_back(s)
     rs = streams(s, bodies)
@@ -366,10 +368,7 @@ def test_sigstop_is_detected_from_the_streams_own_gaps(stack_random: Stack) -> N
 # -- drain at a deadline (the drained endpoint leaves the gateway, then is added again) ------
 def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
     s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-    ]
+    bodies = LONG_PAIR
     refs = references(s.b.url, bodies)
     a_back(s)
     rs = streams(s, bodies)
@@ -404,11 +403,7 @@ def test_drain_deadline_migrates_byte_exact(stack_random: Stack) -> None:
 # -- items 1, 2, 7: SIGKILL, token-level continuation -----------------------------------------
 def test_sigkill_mid_stream_is_byte_exact(stack_random: Stack) -> None:
     s = stack_random
-    bodies = [
-        ("/v1/completions", comp("Once upon a time", LONG, **USAGE)),
-        ("/v1/chat/completions", chat("Tell me a long story about the sea", LONG, **USAGE)),
-        ("/v1/completions", comp("def main():", LONG)),
-    ]
+    bodies = [*LONG_PAIR, ("/v1/completions", comp("def main():", LONG))]
     refs = references(s.b.url, bodies)
     a_back(s)
     before = metric(s.g.url, "unbroken_gateway_migration_path_total", path="tokens")
