@@ -262,6 +262,44 @@ def test_an_endpoint_slowing_down_counts_more_than_one_slow_all_along() -> None:
     assert rising.rise(s) == 1.0
 
 
+def test_a_step_long_for_a_prefill_is_no_rise_two_windows_of_them_are() -> None:
+    """A step that takes a 1,000-token prompt's prefill (~40 ms on a 10 ms decode step)
+    lengthens one averaging window's gaps: no slowdown, and read as one (the rise counts
+    squared) it sent a shared prompt's next requests to replicas without it, whose own
+    prefills then read as rises too (benchmarks/routing.py, shared-prefix). Such a window
+    rises only as far as the window before it: a lone one is no rise; two running (a burst
+    of prefills) are; and a long step no known prefill explains (a slowdown's) counts at
+    once, as before."""
+    s = LatencySettings(prefill_s_per_token=40e-6)
+
+    def long_step(e: EndpointLatency, at: float, prefill: bool) -> None:
+        if prefill:
+            leg = object()
+            e.leg_started(leg, now=at - 0.045, prefill_tokens=1000)
+            e.first_event(leg, 0.045, now=at)
+        for k in range(4):  # four streams see the 50 ms step
+            e.gap(0.050, now=at + k * 1e-4)
+
+    once, twice, unexplained = EndpointLatency(s), EndpointLatency(s), EndpointLatency(s)
+    for e in (once, twice, unexplained):
+        _gaps(e, 0.010, 90.0, 100.0)
+        live = object()  # a stream past its first event
+        e.leg_started(live, now=89.0)
+        e.first_event(live, 0.01, now=89.01)
+        long_step(e, 100.05, prefill=e is not unexplained)
+        _gaps(e, 0.010, 100.06, 100.1)
+    long_step(twice, 100.15, prefill=True)
+    _gaps(twice, 0.010, 100.16, 100.22)
+    for e in (once, unexplained):
+        _gaps(e, 0.010, 100.1, 100.22)
+    for e in (once, twice, unexplained):
+        assert e.gap_s is not None and e.gap_slow_s is not None
+        assert e.gap_s > 1.2 * e.gap_slow_s  # the smoothed gap shows the long step(s) ...
+    assert once.rise(s) == 1.0  # ... a lone prefill's is no rise
+    assert twice.rise(s) > 1.2  # two windows running with one are
+    assert unexplained.rise(s) > 1.2  # nor is a long step no prefill explains discounted
+
+
 def test_a_late_step_counts_before_any_slow_gap_is_measured() -> None:
     """Streams have seen 30 ms steps for seconds; then nothing for 60 ms (the step in
     progress is twice its usual length: a slowdown's first step, whose gap no window has

@@ -15,10 +15,16 @@ every stream of every endpoint itself. This policy uses that:
   `(gap / slow average) ** rise_power`: an endpoint that is slowing down is avoided before
   its smoothed gap has caught up (the first tenth of a second of a contention episode, when
   a request admitted there waits out slower prefill and decode steps); one slow all along
-  is weighed by its gap alone. The first-event time is a peak EWMA (a slower one counts at
-  once, faster ones pull it back down over `ttfb_decay_s`); a signal with no new sample for
-  `stale_s` fades, so an endpoint avoided for what it once showed is tried again, not
-  starved.
+  is weighed by its gap alone. A window that took a long prefill (the legs whose first event
+  came in it or in the window before, their prompts at `prefill_s_per_token`, at least
+  `prefill_rise_share` of a step) counts towards the rise only as far as the window before
+  it was as slow (`gap_rise_s`): one long step is no slowdown, and counted squared it sent a
+  shared prompt's next requests to replicas without it, whose own prefills then read as
+  rises there (shared-prefix passes collapsed to 81-88 % hits, docs/bench.md). Two such
+  windows running (a burst of prefills) do count. The first-event time is a peak EWMA (a
+  slower one counts at once, faster ones pull it back down over `ttfb_decay_s`); a signal
+  with no new sample for `stale_s` fades, so an endpoint avoided for what it once showed is
+  tried again, not starved.
 - **Expected time to first token** of a new request on an endpoint:
   `max(TTFB, first_steps x gap, age of its oldest waiting leg, floor_s) x (1 + pending /
   pending_scale)`: a first token waits out the step in progress and its own prefill step, and
@@ -121,6 +127,9 @@ class LatencySettings:
     # request's expected first token is this many times sooner (None: never).
     reroute_ratio: float | None = 2.0
     rise_min: float = 0.1  # a rise counts above (1 + this) x the slow average
+    # A window whose legs' first events bring this share of a step's time in prefill (or
+    # more) rises only as far as the window before it (`EndpointLatency.gap_rise_s`).
+    prefill_rise_share: float = 0.5
     rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
     # SLO-aware spill (standard, sheddable): a later pool whose key is this many times lower
     # takes a new request when the first pool's expected first token misses the priority's
@@ -142,10 +151,16 @@ class EndpointLatency:
         "_own",
         "_picked",
         "_prefill",
+        "_prev_mean",
+        "_prev_prefill_s",
+        "_rise_share",
+        "_s_per_token",
         "_sum",
+        "_win_prefill_s",
         "_window_at",
         "alpha_gap",
         "gap_at",
+        "gap_rise_s",
         "gap_s",
         "gap_slow_s",
         "gap_window_s",
@@ -170,6 +185,13 @@ class EndpointLatency:
         self.ttfb_at = 0.0
         self.gap_s: float | None = None
         self.gap_slow_s: float | None = None  # the gap's average over ~trend_s
+        # `gap_s`, but a window that took a long prefill enters it as the lower of its mean
+        # and the window before's: what a rise is judged by (`rise`).
+        self.gap_rise_s: float | None = None
+        self._prev_mean: float | None = None
+        self._s_per_token, self._rise_share = s.prefill_s_per_token, s.prefill_rise_share
+        # Prefill (seconds) of the legs whose first event came in this window, the last one
+        self._win_prefill_s = self._prev_prefill_s = 0.0
         self.gap_at = 0.0
         self.waiting: dict[int, float] = {}  # legs without a first event: id -> start
         # Per waiting leg, the prefill of its own uncached prompt (seconds, the cache-aware
@@ -228,7 +250,7 @@ class EndpointLatency:
         down with the time since the last sample (`ttfb_decay_s`). The leg's own prefill
         (`_own`) is not counted."""
         if self.waiting.pop(id(leg), None) is not None:
-            self._prefill.pop(id(leg), None)
+            self._win_prefill_s += self._prefill.pop(id(leg), 0.0) * self._s_per_token
             own = self._own.pop(id(leg), 0.0)
             if own:
                 seconds = max(0.0, seconds - own)
@@ -249,6 +271,15 @@ class EndpointLatency:
         if self._n and now - self._window_at >= self.gap_window_s:
             mean, g, slow = self._sum / self._n, self.gap_s, self.gap_slow_s
             self.gap_s = mean if g is None else g + self.alpha_gap * (mean - g)
+            # Its step's first events may have come just before the window opened.
+            took = max(self._win_prefill_s, self._prev_prefill_s)
+            prev, r = self._prev_mean, self.gap_rise_s
+            m = mean
+            if prev is not None and slow and took >= self._rise_share * slow:
+                m = min(mean, prev)
+            self.gap_rise_s = m if r is None else r + self.alpha_gap * (m - r)
+            self._prev_mean, self._prev_prefill_s = mean, self._win_prefill_s
+            self._win_prefill_s = 0.0
             if slow is None:
                 self.gap_slow_s = mean
             else:
@@ -290,8 +321,9 @@ class EndpointLatency:
         return out
 
     def rise(self, s: LatencySettings) -> float:
-        """How far the smoothed gap stands above its slow average; 1.0 within `rise_min`."""
-        g, slow = self.gap_s, self.gap_slow_s
+        """How far the smoothed gap (a long prefill's window discounted: `gap_rise_s`) stands
+        above its slow average; 1.0 within `rise_min`."""
+        g, slow = self.gap_rise_s, self.gap_slow_s
         if g is None or not slow or g <= slow * (1.0 + s.rise_min):
             return 1.0
         return g / slow
