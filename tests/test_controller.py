@@ -44,6 +44,7 @@ from unbroken.controller.service import AGENT_START_GRACE_S
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window, parse_text
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.http import free_port
+from unbroken.wire.sse import SSEDecoder
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -492,6 +493,42 @@ def test_contention_detected_acted_on_and_undone(
                 return int(r.json()["max_num_seqs"])
 
             configured = engine_cap("p-1")
+            # One long standard stream on the victim (the other endpoints at cap 0 while it
+            # starts), so that the move has a stream to move: new work leaves a slowing
+            # replica at once, and with 6 users the victim sometimes held no standard
+            # stream when the controller moved them (the migration counter read 0 in ~1
+            # full-suite run of 5, the controller's own "move streams" decision made).
+            pinned: dict[str, Any] = {}
+            started = threading.Event()
+
+            def long_stream() -> None:
+                body = {"model": MODEL, "prompt": "pinned says", "max_tokens": 400,
+                        "temperature": 0, "stream": True}  # fmt: skip
+                dec = SSEDecoder()
+                with httpx.stream(
+                    "POST", g.url + "/v1/completions", json=body, timeout=60,
+                    headers={"x-unbroken-priority": "standard"},
+                ) as r:  # fmt: skip
+                    pinned["endpoint"] = r.headers.get("x-unbroken-endpoint")
+                    started.set()
+                    pinned["events"] = [
+                        "[DONE]" if ev.is_done else json.loads(ev.data)
+                        for chunk in r.iter_raw()
+                        for ev in dec.feed(chunk)
+                        if ev.data is not None
+                    ]
+
+            others = [n for n in _by_name(g) if n != victim]
+            for n in others:
+                admin(g, "PATCH", f"/admin/endpoints/{n}", {"cap": 0})
+            pin = threading.Thread(target=long_stream, daemon=True)
+            pin.start()
+            try:
+                assert started.wait(10), "the pinned stream's headers"
+            finally:
+                for n in others:
+                    admin(g, "PATCH", f"/admin/endpoints/{n}", {"cap": None})
+            assert pinned["endpoint"] == victim, pinned
             t_fault = time.time()
             _slow_cuda(engines["p-1"], 5)
             wait_for(
@@ -530,9 +567,13 @@ def test_contention_detected_acted_on_and_undone(
             time.sleep(0.5)
         decisions = httpx.get(c.url + "/decisions").json()["decisions"]
         text = httpx.get(c.url + "/metrics").text
+        pin.join(30)
     finally:
         c.stop()
     assert t_detect - t_fault < 5.0
+    # The pinned stream moved with the others and its text is whole, byte for byte.
+    assert stream_text(pinned["events"], chat=False) == expected_completion("pinned says", 400).text
+    assert pinned["events"][-1] == "[DONE]"
     recs = load.records
     assert recs and all(ok for *_, ok, _st in recs), [r for r in recs if not r[3]][:5]
     # While routed: standard work went to the fp8 pool, critical stayed on fp16.
