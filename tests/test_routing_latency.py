@@ -272,30 +272,37 @@ def test_a_step_long_for_a_prefill_is_no_rise_two_windows_of_them_are() -> None:
     once, as before."""
     s = LatencySettings(prefill_s_per_token=40e-6)
 
-    def long_step(e: EndpointLatency, at: float, prefill: bool) -> None:
+    def long_step(e: EndpointLatency, at: float, prefill: bool, first_last: bool = False) -> None:
+        # The step's events come together, the prefilled leg's first event among them:
+        # before the others' gaps (in the window before theirs when a gap opens a window)
+        # or after them (in theirs).
+        leg = object()
         if prefill:
-            leg = object()
             e.leg_started(leg, now=at - 0.045, prefill_tokens=1000)
-            e.first_event(leg, 0.045, now=at)
+            if not first_last:
+                e.first_event(leg, 0.045, now=at)
         for k in range(4):  # four streams see the 50 ms step
             e.gap(0.050, now=at + k * 1e-4)
+        if prefill and first_last:
+            e.first_event(leg, 0.045, now=at + 5e-4)
 
-    once, twice, unexplained = EndpointLatency(s), EndpointLatency(s), EndpointLatency(s)
-    for e in (once, twice, unexplained):
+    once, after, twice, unexplained = (EndpointLatency(s) for _ in range(4))
+    for e in (once, after, twice, unexplained):
         _gaps(e, 0.010, 90.0, 100.0)
         live = object()  # a stream past its first event
         e.leg_started(live, now=89.0)
         e.first_event(live, 0.01, now=89.01)
-        long_step(e, 100.05, prefill=e is not unexplained)
+        long_step(e, 100.05, prefill=e is not unexplained, first_last=e is after)
         _gaps(e, 0.010, 100.06, 100.1)
     long_step(twice, 100.15, prefill=True)
     _gaps(twice, 0.010, 100.16, 100.22)
-    for e in (once, unexplained):
+    for e in (once, after, unexplained):
         _gaps(e, 0.010, 100.1, 100.22)
-    for e in (once, twice, unexplained):
+    for e in (once, after, twice, unexplained):
         assert e.gap_s is not None and e.gap_slow_s is not None
         assert e.gap_s > 1.2 * e.gap_slow_s  # the smoothed gap shows the long step(s) ...
     assert once.rise(s) == 1.0  # ... a lone prefill's is no rise
+    assert after.rise(s) == 1.0  # ... whichever window its first event fell in
     assert twice.rise(s) > 1.2  # two windows running with one are
     assert unexplained.rise(s) > 1.2  # nor is a long step no prefill explains discounted
 

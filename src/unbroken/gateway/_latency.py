@@ -127,8 +127,9 @@ class LatencySettings:
     # request's expected first token is this many times sooner (None: never).
     reroute_ratio: float | None = 2.0
     rise_min: float = 0.1  # a rise counts above (1 + this) x the slow average
-    # A window whose legs' first events bring this share of a step's time in prefill (or
-    # more) rises only as far as the window before it (`EndpointLatency.gap_rise_s`).
+    # A window whose legs' first events (or the window before's) bring this share of a
+    # step's time in prefill, or more, rises only as far as the window before it
+    # (`EndpointLatency.gap_rise_s`).
     prefill_rise_share: float = 0.5
     rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
     # SLO-aware spill (standard, sheddable): a later pool whose key is this many times lower
@@ -275,7 +276,7 @@ class EndpointLatency:
             took = max(self._win_prefill_s, self._prev_prefill_s)
             prev, r = self._prev_mean, self.gap_rise_s
             m = mean
-            if prev is not None and slow and took >= self._rise_share * slow:
+            if prev is not None and slow and took > 0.0 and took >= self._rise_share * slow:
                 m = min(mean, prev)
             self.gap_rise_s = m if r is None else r + self.alpha_gap * (m - r)
             self._prev_mean, self._prev_prefill_s = mean, self._win_prefill_s
