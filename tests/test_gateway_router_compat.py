@@ -93,9 +93,12 @@ def test_vllm_router_and_production_stack_flags(tmp_path: Path, two_engines: lis
         status = _call(g, "GET", "/admin/status").json()
         assert status["routing"] == "session"
         assert "routing: session (asked as 'consistent_hash')" in g.log.read_text()
-        # The session header is x-user: one conversation, one engine; others spread.
+        # The session header is x-user: one conversation, one engine; others spread. Homes
+        # are rendezvous hashes of the key and the engine's name (its URL, a free port):
+        # 6 conversations all had one home once in a full suite (a 2 x 2^-6 chance), 16 have a
+        # chance of 2 x 2^-16.
         homes = set()
-        for conv in range(6):
+        for conv in range(16):
             seen = {
                 httpx.post(
                     g.url + "/v1/completions",
