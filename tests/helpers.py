@@ -284,8 +284,10 @@ def stream(
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
     timeout: float = 60.0,
+    on_open: Callable[[httpx.Response], None] | None = None,
 ) -> tuple[list[Any], httpx.Response]:
-    """POST a streaming request; return the decoded events ('[DONE]' kept as a string)."""
+    """POST a streaming request; return the decoded events ('[DONE]' kept as a string).
+    `on_open`: called with the response once its headers are in (a 200), before any event."""
     events: list[Any] = []
     dec = SSEDecoder()
     with httpx.stream(
@@ -294,6 +296,8 @@ def stream(
         if r.status_code != 200:
             r.read()
             return [], r
+        if on_open is not None:
+            on_open(r)
         for chunk in r.iter_raw():
             for ev in dec.feed(chunk):
                 if ev.data is None:

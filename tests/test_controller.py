@@ -44,7 +44,6 @@ from unbroken.controller.service import AGENT_START_GRACE_S
 from unbroken.controller.signals import HistogramDelta, agent_windows, engine_window, parse_text
 from unbroken.engine.textmodel import expected_completion
 from unbroken.wire.http import free_port
-from unbroken.wire.sse import SSEDecoder
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -501,22 +500,17 @@ def test_contention_detected_acted_on_and_undone(
             pinned: dict[str, Any] = {}
             started = threading.Event()
 
+            def opened(r: httpx.Response) -> None:
+                pinned["endpoint"] = r.headers.get("x-unbroken-endpoint")
+                started.set()
+
             def long_stream() -> None:
                 body = {"model": MODEL, "prompt": "pinned says", "max_tokens": 400,
-                        "temperature": 0, "stream": True}  # fmt: skip
-                dec = SSEDecoder()
-                with httpx.stream(
-                    "POST", g.url + "/v1/completions", json=body, timeout=60,
-                    headers={"x-unbroken-priority": "standard"},
-                ) as r:  # fmt: skip
-                    pinned["endpoint"] = r.headers.get("x-unbroken-endpoint")
-                    started.set()
-                    pinned["events"] = [
-                        "[DONE]" if ev.is_done else json.loads(ev.data)
-                        for chunk in r.iter_raw()
-                        for ev in dec.feed(chunk)
-                        if ev.data is not None
-                    ]
+                        "temperature": 0}  # fmt: skip
+                pinned["events"], _ = stream(
+                    g.url, "/v1/completions", body,
+                    headers={"x-unbroken-priority": "standard"}, on_open=opened,
+                )  # fmt: skip
 
             others = [n for n in _by_name(g) if n != victim]
             for n in others:

@@ -127,11 +127,11 @@ class LatencySettings:
     # request's expected first token is this many times sooner (None: never).
     reroute_ratio: float | None = 2.0
     rise_min: float = 0.1  # a rise counts above (1 + this) x the slow average
+    rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
     # A window whose legs' first events (or the window before's) bring this share of a
     # step's time in prefill, or more, rises only as far as the window before it
     # (`EndpointLatency.gap_rise_s`).
     prefill_rise_share: float = 0.5
-    rise_power: float = 2.0  # ... as (gap / slow average) ** this on the expected time
     # SLO-aware spill (standard, sheddable): a later pool whose key is this many times lower
     # takes a new request when the first pool's expected first token misses the priority's
     # target (seconds; None: no target, spill whenever clearly faster). None: off.
