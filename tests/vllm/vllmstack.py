@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unbroken"
 MODEL = "tiny"
 START_TIMEOUT_S = 420.0  # a start on a loaded 2-core box
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +68,8 @@ def install_vllm() -> Path:
 
 @pytest.fixture(scope="session")
 def model_dirs(vllm_venv: Path) -> dict[str, Path]:
-    """Both models, built once per version of build_model.py and cached."""
+    """Both models and the canonical one's LoRA adapters (`ADAPTERS`), built once per
+    version of build_model.py (and build_lora.py) and cached."""
     try:
         return build_models(vllm_venv)
     except RuntimeError as e:
@@ -75,9 +77,10 @@ def model_dirs(vllm_venv: Path) -> dict[str, Path]:
 
 
 def build_models(venv: Path) -> dict[str, Path]:
-    """The random and canonical models (build_model.py), built once per version of it into
-    the cache; one builder at a time (the suite's background preparation, prepare.py, and
-    the fixture). RuntimeError with the builder's output when one cannot be built."""
+    """The random and canonical models (build_model.py) and the adapters (`_build_adapters`),
+    built once per version of their builders into the cache; one builder at a time (the
+    suite's background preparation, prepare.py, and the fixture). RuntimeError with the
+    builder's output when one cannot be built."""
     key = hashlib.sha256((HERE / "build_model.py").read_bytes()).hexdigest()[:12]
     base = CACHE / "vllm-models" / key
     base.mkdir(parents=True, exist_ok=True)
@@ -101,6 +104,41 @@ def build_models(venv: Path) -> dict[str, Path]:
                 shutil.rmtree(dest, ignore_errors=True)
                 tmp.rename(dest)
             out[kind] = dest
+        out.update(_build_adapters(venv, base, out["canonical"]))
+    return out
+
+
+# LoRA adapters (build_lora.py: random weights in PEFT's layout), served by the canonical
+# stack's servers (test_vllm_canonical.py): name -> seed.
+ADAPTERS = {"ad1": 1, "ad2": 2}
+
+
+def _build_adapters(venv: Path, base: Path, model: Path) -> dict[str, Path]:
+    """The adapters of `model`, built once per version of build_lora.py (beside the models,
+    under their lock) and cached: built here, by the background preparation, they are not
+    minutes of the tier's serial time on 2 cores (a torch import each)."""
+    key = hashlib.sha256((HERE / "build_lora.py").read_bytes()).hexdigest()[:12]
+    out = {}
+    for name, seed in ADAPTERS.items():
+        dest = base / f"lora-{key}" / name
+        if not (dest / "adapter_model.safetensors").exists():
+            tmp = dest.parent / f".{name}.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            r = subprocess.run(
+                [
+                    str(venv / "bin" / "python"),
+                    str(HERE / "build_lora.py"),
+                    *(str(tmp), str(seed), str(model)),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if r.returncode != 0:
+                raise RuntimeError(f"building LoRA adapter {name} failed:\n{r.stderr[-3000:]}")
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        out[name] = dest
     return out
 
 
@@ -111,8 +149,19 @@ class Vllm:
     0.85 of the other core while generating, so two busy servers wanted four cores of two and
     starved the gateway and the test's readers."""
 
-    def __init__(self, venv: Path, model: Path, core: int, log: Path) -> None:
+    def __init__(
+        self,
+        venv: Path,
+        model: Path,
+        core: int,
+        log: Path,
+        always: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`always`: arguments of every start (a restart's included), before its own; `env`:
+        added to every start's environment."""
         self.venv, self.model, self.log = venv, model, log
+        self.always, self.env = always, env or {}
         self.core = core % (os.cpu_count() or 1)
         self.port = free_port()
         self.popen: subprocess.Popen[bytes] | None = None
@@ -148,6 +197,7 @@ class Vllm:
             # The Responses API's store (off by default): a stored response lives on the
             # server that made it (tests/vllm/test_vllm_gateway.py).
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            **self.env,
         }
         argv = [
             str(self.venv / "bin" / "vllm"),
@@ -170,6 +220,7 @@ class Vllm:
             # 10-50 s of each of the suite's seven starts. Every server runs the same eager
             # model, so a stream continued on the other server stays byte-exact.
             "--enforce-eager",
+            *self.always,
             *args,
         ]
         with open(self.log, "ab") as out:
@@ -269,9 +320,13 @@ def make_stack(
     a_args: tuple[str, ...] = (),
     gw_settings: dict[str, Any] | None = None,
     b_kv_events: bool = False,
+    always: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Stack:
-    a = Vllm(venv, model, 0, tmp / "vllm-a.log").start("--shutdown-timeout", "0", *a_args)
-    b = Vllm(venv, model, 1, tmp / "vllm-b.log")
+    """`always`, `env`: both servers' (`Vllm`)."""
+    a = Vllm(venv, model, 0, tmp / "vllm-a.log", always, env)
+    a.start("--shutdown-timeout", "0", *a_args)
+    b = Vllm(venv, model, 1, tmp / "vllm-b.log", always, env)
     b.start(*(b.with_kv_events() if b_kv_events else ()))
     a.wait_ready()
     b.wait_ready()
@@ -311,7 +366,17 @@ def stack_canonical(
     tmp_path_factory: pytest.TempPathFactory, vllm_venv: Path, model_dirs: dict[str, Path]
 ) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("vllm-canonical")
-    s = make_stack(tmp, vllm_venv, model_dirs["canonical"])
+    # Both servers also serve LoRA adapter ad1 and take adapters at runtime: the LoRA tests
+    # (test_vllm_canonical.py) run on this stack before its SIGKILL test, instead of on a
+    # stack of their own (~35 s of the suite's serial time). Not on `stack_random`: LoRA
+    # makes vLLM's steps ~30 % slower on CPU, and that module generates the most.
+    s = make_stack(
+        tmp,
+        vllm_venv,
+        model_dirs["canonical"],
+        always=(*LORA_ARGS, "--lora-modules", f"ad1={model_dirs['ad1']}"),
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
     yield s
     s.g.stop()
     s.a.stop()

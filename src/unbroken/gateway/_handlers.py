@@ -106,7 +106,7 @@ class Handlers(EngineRoutes):
         reads models again only at its next probe, and only on engines whose
         `vllm:lora_requests_info` shows, which real vLLM exposes after its first request:
         without this read such an adapter got a 404 (found on real vLLM,
-        tests/vllm/test_vllm_lora.py). One read at a time, none within MODELS_FRESH_S of the
+        tests/vllm/test_vllm_canonical.py). One read at a time, none within MODELS_FRESH_S of the
         last (a request then gets its 404 at once)."""
         if self.read_models is None:
             return False
