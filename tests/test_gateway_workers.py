@@ -306,8 +306,10 @@ def test_light_load_packs_onto_one_worker(tmp_path: Path, eng: Proc) -> None:
     half-busy processes' (1.3x the CPU per relayed chunk, docs/performance.md). Without
     packing the kernel's first-to-wake would give each worker some."""
     held = _held_by_workers(tmp_path, eng, "{}\n")
-    # All 60 alone; a sibling takes one that waits longer than PACK_DEFER_S for a busy packer.
-    assert max(held.values()) >= 54, held
+    # All 60 alone; a sibling takes one that waits longer than PACK_DEFER_S for a busy packer
+    # (47 / 13 once in a full suite, beside a pipeline's test). Without packing: 39 / 21 and
+    # 40 / 20 (the first to wake), 30 / 30 with the balance alone.
+    assert max(held.values()) >= 45, held
 
 
 def test_past_the_packing_limit_connections_spread_evenly(tmp_path: Path, eng: Proc) -> None:
