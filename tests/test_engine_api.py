@@ -307,6 +307,30 @@ def test_continuous_usage_only_with_include_usage_as_vllm(shared_engine: Proc) -
         assert any("usage" in e for e in events if isinstance(e, dict)) == every
 
 
+def test_system_fingerprint_where_vllm_puts_it(shared_engine: Proc) -> None:
+    """vLLM (`--fingerprint-mode full`, its default): in a whole answer; in a stream on each
+    choice's finishing chunk, or only on the usage chunk when one follows."""
+    from unbroken.engine.render import FINGERPRINT
+
+    for path, extra in (
+        ("/v1/completions", {"prompt": "fp", "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fp"}], "n": 2}),
+    ):
+        body = {"model": MODEL, "max_tokens": 3, **extra}
+        assert _post(shared_engine, path, body).json()["system_fingerprint"] == FINGERPRINT
+        for opts, on in ((None, "finish"), ({"include_usage": True}, "usage")):
+            b = {**body, "stream": True, **({"stream_options": opts} if opts else {})}
+            events, _ = stream(shared_engine.url, path, b)
+            chunks = [e for e in events if isinstance(e, dict)]
+            marked = [c for c in chunks if "system_fingerprint" in c]
+            assert all(c["system_fingerprint"] == FINGERPRINT for c in marked)
+            if on == "finish":
+                assert len(marked) == 2  # n = 2: each choice's last chunk
+                assert all(c["choices"][0]["finish_reason"] for c in marked)
+            else:
+                assert len(marked) == 1 and marked[0]["choices"] == [] and "usage" in marked[0]
+
+
 BAD = [
     ("/v1/completions", b"{not json", 400),
     ("/v1/completions", b"[1, 2]", 400),

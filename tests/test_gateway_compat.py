@@ -265,3 +265,57 @@ def test_cors_as_vllm(gw: tuple[Proc, Proc], tmp_path: Path) -> None:
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     finally:
         g2.stop()
+
+
+def _fingerprints(events: list[Any]) -> list[tuple[bool, bool, str | None]]:
+    """Per chunk: (finishing, usage chunk, its system_fingerprint)."""
+    return [
+        (
+            any(c.get("finish_reason") for c in e["choices"]),
+            not e["choices"],
+            e.get("system_fingerprint"),
+        )
+        for e in events
+        if isinstance(e, dict)
+    ]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("usage", [False, True])
+def test_system_fingerprint_is_where_the_engine_puts_it(
+    gw: tuple[Proc, Proc], chat: bool, usage: bool
+) -> None:
+    """As vLLM: on the finishing chunk of a stream without `include_usage`, on the usage chunk
+    with it, in a whole answer. The gateway asks the engine for usage on every stream, which
+    moves the engine's fingerprint to the usage chunk the gateway strips for a client who did
+    not ask: it puts the engine's (learned at warm-up) back on the finishing chunk."""
+    g, e = gw
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    body.update(
+        {"messages": [{"role": "user", "content": "fingerprint"}]}
+        if chat
+        else {"prompt": "fingerprint"}
+    )
+    whole = httpx.post(e.url + path, json=body, timeout=30).json()["system_fingerprint"]
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    assert isinstance(whole, str) and whole
+    direct, _ = stream(e.url, path, body)
+    via, _ = stream(g.url, path, body)
+    assert _fingerprints(via) == _fingerprints(direct)
+    marked = [fp for _, _, fp in _fingerprints(via) if fp is not None]
+    assert marked == [whole]  # one chunk carries it: the finishing one, or the usage chunk
+    last = next(x for x in _fingerprints(via) if x[2] is not None)
+    assert last[1] if usage else last[0]
+    # Through the official client too (what users read it with).
+    from openai import OpenAI
+
+    c = OpenAI(base_url=g.url + "/v1", api_key="x")
+    kw = {k: v for k, v in body.items() if k not in ("model", "stream_options")}
+    extra = {"stream_options": {"include_usage": True}} if usage else {}
+    if chat:
+        chunks = list(c.chat.completions.create(model=MODEL, stream=True, **kw, **extra))
+    else:
+        chunks = list(c.completions.create(model=MODEL, stream=True, **kw, **extra))
+    assert [ch.system_fingerprint for ch in chunks if ch.system_fingerprint] == [whole]

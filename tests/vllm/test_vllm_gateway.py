@@ -254,11 +254,22 @@ def test_events_carry_several_tokens_and_extras_are_stripped(stack_random: Stack
     token_events = [e for e in objs if e["choices"] and e["choices"][0].get("text") is not None]
     print(f"\n{len(token_events)} events carried 200 tokens")
     assert len(token_events) < 200 / 2
-    # Asked for usage only at the end: one usage chunk, the engine's numbers.
+    # vLLM's system_fingerprint, where `a` puts it for this client: on the finishing chunk
+    # (the gateway asked `a` for usage, which moved it to the usage chunk it strips).
+    fp = httpx.post(s.a.url + "/v1/completions", json=comp("fp", 1), timeout=60).json()
+    fp = fp["system_fingerprint"]
+    assert fp.startswith("vllm-")
+    marked = [e for e in objs if e.get("system_fingerprint")]
+    assert [e["system_fingerprint"] for e in marked] == [fp], marked
+    assert marked[0]["choices"][0]["finish_reason"] == "length"
+    # Asked for usage only at the end: one usage chunk, the engine's numbers (and the
+    # fingerprint, as vLLM sends it).
     final = Reader(s.g.url, "/v1/completions", {**body, **USAGE})
     final.run()
     check_exact(final, ref)
     assert sum(1 for e in final.events if isinstance(e, dict) and e.get("usage")) == 1
+    marked = [e for e in final.events if isinstance(e, dict) and e.get("system_fingerprint")]
+    assert len(marked) == 1 and marked[0]["choices"] == [] and marked[0]["system_fingerprint"] == fp
     # Asked for token ids: they pass, and there are 200 of them.
     ids = Reader(s.g.url, "/v1/completions", {**body, "return_token_ids": True})
     ids.run()

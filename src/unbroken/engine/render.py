@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 import zlib
 from typing import Any
 
+from unbroken import __version__
 from unbroken.engine.core import Output
 from unbroken.engine.request import RequestState
 from unbroken.engine.structured import ToolMode, ToolStream, tool_calls_of
@@ -16,6 +18,11 @@ from unbroken.wire.openai import ChatRequest, CompletionRequest
 from unbroken.wire.sse import encode_data, encode_json
 
 __all__ = ["ChatFormat", "CompletionFormat", "Format", "alternatives", "prompt_pieces"]
+
+# The `system_fingerprint` of every answer, as vLLM's `--fingerprint-mode hash`
+# (`vllm-<version>-<hash8>`, its hash over the engine's config): the simulator's version and a
+# hash of it; a stream has it on its finishing chunk, or on its usage chunk when one follows.
+FINGERPRINT = f"unbroken-sim-{__version__}-{hashlib.sha256(__version__.encode()).hexdigest()[:8]}"
 
 _PIECE = re.compile(r"\s*\S+(?:\s+$)?")
 
@@ -79,7 +86,12 @@ class Format:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _envelope(
-        self, choices: list[dict[str, Any]], *, usage: bool, full: bool = False
+        self,
+        choices: list[dict[str, Any]],
+        *,
+        usage: bool,
+        full: bool = False,
+        fingerprint: bool = False,
     ) -> dict[str, Any]:
         obj: dict[str, Any] = {
             "id": self.state.request_id,
@@ -88,14 +100,23 @@ class Format:
             "model": self.model,
             "choices": choices,
         }
+        if full:  # vLLM's order: the fingerprint before usage in an answer, after in a chunk
+            obj["system_fingerprint"] = FINGERPRINT
         if usage:
             obj["usage"] = self._usage()
+        if fingerprint and not full:
+            obj["system_fingerprint"] = FINGERPRINT
         return obj
+
+    def _finishing(self, finish_reason: str | None) -> bool:
+        """Whether a chunk carries the fingerprint: as vLLM, a choice's finishing chunk when
+        no usage chunk follows (else that one, `usage_chunk`)."""
+        return finish_reason is not None and not self.usage_on
 
     def usage_chunk(self) -> bytes | None:
         if not self.usage_on:
             return None
-        return encode_json(self._envelope([], usage=True))
+        return encode_json(self._envelope([], usage=True, fingerprint=True))
 
     # What `Engine._stream` asks of a stream's format beside its chunks.
     direct = True  # chunks may be written from the core's callback (`RequestState.direct`)
@@ -189,7 +210,11 @@ class CompletionFormat(Format):
             "finish_reason": o.finish_reason,
             "stop_reason": o.stop_reason,
         }
-        return encode_json(self._envelope([choice], usage=self.continuous))
+        return encode_json(
+            self._envelope(
+                [choice], usage=self.continuous, fingerprint=self._finishing(o.finish_reason)
+            )
+        )
 
     def collect(self, o: Output) -> None:
         i = o.seq.index
@@ -316,7 +341,11 @@ class ChatFormat(Format):
             # vLLM sets it on the finishing chunk only (the others are serialised with
             # exclude_unset, so they leave the key out).
             choice["stop_reason"] = o.stop_reason
-        return encode_json(self._envelope([choice], usage=self.continuous))
+        return encode_json(
+            self._envelope(
+                [choice], usage=self.continuous, fingerprint=self._finishing(o.finish_reason)
+            )
+        )
 
     def collect(self, o: Output) -> None:
         self.state.texts[o.seq.index].append(o.text)

@@ -87,6 +87,7 @@ class EndpointState(TypedDict):
     adapters: dict[str, str]  # adapter affinity (`_adapters`) needs what the prober learned
     lora: dict[str, Any] | None
     warmup_s: float | None  # seeds the learned non-streaming answer limit
+    fingerprint: NotRequired[str | None]  # the engine's system_fingerprint (`Endpoint.fingerprint`)
     deadline: float | None  # seconds left of its drain, when draining
 
 
@@ -217,6 +218,7 @@ def endpoint_state(ep: Endpoint, now: float) -> EndpointState:
         "adapters": ep.adapters,
         "lora": None if ep.lora is None else ep.lora.as_dict(),
         "warmup_s": ep.warmup_s,
+        "fingerprint": ep.fingerprint,
         "deadline": None
         if ep.state != State.DRAINING or ep.drain_deadline is None
         else max(0.0, ep.drain_deadline - now),
@@ -237,6 +239,7 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
     ep.adapters = d.get("adapters") or {}
     ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None
     ep.warmup_s = d.get("warmup_s")
+    ep.fingerprint = d.get("fingerprint")
     ep.set_state(State(d["state"]))
 
 

@@ -175,6 +175,10 @@ class Endpoint:
     # a non-streaming answer takes here (`_health.EndpointHealth.answer_limit`), before real
     # ones are known.
     warmup_s: float | None = None
+    # The engine's `system_fingerprint` (its warm-up answer's, `_prober`): the relay puts it on
+    # a stream's finishing chunk for a client who did not ask for usage, where vLLM puts it
+    # (the gateway asks for usage, and vLLM then moves it to the usage chunk it strips).
+    fingerprint: str | None = None
     state_since: float = field(default_factory=time.time)
     relays: set[Any] = field(default_factory=set)  # streams being relayed from here
     latency: EndpointLatency = field(default_factory=EndpointLatency, repr=False)

@@ -119,6 +119,16 @@ def parse_load(text: str) -> tuple[float, float, float, float | None]:
     return waiting, running, kv, generated
 
 
+def fingerprint_of(body: bytes) -> str | None:
+    """The `system_fingerprint` of a completion's answer (None: none, or not JSON: an engine
+    that answers otherwise still warms up)."""
+    try:
+        fp = orjson.loads(body).get("system_fingerprint")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return fp if isinstance(fp, str) else None
+
+
 class Prober:
     def __init__(
         self,
@@ -295,10 +305,11 @@ class Prober:
             timeout=aiohttp.ClientTimeout(total=self.warmup_timeout),
             headers=self.headers_for(ep),
         ) as r:
-            await r.read()
+            body = await r.read()
             if r.status != 200:
                 raise RuntimeError(f"completion answered {r.status}")
         took = ep.warmup_s = time.monotonic() - t0
+        ep.fingerprint = fingerprint_of(body)
         return took
 
     async def _scrape(self, ep: Endpoint) -> None:

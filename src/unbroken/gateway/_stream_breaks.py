@@ -227,7 +227,7 @@ class BreakingRelay(RelayState):
     ) -> str | None:
         """One leg, and the one place its failure is put on the endpoint's record (a break
         we caused ourselves, the drain deadline, is not the endpoint's failure)."""
-        self.x.new_leg(rewrite=rewrite, wrap_chat=wrap_chat)
+        self.x.new_leg(rewrite=rewrite, wrap_chat=wrap_chat, fingerprint=ep.fingerprint)
         reason = await self._pump(up, ep, n)
         if reason is not None and reason != self.interrupted:
             self.p.upstream_failed(ep, reason, self.x.detail or f"stream {reason}")

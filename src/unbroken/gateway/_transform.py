@@ -56,6 +56,7 @@ class Transform:
         "chat",
         "detail",
         "exact",
+        "fingerprint",
         "gen_ids",
         "ids_ok",
         "leg_base",
@@ -96,9 +97,18 @@ class Transform:
         self.wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
         self.plain_leg = True  # neither: `_fast` may take its usual events
         self.detail: str | None = None  # why the leg broke, when the transform saw it
+        # This leg's engine's system_fingerprint, put on a finishing chunk for a client who
+        # did not ask for usage (`_stamped`), or None.
+        self.fingerprint: str | None = None
 
-    def new_leg(self, *, rewrite: bool, wrap_chat: bool = False) -> None:
+    def new_leg(
+        self, *, rewrite: bool, wrap_chat: bool = False, fingerprint: str | None = None
+    ) -> None:
+        """`fingerprint`: the leg's endpoint's (`Endpoint.fingerprint`)."""
         self.legs += 1
+        # vLLM puts it on a finishing chunk only when no usage chunk follows; the gateway
+        # asked for usage (`augment`), so the engine put it on the usage chunk stripped here.
+        self.fingerprint = fingerprint if self.augmented and not self.want_usage else None
         self.leg_base, self.leg_count = self.sent, 0
         self.rewrite, self.wrap_chat = rewrite, wrap_chat
         self.plain_leg = not rewrite and not wrap_chat
@@ -194,6 +204,8 @@ class Transform:
             tracker.token_events += 1
         if fr:
             tracker.finish[0] = fr
+            if self.fingerprint is not None:
+                raw = _stamped(raw, self.fingerprint)
         return n, raw
 
     def _count_usage(self, ct: int, pt: int | None, ids: list[int] | None) -> int:
@@ -288,6 +300,8 @@ class Transform:
             raw = r
         elif changed or not ev.plain:
             raw = encode_json(obj)
+        if self.fingerprint is not None and _finishing(obj):
+            raw = _stamped(raw, self.fingerprint)
         tracker.observe_obj(obj)
         out.append(raw)
         return None, n
@@ -419,7 +433,7 @@ class Transform:
             }
             kind = "text_completion"
         t.finish[0] = "length"
-        return encode_json(
+        raw = encode_json(
             {
                 "id": t.id,
                 "object": kind,
@@ -428,6 +442,7 @@ class Transform:
                 "choices": [choice],
             }
         )
+        return raw if self.fingerprint is None else _stamped(raw, self.fingerprint)
 
     def token_path(self) -> bool:
         """Can this stream continue from token ids (prompt ids and every generated id)?"""
@@ -437,3 +452,21 @@ class Transform:
             and self.prompt_ids is not None
             and len(self.gen_ids) == self.sent
         )
+
+
+def _finishing(obj: dict[str, Any]) -> bool:
+    """A chunk with a choice's finish (an abort is a break, its reason nulled by `_account`)."""
+    return any(isinstance(ch, dict) and ch.get("finish_reason") for ch in obj.get("choices") or ())
+
+
+_FP_KEY = b'"system_fingerprint":'
+
+
+def _stamped(raw: bytes, fingerprint: str) -> bytes:
+    """An event (`data: {...}` and its blank line) with `system_fingerprint` as its object's
+    last member, as vLLM serialises it on a finishing chunk; unchanged when it has one (an
+    engine that put it there itself) or is laid out otherwise. Once per choice a stream."""
+    body = raw.rstrip(b"\r\n")
+    if not body.endswith(b"}") or _FP_KEY in body:
+        return raw
+    return body[:-1] + b"," + _FP_KEY + orjson.dumps(fingerprint) + b"}" + raw[len(body) :]
