@@ -89,6 +89,7 @@ class Proc:
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen[bytes] | None = None
     admin_port: int | None = None
+    moves: int = 0  # times `start` took new ports (`_move_port`)
 
     @property
     def url(self) -> str:
@@ -116,6 +117,11 @@ class Proc:
         deadline = time.monotonic() + timeout
         while True:
             if self.popen.poll() is not None:
+                if self.moves < 3 and "the port is already in use" in self.tail(5):
+                    # Another process bound one of our ports between `free_port` and our
+                    # bind (a full suite met it: a gateway's admin port): new ports.
+                    self._move_port()
+                    return self.start(health, max(deadline - time.monotonic(), 5.0))
                 raise RuntimeError(f"{self.argv} exited {self.popen.returncode}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + health, timeout=1).status_code == 200:
@@ -128,15 +134,21 @@ class Proc:
             time.sleep(0.05)
 
     def _move_port(self) -> None:
-        """Another process answered on our port: the other xdist worker's server picked the
-        same free port and bound it first (CI met this once: a test read a gateway's /metrics
-        for its engine's). Ours cannot listen there; stop it and take a new port."""
+        """Another process answered on our port, or took one of ours before we bound it: the
+        other xdist worker's server picked the same free port and bound it first (CI met this
+        once: a test read a gateway's /metrics for its engine's). Ours cannot listen there;
+        stop it and take new ports (the admin port too: either may be the one taken)."""
         assert self.popen is not None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
-        old, self.port = str(self.port), free_port()
-        self.argv = [str(self.port) if a == old else a for a in self.argv]
+        self.moves += 1
+        new = {str(self.port): str(port := free_port())}
+        self.port = port
+        if self.admin_port is not None:
+            new[str(self.admin_port)] = str(admin := free_port())
+            self.admin_port = admin
+        self.argv = [new.get(a, a) for a in self.argv]
 
     def tail(self, n: int = 40) -> str:
         try:
