@@ -18,9 +18,11 @@ from unbroken.gateway._transform import Transform
 from unbroken.wire.sse import SSEDecoder, SSEEvent
 
 
-def _relay(chat: bool, augmented: bool, wants: tuple[bool, bool, bool]) -> Transform:
+def _relay(
+    chat: bool, augmented: bool, wants: tuple[bool, bool, bool], fp: str | None = None
+) -> Transform:
     x = Transform(chat, augmented=augmented, wants=wants)
-    x.new_leg(rewrite=False)
+    x.new_leg(rewrite=False, fingerprint=fp)
     return x
 
 
@@ -108,7 +110,8 @@ def test_fast_path_equals_general_path(
     wants: tuple[bool, bool, bool],
     steps: list[tuple[str | None, bool, bool, str | None, bool]],
 ) -> None:
-    a, b = _relay(chat, augmented, wants), _relay(chat, augmented, wants)
+    # With an endpoint's fingerprint: both paths stamp the same finishing chunks.
+    a, b = _relay(chat, augmented, wants, "fp-1"), _relay(chat, augmented, wants, "fp-1")
     for i, (text, ids, usage, finish, role) in enumerate(steps):
         ev = _event(_chunk(chat, i, text, ids, usage, finish, role))
         fast, slow = _both(a, b, ev)
@@ -233,3 +236,52 @@ def test_fast_path_refuses_what_the_general_path_refuses(data: bytes) -> None:
     ev = _raw_event(data)
     assert _fast(r, ev) is None
     assert r._event(ev, False, [])[0] == "protocol"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_fingerprint_goes_where_vllm_puts_it(chat: bool) -> None:
+    """Asked for usage, the engine put its fingerprint on the usage chunk: for a client that
+    did not ask for usage the relay puts the endpoint's on each finishing chunk (either path,
+    an event with CRLF endings too) and learns the engine's current one from that usage
+    chunk; a chunk the gateway makes carries it as vLLM's would."""
+    x = _relay(chat, True, (False, False, False), "fp-1")
+    out: list[bytes] = []
+    first = _chunk(chat, 0, "a", True, True, None, chat)
+    last = _chunk(chat, 1, "b", True, True, "length", False)
+    crlf = _chunk(chat, 1, "c", True, True, "stop", False)
+    usage_only = {**_chunk(chat, 1, None, False, True, None, False), "choices": []}
+    events = SSEDecoder().feed(
+        b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in (first, last))
+        + b"data: "
+        + orjson.dumps(crlf)
+        + b"\r\n\r\n"
+        + b"data: "
+        + orjson.dumps({**usage_only, "system_fingerprint": "fp-2"})
+        + b"\n\n"
+    )
+    x.take(events, out)
+    objs = [orjson.loads(b[6:]) for b in out]
+    assert [o.get("system_fingerprint") for o in objs] == [None, "fp-1", "fp-1"]
+    assert list(objs[1])[-1] == "system_fingerprint"  # the last member, as vLLM writes it
+    assert "usage" not in objs[1] and x.seen_fingerprint == "fp-2"
+    assert orjson.loads(x.finish_chunk()[6:])["system_fingerprint"] == "fp-1"
+    # A client that asked for usage: nothing stamped, the engine's usage chunk kept as sent;
+    # the gateway's own usage chunk carries it.
+    y = _relay(chat, True, (True, False, False), "fp-1")
+    out = []
+    y.take(SSEDecoder().feed(b"data: " + orjson.dumps(last) + b"\n\n"), out)
+    assert "system_fingerprint" not in orjson.loads(out[0][6:])
+    y.prompt_tokens = 5
+    assert orjson.loads(y.usage_chunk()[6:])["system_fingerprint"] == "fp-1"
+    # Not augmented (the engine got the client's own options): the engine's placement.
+    z = _relay(chat, False, (False, False, False), "fp-1")
+    out = []
+    z.take(SSEDecoder().feed(b"data: " + orjson.dumps(last) + b"\n\n"), out)
+    assert "system_fingerprint" not in orjson.loads(out[0][6:])
+
+
+def test_a_chat_continued_on_the_token_path_keeps_the_fingerprint() -> None:
+    from unbroken.gateway._transform_shape import _as_chat
+
+    obj = {**_chunk(False, 1, None, False, True, None, False), "choices": []}
+    assert _as_chat({**obj, "system_fingerprint": "fp"})["system_fingerprint"] == "fp"

@@ -239,7 +239,9 @@ def apply_endpoint(ep: Endpoint, d: EndpointState) -> None:
     ep.adapters = d.get("adapters") or {}
     ep.lora = LoraInfo.from_dict(d["lora"]) if d.get("lora") else None
     ep.warmup_s = d.get("warmup_s")
-    ep.fingerprint = d.get("fingerprint")
+    if d.get("fingerprint") is not None and ep.fingerprint is None:
+        # The main process's is its warm-up's; one this worker's streams read since wins.
+        ep.fingerprint = d["fingerprint"]
     ep.set_state(State(d["state"]))
 
 

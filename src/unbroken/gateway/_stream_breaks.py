@@ -229,6 +229,8 @@ class BreakingRelay(RelayState):
         we caused ourselves, the drain deadline, is not the endpoint's failure)."""
         self.x.new_leg(rewrite=rewrite, wrap_chat=wrap_chat, fingerprint=ep.fingerprint)
         reason = await self._pump(up, ep, n)
+        if self.x.seen_fingerprint is not None:  # the engine's now (restarted, upgraded)
+            ep.fingerprint = self.x.seen_fingerprint
         if reason is not None and reason != self.interrupted:
             self.p.upstream_failed(ep, reason, self.x.detail or f"stream {reason}")
             if reason in _DYING:

@@ -61,11 +61,13 @@ class Transform:
         "ids_ok",
         "leg_base",
         "leg_count",
+        "leg_fingerprint",
         "legs",
         "plain_leg",
         "prompt_ids",
         "prompt_tokens",
         "rewrite",
+        "seen_fingerprint",
         "sent",
         "split_back",
         "tracker",
@@ -98,8 +100,13 @@ class Transform:
         self.plain_leg = True  # neither: `_fast` may take its usual events
         self.detail: str | None = None  # why the leg broke, when the transform saw it
         # This leg's engine's system_fingerprint, put on a finishing chunk for a client who
-        # did not ask for usage (`_stamped`), or None.
+        # did not ask for usage (`_stamped`), or None; the engine's whatever the client
+        # asked (a usage chunk the gateway makes carries it); and the one the engine's own
+        # usage chunk carried (the stream tells its endpoint: an engine restarted or
+        # upgraded behind the same address has another).
         self.fingerprint: str | None = None
+        self.leg_fingerprint: str | None = None
+        self.seen_fingerprint: str | None = None
 
     def new_leg(
         self, *, rewrite: bool, wrap_chat: bool = False, fingerprint: str | None = None
@@ -109,6 +116,8 @@ class Transform:
         # vLLM puts it on a finishing chunk only when no usage chunk follows; the gateway
         # asked for usage (`augment`), so the engine put it on the usage chunk stripped here.
         self.fingerprint = fingerprint if self.augmented and not self.want_usage else None
+        self.leg_fingerprint = fingerprint
+        self.seen_fingerprint = None
         self.leg_base, self.leg_count = self.sent, 0
         self.rewrite, self.wrap_chat = rewrite, wrap_chat
         self.plain_leg = not rewrite and not wrap_chat
@@ -345,6 +354,8 @@ class Transform:
         if first_leg and isinstance(pids := obj.get("prompt_token_ids"), list):
             self.prompt_ids = pids
         n = self._count(u, ids, text_events)
+        if not choices and isinstance(fp := obj.get("system_fingerprint"), str):
+            self.seen_fingerprint = fp  # the engine's usage chunk (vLLM's last)
         if strip:
             if strip_prompt and obj.get("prompt_token_ids") is not None:
                 obj["prompt_token_ids"] = None
@@ -409,6 +420,11 @@ class Transform:
                     "total_tokens": self.prompt_tokens + self.sent,
                     "completion_tokens": self.sent,
                 },
+                **(
+                    {}
+                    if self.leg_fingerprint is None
+                    else {"system_fingerprint": self.leg_fingerprint}
+                ),
             }
         )
 

@@ -65,4 +65,6 @@ def _as_chat(obj: dict[str, Any]) -> dict[str, Any]:
     }
     if "usage" in obj:
         out["usage"] = obj["usage"]
+    if "system_fingerprint" in obj:  # vLLM's, on the usage chunk (or a finishing one)
+        out["system_fingerprint"] = obj["system_fingerprint"]
     return out
