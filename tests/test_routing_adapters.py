@@ -252,10 +252,11 @@ def test_a_gateway_routes_adapters_to_where_they_run_and_learns_runtime_adapters
 def test_an_adapter_loaded_at_runtime_is_served_from_its_first_request(tmp_path: Path) -> None:
     """vLLM serves an adapter from the moment `/v1/load_lora_adapter` answers. The gateway
     learnt it only at a probe, and on real vLLM only once `vllm:lora_requests_info` shows
-    (after the engine's first request): its first requests got 404 (tests/vllm/
-    test_vllm_lora.py found it). Now a request for a model no endpoint is known to serve
-    has the engines' models read first. Probes 60 s apart here, so they cannot be what
-    learns it; one worker, and two (the main process reads for the workers)."""
+    (after the engine's first request): its first requests got 404 (the LoRA tests,
+    now in tests/vllm/test_vllm_canonical.py, found it). Now a request for a model no
+    endpoint is known to serve has the engines' models read first. Probes 60 s apart here,
+    so they cannot be what learns it; one worker, and two (the main process reads for the
+    workers)."""
     lora = ("--served-model-name", "base", "--enable-lora", "--max-loras", "1")
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     e = lora_engine(tmp_path, *lora, "--lora-modules", "a1=/l/a1", name="e", env=env)
