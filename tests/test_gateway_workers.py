@@ -148,8 +148,9 @@ def test_sequential_requests_take_turns_through_workers(tmp_path: Path, routing:
     pick without the lock, then the real pick ran under it: each request moved the turn
     twice, and every request went to one replica (a review, with all three policies)."""
     engs = [engine(tmp_path, name=f"e{i}") for i in range(2)]
-    g = gateway(tmp_path, *(e.url for e in engs), args=("--workers", "2", "--routing", routing))
-    try:
+    g: Proc | None = None
+    try:  # the engines stop even when the gateway cannot start (a run once left them)
+        g = gateway(tmp_path, *(e.url for e in engs), args=("--workers", "2", "--routing", routing))
         wait_for(lambda: workers_of(g)["serving"] == 2, timeout=30)
         with httpx.Client(base_url=g.url, timeout=30) as c:
             body = {"model": MODEL, "prompt": "turns", "max_tokens": 2}
@@ -165,7 +166,8 @@ def test_sequential_requests_take_turns_through_workers(tmp_path: Path, routing:
         }
         assert served == dict(Counter(got)), (served, got)
     finally:
-        g.stop()
+        if g is not None:
+            g.stop()
         for e in engs:
             e.stop()
 
