@@ -56,7 +56,6 @@ class Transform:
         "chat",
         "detail",
         "exact",
-        "fingerprint",
         "gen_ids",
         "ids_ok",
         "leg_base",
@@ -70,6 +69,7 @@ class Transform:
         "seen_fingerprint",
         "sent",
         "split_back",
+        "stamps",
         "tracker",
         "want_cont",
         "want_ids",
@@ -99,12 +99,13 @@ class Transform:
         self.wrap_chat = False  # this leg is a token-path /v1/completions leg of a chat
         self.plain_leg = True  # neither: `_fast` may take its usual events
         self.detail: str | None = None  # why the leg broke, when the transform saw it
-        # This leg's engine's system_fingerprint, put on a finishing chunk for a client who
-        # did not ask for usage (`_stamped`), or None; the engine's whatever the client
-        # asked (a usage chunk the gateway makes carries it); and the one the engine's own
-        # usage chunk carried (the stream tells its endpoint: an engine restarted or
-        # upgraded behind the same address has another).
-        self.fingerprint: str | None = None
+        # vLLM puts system_fingerprint on a finishing chunk only when no usage chunk follows;
+        # asked for usage (`augment`), the engine put it on the usage chunk stripped here, so
+        # a client who did not ask for usage gets the leg's engine's on its finishing chunks
+        # (`_stamped`). A usage chunk the gateway makes carries it too. The one the engine's
+        # own usage chunk carried goes back to its endpoint (an engine restarted or upgraded
+        # behind the same address has another).
+        self.stamps = augmented and not self.want_usage
         self.leg_fingerprint: str | None = None
         self.seen_fingerprint: str | None = None
 
@@ -113,9 +114,6 @@ class Transform:
     ) -> None:
         """`fingerprint`: the leg's endpoint's (`Endpoint.fingerprint`)."""
         self.legs += 1
-        # vLLM puts it on a finishing chunk only when no usage chunk follows; the gateway
-        # asked for usage (`augment`), so the engine put it on the usage chunk stripped here.
-        self.fingerprint = fingerprint if self.augmented and not self.want_usage else None
         self.leg_fingerprint = fingerprint
         self.seen_fingerprint = None
         self.leg_base, self.leg_count = self.sent, 0
@@ -213,8 +211,8 @@ class Transform:
             tracker.token_events += 1
         if fr:
             tracker.finish[0] = fr
-            if self.fingerprint is not None:
-                raw = _stamped(raw, self.fingerprint)
+            if self.stamps and self.leg_fingerprint is not None:
+                raw = _stamped(raw, self.leg_fingerprint)
         return n, raw
 
     def _count_usage(self, ct: int, pt: int | None, ids: list[int] | None) -> int:
@@ -309,8 +307,8 @@ class Transform:
             raw = r
         elif changed or not ev.plain:
             raw = encode_json(obj)
-        if self.fingerprint is not None and _finishing(obj):
-            raw = _stamped(raw, self.fingerprint)
+        if self.stamps and self.leg_fingerprint is not None and _finishing(obj):
+            raw = _stamped(raw, self.leg_fingerprint)
         tracker.observe_obj(obj)
         out.append(raw)
         return None, n
@@ -458,7 +456,8 @@ class Transform:
                 "choices": [choice],
             }
         )
-        return raw if self.fingerprint is None else _stamped(raw, self.fingerprint)
+        fp = self.leg_fingerprint
+        return _stamped(raw, fp) if self.stamps and fp is not None else raw
 
     def token_path(self) -> bool:
         """Can this stream continue from token ids (prompt ids and every generated id)?"""
