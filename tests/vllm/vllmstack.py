@@ -88,24 +88,36 @@ def build_models(venv: Path) -> dict[str, Path]:
     with open(base.parent / f"{key}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for kind in ("random", "canonical"):
-            dest = base / kind
-            if not (dest / "model.safetensors").exists():
-                tmp = base / f".{kind}.{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                r = subprocess.run(
-                    [str(venv / "bin" / "python"), str(HERE / "build_model.py"), str(tmp), kind],
-                    capture_output=True,
-                    text=True,
-                    timeout=600,
-                    env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                )
-                if r.returncode != 0:
-                    raise RuntimeError(f"building the {kind} model failed:\n{r.stderr[-3000:]}")
-                shutil.rmtree(dest, ignore_errors=True)
-                tmp.rename(dest)
-            out[kind] = dest
+            out[kind] = _build_once(
+                base / kind,
+                "model.safetensors",
+                venv,
+                "build_model.py",
+                kind,
+                what=f"the {kind} model",
+            )
         out.update(_build_adapters(venv, base, out["canonical"]))
     return out
+
+
+def _build_once(dest: Path, made: str, venv: Path, script: str, *args: str, what: str) -> Path:
+    """`dest`, built by `script` with `args` (the venv's Python, into a temporary directory
+    renamed into place) unless it holds `made` already; `what` names it in an error."""
+    if not (dest / made).exists():
+        tmp = dest.parent / f".{dest.name}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        r = subprocess.run(
+            [str(venv / "bin" / "python"), str(HERE / script), str(tmp), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"building {what} failed:\n{r.stderr[-3000:]}")
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    return dest
 
 
 # LoRA adapters (build_lora.py: random weights in PEFT's layout), served by the canonical
@@ -115,31 +127,20 @@ ADAPTERS = {"ad1": 1, "ad2": 2}
 
 def _build_adapters(venv: Path, base: Path, model: Path) -> dict[str, Path]:
     """The adapters of `model`, built once per version of build_lora.py (beside the models,
-    under their lock) and cached: built here, by the background preparation, they are not
-    minutes of the tier's serial time on 2 cores (a torch import each)."""
+    under their lock) and cached: built by the background preparation, their torch imports
+    (~10 s each on 2 cores) are not in the tier's serial time."""
     key = hashlib.sha256((HERE / "build_lora.py").read_bytes()).hexdigest()[:12]
-    out = {}
-    for name, seed in ADAPTERS.items():
-        dest = base / f"lora-{key}" / name
-        if not (dest / "adapter_model.safetensors").exists():
-            tmp = dest.parent / f".{name}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            r = subprocess.run(
-                [
-                    str(venv / "bin" / "python"),
-                    str(HERE / "build_lora.py"),
-                    *(str(tmp), str(seed), str(model)),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if r.returncode != 0:
-                raise RuntimeError(f"building LoRA adapter {name} failed:\n{r.stderr[-3000:]}")
-            shutil.rmtree(dest, ignore_errors=True)
-            tmp.rename(dest)
-        out[name] = dest
-    return out
+    return {
+        name: _build_once(
+            base / f"lora-{key}" / name,
+            "adapter_model.safetensors",
+            venv,
+            "build_lora.py",
+            *(str(seed), str(model)),
+            what=f"LoRA adapter {name}",
+        )
+        for name, seed in ADAPTERS.items()
+    }
 
 
 class Vllm:
