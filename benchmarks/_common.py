@@ -180,6 +180,14 @@ class UpPipeline:
         self.log.close()
 
 
+def router_service(exe: str, urls: list[str], policy: str) -> Service:
+    """vllm-router (`exe`, from `install_peer`) in front of `urls` with `--policy policy`,
+    on free ports (its Prometheus port too), not started."""
+    port = free_port()
+    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+    return Service([*argv, "--policy", policy, "--prometheus-port", str(free_port())], port)
+
+
 async def wait_http(url: str, timeout: float = 60.0) -> None:
     async with aiohttp.ClientSession() as s:
         await wait_ok(s, url, timeout=timeout, interval=0.1)

@@ -28,8 +28,14 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import Service, engine_service, gateway_service, install_peer, table, wait_http
-from unbroken.wire.http import free_port
+from _common import (
+    engine_service,
+    gateway_service,
+    install_peer,
+    router_service,
+    table,
+    wait_http,
+)
 
 MODEL = "unbroken-sim"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
@@ -79,10 +85,7 @@ async def main() -> None:
     svcs = [eng, gw]
     paths = {"direct": eng.url, "unbroken": gw.url}
     if peer is not None:
-        port = free_port()
-        argv = [peer, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", eng.url]
-        argv += ["--policy", "round_robin", "--prometheus-port", str(free_port())]
-        router = Service(argv, port).start(logs, "vllm-router")
+        router = router_service(peer, [eng.url], "round_robin").start(logs, "vllm-router")
         svcs.append(router)
         paths["vllm-router"] = router.url
     try:

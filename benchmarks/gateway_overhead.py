@@ -49,6 +49,7 @@ from _common import (
     gateway_service,
     install_peer,
     median,
+    router_service,
     table,
     tree_cpu_seconds,
     tree_pss_bytes,
@@ -57,7 +58,6 @@ from _common import (
 from _lean_client import LeanRun
 from unbroken.bench.load import LoadConfig, LoadRun
 from unbroken.bench.stats import percentile
-from unbroken.wire.http import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ITL_S = 0.020  # the engine's decode step, whatever the batch
@@ -153,23 +153,7 @@ async def closed_loop(
 async def start_peer(
     exe: str, engine_url: str, logs: Path, policy: str
 ) -> tuple[Service | None, str]:
-    port = free_port()
-    svc = Service(
-        [
-            exe,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            engine_url,
-            "--policy",
-            policy,
-            "--prometheus-port",
-            str(free_port()),
-        ],
-        port,
-    ).start(logs, "vllm-router")
+    svc = router_service(exe, [engine_url], policy).start(logs, "vllm-router")
     assert svc.proc is not None
     deadline = time.monotonic() + 60
     while svc.proc.poll() is None and time.monotonic() < deadline:

@@ -58,7 +58,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import Service, engine_service, gateway_service, install_peer, table, wait_http
+from _common import (
+    Service,
+    engine_service,
+    gateway_service,
+    install_peer,
+    router_service,
+    table,
+    wait_http,
+)
 from unbroken.bench.load import LoadConfig, LoadRun, base_url
 from unbroken.bench.stats import percentile
 from unbroken.bench.workloads import EngineWatch, MultiTurn, SharedPrefix, WorkloadSpec
@@ -271,10 +279,7 @@ async def _start_router(
     name = name.replace(":", "-")
     if router.startswith("vllm-router:"):
         assert peer is not None
-        port = free_port()
-        argv = [peer, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
-        argv += ["--policy", router.split(":", 1)[1], "--prometheus-port", str(free_port())]
-        svc = Service(argv, port).start(logs, name)
+        svc = router_service(peer, urls, router.split(":", 1)[1]).start(logs, name)
         started.append(svc)
         await healthy(svc, logs / f"{name}.log")
         await until_serving(svc.url)
